@@ -1,0 +1,395 @@
+// cuda-peer reduction kernels.
+//
+// Compiled to PTX by kernels/gen.sh (NVRTC from CUDA 12.0, target compute_70);
+// the result is committed as src/kernels/reduce.ptx and embedded in the crate.
+// This file must stay free of #include: NVRTC is run without any headers.
+//
+// LAUNCH CONVENTION
+//   * blockDim.x = 256 is the intended block size, but every kernel is correct
+//     for any 1-D block size and any grid size (all loops are grid-stride, so
+//     even a single thread processes everything).
+//   * Only the x dimension is used; launch with blockDim.y = blockDim.z = 1 and
+//     gridDim.y = gridDim.z = 1.
+//   * No shared memory, dynamic shared memory size 0.
+//   * Pointers may point into a peer GPU's memory (P2P / UVA); only plain
+//     global loads and stores are used.
+//   * Pointers must be aligned to their element size.  n may be 0.
+//
+// KERNELS (OP in sum, prod, min, max; TY in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8)
+//   cp_reduce2_OP_TY(T* dst, const T* a, const T* b, unsigned long long n)
+//       dst[i] = a[i] OP b[i] for i < n.  dst may be == a or == b (exactly);
+//       no other overlap is allowed.
+//   cp_reduceN_OP_TY(T* dst, PtrArray srcs, int nsrc, unsigned long long n)
+//       dst[i] = ((src0[i] OP src1[i]) OP src2[i]) ... OP src[nsrc-1][i],
+//       always combined in index order, so every rank computing it gets
+//       bitwise-identical results.  1 <= nsrc <= 8 (anything else: the kernel
+//       does nothing; the host must validate).  dst may be == one of the srcs.
+//   cp_scale_div_TY(T* x, unsigned long long n, double divisor)   (float TY only)
+//       x[i] = x[i] / divisor; f32/f16/bf16 compute in float with
+//       (float)divisor, f64 in double.  Used to turn a sum into an average.
+//
+// SEMANTICS
+//   * Integer sum/prod wrap modulo 2^bits (computed in the unsigned type, no UB).
+//   * Float min/max propagate NaN: if either input is NaN, the result is NaN
+//     (the NaN input itself, first operand preferred).  Ties (e.g. -0 vs +0)
+//     return the first operand.
+//   * f16/bf16 are stored as unsigned short; each binary op converts both
+//     operands to float, computes in float, and rounds back once (round to
+//     nearest even).  min/max return one of the inputs bit-for-bit.
+//
+// VECTORIZATION
+//   When dst and every source share the same address modulo 16, a scalar head
+//   runs up to the first 16-byte boundary, then a grid-stride loop over 16-byte
+//   vectors (4 x 32-bit loads/stores), then a scalar tail.  Otherwise a plain
+//   grid-stride scalar loop is used.
+
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------------------
+// 16-byte vector and per-element view of it.
+// ---------------------------------------------------------------------------
+
+struct alignas(16) V16 {
+    unsigned int x, y, z, w;
+};
+
+template <class T>
+union VecView {
+    V16 v;
+    T e[16 / sizeof(T)];
+};
+
+// Kernel argument carrying up to 8 source pointers by value.
+struct PtrArray {
+    const void* p[8];
+};
+
+static __device__ __forceinline__ u64 addr_of(const void* p) {
+    return (u64)p;
+}
+
+static __device__ __forceinline__ u64 global_tid() {
+    return (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
+}
+
+static __device__ __forceinline__ u64 global_stride() {
+    return (u64)gridDim.x * (u64)blockDim.x;
+}
+
+// ---------------------------------------------------------------------------
+// f16 / bf16 <-> f32 conversion (no headers, valid on sm_70).
+// ---------------------------------------------------------------------------
+
+static __device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+static __device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+static __device__ __forceinline__ float bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// Round to nearest even; NaN stays NaN (quietened, sign kept).
+static __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x0040u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// ---------------------------------------------------------------------------
+// Per-type traits: storage type T and the four binary ops (+ div for floats).
+// ---------------------------------------------------------------------------
+
+// Native float types (float, double).
+#define CP_FLOAT_TRAITS(NAME, CT)                                               \
+    struct NAME {                                                               \
+        typedef CT T;                                                           \
+        static __device__ __forceinline__ T sum(T a, T b) { return a + b; }     \
+        static __device__ __forceinline__ T prod(T a, T b) { return a * b; }    \
+        static __device__ __forceinline__ T min(T a, T b) {                     \
+            if (a != a) return a;                                               \
+            if (b != b) return b;                                               \
+            return (b < a) ? b : a;                                             \
+        }                                                                       \
+        static __device__ __forceinline__ T max(T a, T b) {                     \
+            if (a != a) return a;                                               \
+            if (b != b) return b;                                               \
+            return (b > a) ? b : a;                                             \
+        }                                                                       \
+        static __device__ __forceinline__ T div(T x, double d) {                \
+            return x / (CT)d;                                                   \
+        }                                                                       \
+    };
+
+// 16-bit float types stored as unsigned short, computed in float.
+#define CP_HALF_TRAITS(NAME, TO_F32, FROM_F32)                                  \
+    struct NAME {                                                               \
+        typedef unsigned short T;                                               \
+        static __device__ __forceinline__ T sum(T a, T b) {                     \
+            return FROM_F32(TO_F32(a) + TO_F32(b));                             \
+        }                                                                       \
+        static __device__ __forceinline__ T prod(T a, T b) {                    \
+            return FROM_F32(TO_F32(a) * TO_F32(b));                             \
+        }                                                                       \
+        static __device__ __forceinline__ T min(T a, T b) {                     \
+            float fa = TO_F32(a), fb = TO_F32(b);                               \
+            if (fa != fa) return a;                                             \
+            if (fb != fb) return b;                                             \
+            return (fb < fa) ? b : a;                                           \
+        }                                                                       \
+        static __device__ __forceinline__ T max(T a, T b) {                     \
+            float fa = TO_F32(a), fb = TO_F32(b);                               \
+            if (fa != fa) return a;                                             \
+            if (fb != fb) return b;                                             \
+            return (fb > fa) ? b : a;                                           \
+        }                                                                       \
+        static __device__ __forceinline__ T div(T x, double d) {                \
+            return FROM_F32(TO_F32(x) / (float)d);                              \
+        }                                                                       \
+    };
+
+// Integer types.  U is an unsigned type at least as wide as CT and not
+// subject to integer promotion (unsigned int or unsigned long long), so sum
+// and prod wrap without UB; the final conversion back to CT truncates
+// modulo 2^bits(CT).
+#define CP_INT_TRAITS(NAME, CT, U)                                              \
+    struct NAME {                                                               \
+        typedef CT T;                                                           \
+        static __device__ __forceinline__ T sum(T a, T b) {                     \
+            return (T)((U)a + (U)b);                                            \
+        }                                                                       \
+        static __device__ __forceinline__ T prod(T a, T b) {                    \
+            return (T)((U)a * (U)b);                                            \
+        }                                                                       \
+        static __device__ __forceinline__ T min(T a, T b) { return (b < a) ? b : a; } \
+        static __device__ __forceinline__ T max(T a, T b) { return (b > a) ? b : a; } \
+    };
+
+CP_FLOAT_TRAITS(Ty_f32, float)
+CP_FLOAT_TRAITS(Ty_f64, double)
+CP_HALF_TRAITS(Ty_f16, f16_to_f32, f32_to_f16)
+CP_HALF_TRAITS(Ty_bf16, bf16_to_f32, f32_to_bf16)
+CP_INT_TRAITS(Ty_i32, int, unsigned int)
+CP_INT_TRAITS(Ty_i64, long long, unsigned long long)
+CP_INT_TRAITS(Ty_u32, unsigned int, unsigned int)
+CP_INT_TRAITS(Ty_u64, unsigned long long, unsigned long long)
+CP_INT_TRAITS(Ty_i8, signed char, unsigned int)
+CP_INT_TRAITS(Ty_u8, unsigned char, unsigned int)
+
+// Op adaptors: Op<Traits>::apply(a, b).
+#define CP_OP_ADAPTOR(OP)                                                       \
+    template <class Tr>                                                         \
+    struct Op_##OP {                                                            \
+        typedef typename Tr::T T;                                               \
+        static __device__ __forceinline__ T apply(T a, T b) { return Tr::OP(a, b); } \
+    };
+
+CP_OP_ADAPTOR(sum)
+CP_OP_ADAPTOR(prod)
+CP_OP_ADAPTOR(min)
+CP_OP_ADAPTOR(max)
+
+// ---------------------------------------------------------------------------
+// Generic bodies.
+// ---------------------------------------------------------------------------
+
+// Split [0, n) into a scalar head [0, head), 16-byte vectors covering
+// [head, tail) (nvec of them, starting at element `head`), and a scalar tail
+// [tail, n).  `p` (dst) must be aligned to sizeof(T), so the distance to the
+// next 16-byte boundary is a whole number of elements.  When `vectorizable` is
+// false (operands do not share alignment mod 16) everything is head.
+template <class T>
+static __device__ __forceinline__ void split_range(const void* p, bool vectorizable, u64 n,
+                                                   u64& head, u64& nvec, u64& tail) {
+    const u64 E = 16 / sizeof(T);
+    if (!vectorizable) {
+        head = n;
+        nvec = 0;
+        tail = n;
+        return;
+    }
+    u64 h = ((16u - (addr_of(p) & 15u)) & 15u) / sizeof(T);
+    head = h < n ? h : n;
+    nvec = (n - head) / E;
+    tail = head + nvec * E;
+}
+
+// Maps k in [0, head + (n - tail)) onto the scalar elements: the head
+// [0, head) followed by the tail [tail, n).
+static __device__ __forceinline__ u64 scalar_index(u64 k, u64 head, u64 tail) {
+    return k < head ? k : tail + (k - head);
+}
+
+template <class Op>
+static __device__ __forceinline__ void reduce2_body(typename Op::T* dst,
+                                                    const typename Op::T* a,
+                                                    const typename Op::T* b,
+                                                    u64 n) {
+    typedef typename Op::T T;
+    const u64 E = 16 / sizeof(T);
+    const u64 tid = global_tid();
+    const u64 stride = global_stride();
+
+    const u64 mis = (addr_of(dst) ^ addr_of(a)) | (addr_of(dst) ^ addr_of(b));
+    u64 head, nvec, tail;
+    split_range<T>(dst, (mis & 15u) == 0, n, head, nvec, tail);
+
+    const V16* va = (const V16*)(a + head);
+    const V16* vb = (const V16*)(b + head);
+    V16* vd = (V16*)(dst + head);
+    for (u64 j = tid; j < nvec; j += stride) {
+        VecView<T> x, y;
+        x.v = va[j];
+        y.v = vb[j];
+#pragma unroll
+        for (int e = 0; e < (int)E; ++e) {
+            x.e[e] = Op::apply(x.e[e], y.e[e]);
+        }
+        vd[j] = x.v;
+    }
+
+    const u64 nscalar = head + (n - tail);
+    for (u64 k = tid; k < nscalar; k += stride) {
+        const u64 i = scalar_index(k, head, tail);
+        dst[i] = Op::apply(a[i], b[i]);
+    }
+}
+
+// Scalar combine of element i across sources 0..nsrc-1, in order.
+template <class Op>
+static __device__ __forceinline__ typename Op::T reduceN_elem(const PtrArray& srcs,
+                                                              int nsrc, u64 i) {
+    typedef typename Op::T T;
+    T acc = ((const T*)srcs.p[0])[i];
+#pragma unroll
+    for (int k = 1; k < 8; ++k) {
+        if (k < nsrc) {
+            acc = Op::apply(acc, ((const T*)srcs.p[k])[i]);
+        }
+    }
+    return acc;
+}
+
+template <class Op>
+static __device__ __forceinline__ void reduceN_body(typename Op::T* dst,
+                                                    const PtrArray& srcs,
+                                                    int nsrc, u64 n) {
+    typedef typename Op::T T;
+    if (nsrc < 1 || nsrc > 8) return;
+    const u64 E = 16 / sizeof(T);
+    const u64 tid = global_tid();
+    const u64 stride = global_stride();
+
+    u64 mis = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k < nsrc) mis |= addr_of(dst) ^ addr_of(srcs.p[k]);
+    }
+    u64 head, nvec, tail;
+    split_range<T>(dst, (mis & 15u) == 0, n, head, nvec, tail);
+
+    V16* vd = (V16*)(dst + head);
+    for (u64 j = tid; j < nvec; j += stride) {
+        VecView<T> acc;
+        acc.v = ((const V16*)((const T*)srcs.p[0] + head))[j];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            if (k < nsrc) {
+                VecView<T> x;
+                x.v = ((const V16*)((const T*)srcs.p[k] + head))[j];
+#pragma unroll
+                for (int e = 0; e < (int)E; ++e) {
+                    acc.e[e] = Op::apply(acc.e[e], x.e[e]);
+                }
+            }
+        }
+        vd[j] = acc.v;
+    }
+
+    const u64 nscalar = head + (n - tail);
+    for (u64 k = tid; k < nscalar; k += stride) {
+        const u64 i = scalar_index(k, head, tail);
+        dst[i] = reduceN_elem<Op>(srcs, nsrc, i);
+    }
+}
+
+template <class Tr>
+static __device__ __forceinline__ void scale_div_body(typename Tr::T* x, u64 n,
+                                                      double divisor) {
+    typedef typename Tr::T T;
+    const u64 E = 16 / sizeof(T);
+    const u64 tid = global_tid();
+    const u64 stride = global_stride();
+
+    u64 head, nvec, tail;
+    split_range<T>(x, true, n, head, nvec, tail);
+
+    V16* vx = (V16*)(x + head);
+    for (u64 j = tid; j < nvec; j += stride) {
+        VecView<T> v;
+        v.v = vx[j];
+#pragma unroll
+        for (int e = 0; e < (int)E; ++e) {
+            v.e[e] = Tr::div(v.e[e], divisor);
+        }
+        vx[j] = v.v;
+    }
+
+    const u64 nscalar = head + (n - tail);
+    for (u64 k = tid; k < nscalar; k += stride) {
+        const u64 i = scalar_index(k, head, tail);
+        x[i] = Tr::div(x[i], divisor);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Kernel instantiation.
+// ---------------------------------------------------------------------------
+
+#define CP_REDUCE_KERNELS(OP, TY)                                               \
+    extern "C" __global__ void cp_reduce2_##OP##_##TY(                          \
+        Ty_##TY::T* dst, const Ty_##TY::T* a, const Ty_##TY::T* b, u64 n) {    \
+        reduce2_body<Op_##OP<Ty_##TY> >(dst, a, b, n);                          \
+    }                                                                           \
+    extern "C" __global__ void cp_reduceN_##OP##_##TY(                          \
+        Ty_##TY::T* dst, PtrArray srcs, int nsrc, u64 n) {                      \
+        reduceN_body<Op_##OP<Ty_##TY> >(dst, srcs, nsrc, n);                    \
+    }
+
+#define CP_ALL_OPS(TY)                                                          \
+    CP_REDUCE_KERNELS(sum, TY)                                                  \
+    CP_REDUCE_KERNELS(prod, TY)                                                 \
+    CP_REDUCE_KERNELS(min, TY)                                                  \
+    CP_REDUCE_KERNELS(max, TY)
+
+#define CP_SCALE_DIV_KERNEL(TY)                                                 \
+    extern "C" __global__ void cp_scale_div_##TY(Ty_##TY::T* x, u64 n,          \
+                                                 double divisor) {              \
+        scale_div_body<Ty_##TY>(x, n, divisor);                                 \
+    }
+
+CP_ALL_OPS(f32)
+CP_ALL_OPS(f64)
+CP_ALL_OPS(f16)
+CP_ALL_OPS(bf16)
+CP_ALL_OPS(i32)
+CP_ALL_OPS(i64)
+CP_ALL_OPS(u32)
+CP_ALL_OPS(u64)
+CP_ALL_OPS(i8)
+CP_ALL_OPS(u8)
+
+CP_SCALE_DIV_KERNEL(f32)
+CP_SCALE_DIV_KERNEL(f64)
+CP_SCALE_DIV_KERNEL(f16)
+CP_SCALE_DIV_KERNEL(bf16)

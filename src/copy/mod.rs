@@ -1,0 +1,292 @@
+//! Copies between devices: verified P2P links, the staged-host fallback,
+//! and the per-link path policy.
+//!
+//! A [`Link`] is one directed pair of contexts (source -> destination) with
+//! the path chosen for it when it was opened:
+//! - [`Path::P2p`]: `cuMemcpyPeerAsync` with peer access enabled both ways
+//!   (held by RAII guards) and verified with a random pattern;
+//! - [`Path::Staged`]: device -> pinned host -> device in chunks through at
+//!   least two pinned buffers and two streams, so the device-to-host copy of
+//!   chunk k+1 overlaps the host-to-device copy of chunk k. The buffers are
+//!   allocated when the link opens, reused, and freed when it drops;
+//! - [`Path::Local`]: both ends on one device (a device-to-device copy).
+//!
+//! Copies are asynchronous and ordered on the caller's stream (a stream of
+//! the destination device). The buffers' cudarc read/write events are
+//! recorded after the copy, so a buffer dropped while the copy is in flight
+//! is freed only after it (see [`crate::sync`]).
+
+pub mod plan;
+mod staged;
+pub mod verify;
+
+use crate::driver::{api, bind};
+use crate::error::{check, Error, Result};
+use crate::peer::{raw_ctx, PeerAccess};
+use crate::sync::{with_read, with_write, Crossing};
+use crate::topology::link_info;
+use cuda_peer_sys as sys;
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use staged::Staging;
+use std::sync::Arc;
+use std::time::Duration;
+pub use verify::Verdict;
+
+/// How a link carries data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// Direct peer copies (NVLink or PCIe P2P).
+    P2p,
+    /// Through pinned host memory.
+    Staged,
+    /// Both ends on the same device.
+    Local,
+}
+
+impl std::fmt::Display for Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Path::P2p => "p2p",
+            Path::Staged => "staged",
+            Path::Local => "local",
+        })
+    }
+}
+
+/// Which path a link may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum PathPolicy {
+    /// P2P where the driver supports it and verification passes, else staged.
+    #[default]
+    Auto,
+    /// P2P or an error ([`Error::P2pUnavailable`], [`Error::PeerUnsupported`], ...).
+    P2pOnly,
+    /// Always staged through host memory, even where P2P works.
+    StagedOnly,
+}
+
+impl std::str::FromStr for PathPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(PathPolicy::Auto),
+            "p2p" => Ok(PathPolicy::P2pOnly),
+            "staged" => Ok(PathPolicy::StagedOnly),
+            other => Err(Error::InvalidArgument(format!("path policy {other:?}: expected auto, p2p or staged"))),
+        }
+    }
+}
+
+/// Settings for opening a link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkOptions {
+    /// Path policy.
+    pub policy: PathPolicy,
+    /// Verify a P2P link with a random pattern before trusting it (default on).
+    pub verify: bool,
+    /// How long verification may take before the link counts as failed.
+    pub verify_timeout: Duration,
+    /// Bytes per staging chunk (and per pinned buffer). Default 4 MiB.
+    pub staging_chunk_bytes: usize,
+    /// Pinned staging buffers per link, at least 2. Default 3.
+    pub staging_buffers: usize,
+}
+
+impl Default for LinkOptions {
+    fn default() -> Self {
+        LinkOptions {
+            policy: PathPolicy::Auto,
+            verify: true,
+            verify_timeout: Duration::from_secs(10),
+            staging_chunk_bytes: 4 << 20,
+            staging_buffers: 3,
+        }
+    }
+}
+
+impl LinkOptions {
+    /// Default options with `policy`.
+    pub fn with_policy(policy: PathPolicy) -> Self {
+        LinkOptions { policy, ..Default::default() }
+    }
+}
+
+/// Why a link took its path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkStatus {
+    /// The path in use.
+    pub path: Path,
+    /// `cuDeviceCanAccessPeer` both ways.
+    pub driver_claims_p2p: bool,
+    /// The verification result, if one ran.
+    pub verified: Option<bool>,
+    /// A human-readable reason for the path.
+    pub reason: String,
+}
+
+/// A directed link from one context to another, with its path decided.
+pub struct Link {
+    src: Arc<CudaContext>,
+    dst: Arc<CudaContext>,
+    status: LinkStatus,
+    _access: Vec<PeerAccess>,
+    staging: Option<Staging>,
+    crossing: Crossing,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Link({} -> {}, {})", self.src.ordinal(), self.dst.ordinal(), self.status.path)
+    }
+}
+
+/// Enables peer access both ways between `a` and `b`.
+pub(crate) fn enable_both(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Result<Vec<PeerAccess>> {
+    Ok(vec![PeerAccess::enable(a, b)?, PeerAccess::enable(b, a)?])
+}
+
+/// Decides whether `a` <-> `b` may use P2P under `opts`, enabling and
+/// verifying it. Returns the guards (empty when staged) and the status.
+pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOptions) -> Result<(Vec<PeerAccess>, LinkStatus)> {
+    let (from, to) = (a.ordinal(), b.ordinal());
+    if from == to {
+        let status = LinkStatus { path: Path::Local, driver_claims_p2p: true, verified: None, reason: "same device".into() };
+        return Ok((Vec::new(), status));
+    }
+    let claims = link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer;
+    let staged = |reason: String, verified| {
+        Ok((Vec::new(), LinkStatus { path: Path::Staged, driver_claims_p2p: claims, verified, reason }))
+    };
+    let fail = |reason: String| Err(Error::P2pUnavailable { from, to, reason });
+    match opts.policy {
+        PathPolicy::StagedOnly => return staged("staged by policy".into(), None),
+        PathPolicy::P2pOnly if !claims => return Err(Error::PeerUnsupported { from, to }),
+        PathPolicy::Auto if !claims => return staged("driver reports no peer access".into(), None),
+        _ => {}
+    }
+    let access = match enable_both(a, b) {
+        Ok(g) => g,
+        Err(e) if opts.policy == PathPolicy::Auto => {
+            log::warn!("link {from} <-> {to}: enabling peer access failed ({e}); using the staged path");
+            return staged(format!("enabling peer access failed: {e}"), None);
+        }
+        Err(e) => return Err(e),
+    };
+    if !opts.verify {
+        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: "P2P, not verified".into() };
+        return Ok((access, status));
+    }
+    let why = match verify::verify_pair(a, b, opts.verify_timeout) {
+        Ok(Verdict::Ok) => {
+            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: "P2P, verified".into() };
+            return Ok((access, status));
+        }
+        Ok(Verdict::Corrupt { wrong, first }) => {
+            format!("verification failed: {wrong} of {} bytes wrong, first at {first}", verify::VERIFY_BYTES)
+        }
+        Err(e) => format!("verification failed: {e}"),
+    };
+    drop(access);
+    if opts.policy == PathPolicy::P2pOnly {
+        return fail(why);
+    }
+    log::warn!("link {from} <-> {to}: the driver reports P2P but {why}; using the staged path");
+    staged(why, Some(false))
+}
+
+fn check_device(op: &'static str, what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::WrongDevice { op, what, expected, got })
+    }
+}
+
+impl Link {
+    /// Opens the link `src -> dst` under `opts`: decides the path (enabling
+    /// and verifying P2P, or allocating staging buffers) once, here.
+    pub fn open(src: &Arc<CudaContext>, dst: &Arc<CudaContext>, opts: &LinkOptions) -> Result<Link> {
+        let (access, status) = decide(src, dst, opts)?;
+        let staging = match status.path {
+            Path::Staged => Some(Staging::new(src, dst, opts.staging_chunk_bytes, opts.staging_buffers)?),
+            _ => None,
+        };
+        let crossing = Crossing::new(src, dst)?;
+        Ok(Link { src: src.clone(), dst: dst.clone(), status, _access: access, staging, crossing })
+    }
+
+    /// The path in use.
+    pub fn path(&self) -> Path {
+        self.status.path
+    }
+
+    /// Why the link took its path.
+    pub fn status(&self) -> &LinkStatus {
+        &self.status
+    }
+
+    /// Source context.
+    pub fn src(&self) -> &Arc<CudaContext> {
+        &self.src
+    }
+
+    /// Destination context.
+    pub fn dst(&self) -> &Arc<CudaContext> {
+        &self.dst
+    }
+
+    /// Enqueues a copy of `src` (on the source device) into `dst` (on the
+    /// destination device), ordered on `stream` (a stream of the destination
+    /// device): it starts after the buffers' pending writers and the work
+    /// already on `stream`, and work enqueued on `stream` afterwards sees the
+    /// data. No host synchronisation.
+    pub fn copy<T, S, D>(&mut self, src: &S, dst: &mut D, stream: &Arc<CudaStream>) -> Result<()>
+    where
+        S: DevicePtr<T>,
+        D: DevicePtrMut<T>,
+    {
+        const OP: &str = "Link::copy";
+        if src.len() != dst.len() {
+            return Err(Error::LengthMismatch { op: OP, expected: src.len(), got: dst.len() });
+        }
+        check_device(OP, "source", self.src.ordinal(), src.stream().context().ordinal())?;
+        check_device(OP, "destination", self.dst.ordinal(), dst.stream().context().ordinal())?;
+        check_device(OP, "stream", self.dst.ordinal(), stream.context().ordinal())?;
+        let bytes = src.num_bytes();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let api = api()?;
+        let raw_stream = stream.cu_stream() as sys::CUstream;
+        match self.status.path {
+            Path::Local => with_read(src, stream, &self.crossing, |s| {
+                with_write(dst, stream, &self.crossing, |d| {
+                    bind(&self.dst)?;
+                    // SAFETY: both ranges hold `bytes` bytes (lengths checked)
+                    // and stay alive: their events are recorded after this.
+                    check("cuMemcpyDtoDAsync", unsafe { api.cuMemcpyDtoDAsync_v2(d, s, bytes, raw_stream) })
+                })
+            }),
+            Path::P2p => with_read(src, stream, &self.crossing, |s| {
+                with_write(dst, stream, &self.crossing, |d| {
+                    bind(&self.dst)?;
+                    // SAFETY: as above; both contexts are alive (held by the link).
+                    check("cuMemcpyPeerAsync", unsafe {
+                        api.cuMemcpyPeerAsync(d, raw_ctx(&self.dst), s, raw_ctx(&self.src), bytes, raw_stream)
+                    })
+                })
+            }),
+            Path::Staged => {
+                let Some(staging) = self.staging.as_ref() else {
+                    return Err(Error::InvalidArgument("staged link without staging buffers".into()));
+                };
+                // The staging stream starts after the caller's stream (earlier
+                // users of the destination and of the staging buffers).
+                crate::sync::wait_for(&staging.d2h, stream, &self.crossing.work)?;
+                with_read(src, &staging.d2h, &self.crossing, |s| {
+                    with_write(dst, stream, &self.crossing, |d| staging.copy(d, s, bytes, stream))
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Pinned host staging buffers for the device -> host -> device path.
+
+use crate::driver::{api, bind};
+use crate::error::{check, cudarc_err, Result};
+use cuda_peer_sys as sys;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use std::sync::Arc;
+
+/// One page-locked host buffer, portable to every context; freed on drop.
+#[derive(Debug)]
+pub(crate) struct PinnedBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; the driver
+// allows any thread to use or free it.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: shared references hand out only the address, never a Rust reference
+// into the memory.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub(crate) fn new(ctx: &CudaContext, len: usize) -> Result<Self> {
+        bind(ctx)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: allocates `len` bytes of page-locked memory and writes its address.
+        check("cuMemHostAlloc", unsafe {
+            api()?.cuMemHostAlloc(&mut ptr, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        Ok(PinnedBuffer { ptr: ptr.cast(), len })
+    }
+
+    pub(crate) fn addr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if let Ok(api) = api() {
+            // SAFETY: `ptr` came from cuMemHostAlloc and is freed once. Every
+            // copy through it was ordered before the Staging's final sync.
+            let r = unsafe { api.cuMemFreeHost(self.ptr.cast()) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                log::warn!("cuMemFreeHost: {}", crate::Error::driver("cuMemFreeHost", r.0));
+            }
+        }
+    }
+}
+
+/// The staging resources of one directed link: pinned buffers, the source
+/// side's stream, and the events that hand each buffer back and forth.
+#[derive(Debug)]
+pub(crate) struct Staging {
+    pub(crate) buffers: Vec<PinnedBuffer>,
+    pub(crate) chunk_bytes: usize,
+    /// Device-to-host copies run here (source context).
+    pub(crate) d2h: Arc<CudaStream>,
+    /// `d2h_done[b]`: buffer b holds a chunk (source context).
+    pub(crate) d2h_done: Vec<CudaEvent>,
+    /// `h2d_done[b]`: buffer b is free again (destination context).
+    pub(crate) h2d_done: Vec<CudaEvent>,
+}
+
+impl Staging {
+    pub(crate) fn new(
+        src: &Arc<CudaContext>,
+        dst: &Arc<CudaContext>,
+        chunk_bytes: usize,
+        buffers: usize,
+    ) -> Result<Self> {
+        let buffers = buffers.max(2);
+        let chunk_bytes = chunk_bytes.max(4096);
+        let d2h = src.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+        let mut s = Staging { buffers: Vec::new(), chunk_bytes, d2h, d2h_done: Vec::new(), h2d_done: Vec::new() };
+        for _ in 0..buffers {
+            s.buffers.push(PinnedBuffer::new(src, chunk_bytes)?);
+            s.d2h_done.push(src.new_event(None).map_err(cudarc_err("cuEventCreate"))?);
+            s.h2d_done.push(dst.new_event(None).map_err(cudarc_err("cuEventCreate"))?);
+        }
+        Ok(s)
+    }
+
+    /// Enqueues the staged copy of `bytes` bytes from device address `src`
+    /// (source context) to `dst` (destination context). Device-to-host
+    /// copies run on the staging stream, host-to-device copies on `stream`;
+    /// chunk k+1 leaves the source while chunk k enters the destination.
+    ///
+    /// The caller has ordered the staging stream after the source's writers
+    /// and `stream` after the destination's users.
+    pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+        let api = api()?;
+        let d2h_raw = self.d2h.cu_stream() as sys::CUstream;
+        let h2d_raw = stream.cu_stream() as sys::CUstream;
+        for c in super::plan::plan(bytes, self.chunk_bytes, self.buffers.len()) {
+            let buf = &self.buffers[c.buffer];
+            debug_assert!(c.len <= buf.len());
+            // The buffer is free once its previous host-to-device copy is done.
+            self.d2h.wait(&self.h2d_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
+            bind(self.d2h.context())?;
+            // SAFETY: `src + offset .. + len` lies in the source allocation
+            // (the caller checked lengths); the pinned buffer holds `len`
+            // bytes and no other copy uses it until h2d_done/d2h_done say so.
+            check("cuMemcpyDtoHAsync", unsafe {
+                api.cuMemcpyDtoHAsync_v2(buf.addr().cast(), src + c.offset as u64, c.len, d2h_raw)
+            })?;
+            self.d2h_done[c.buffer].record(&self.d2h).map_err(cudarc_err("cuEventRecord"))?;
+            stream.wait(&self.d2h_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
+            bind(stream.context())?;
+            // SAFETY: as above for the destination; the buffer was filled by
+            // the copy that `stream` now waits for.
+            check("cuMemcpyHtoDAsync", unsafe {
+                api.cuMemcpyHtoDAsync_v2(dst + c.offset as u64, buf.addr().cast(), c.len, h2d_raw)
+            })?;
+            self.h2d_done[c.buffer].record(stream).map_err(cudarc_err("cuEventRecord"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // The pinned buffers are freed after this; no copy may still use them.
+        if let Err(e) = self.d2h.synchronize() {
+            log::warn!("staging stream sync on drop: {e:?}");
+        }
+        for e in &self.h2d_done {
+            if let Err(err) = e.synchronize() {
+                log::warn!("staging event sync on drop: {err:?}");
+            }
+        }
+    }
+}

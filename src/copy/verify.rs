@@ -1,0 +1,149 @@
+//! Link verification: before `Auto` trusts a P2P link, a random pattern is
+//! copied across it both ways and read back. Drivers have been seen to
+//! answer "P2P supported" while peer writes were dropped (IOMMU, ACS) or
+//! landed in the wrong place, so the driver's answer is only a hint.
+
+use super::staged::PinnedBuffer;
+use crate::driver::{api, bind};
+use crate::error::{check, cudarc_err, Result};
+use crate::peer::raw_ctx;
+use crate::sync::{wait_bounded, wait_for};
+use cuda_peer_sys as sys;
+use cudarc::driver::{CudaContext, DevicePtr};
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Bytes copied each way: a little over 1 MiB, odd, so that both the copy
+/// engines' bulk path and an unaligned tail are exercised.
+pub const VERIFY_BYTES: usize = (1 << 20) + 4099;
+
+/// What verifying one direction found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every byte arrived.
+    Ok,
+    /// Some bytes differ: how many, and the first offset.
+    Corrupt {
+        /// Bytes that differ.
+        wrong: usize,
+        /// The first byte that differs.
+        first: usize,
+    },
+}
+
+static CACHE: Lazy<Mutex<HashMap<(usize, usize), Result<Verdict>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// A fresh pseudo-random byte pattern (splitmix64), different on every call.
+pub(crate) fn random_bytes(n: usize) -> Vec<u8> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut state = nanos ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
+/// Compares two byte slices: `Verdict::Ok` or how many differ.
+pub(crate) fn compare(expected: &[u8], got: &[u8]) -> Verdict {
+    let mut wrong = expected.len().abs_diff(got.len());
+    let mut first = None;
+    for (i, (a, b)) in expected.iter().zip(got).enumerate() {
+        if a != b {
+            wrong += 1;
+            first.get_or_insert(i);
+        }
+    }
+    match (wrong, first) {
+        (0, _) => Verdict::Ok,
+        (w, f) => Verdict::Corrupt { wrong: w, first: f.unwrap_or(expected.len().min(got.len())) },
+    }
+}
+
+/// Copies a random pattern from `from` to `to` with `cuMemcpyPeerAsync` and
+/// reads it back, waiting at most `timeout`.
+pub fn verify_direction(from: &Arc<CudaContext>, to: &Arc<CudaContext>, timeout: Duration) -> Result<Verdict> {
+    let n = VERIFY_BYTES;
+    let pattern = random_bytes(n);
+    let poison: Vec<u8> = pattern.iter().map(|b| !b).collect();
+    let s_from = from.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+    let s_to = to.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+    let src = s_from.clone_htod(&pattern).map_err(cudarc_err("cuMemcpyHtoD"))?;
+    let dst = s_to.clone_htod(&poison).map_err(cudarc_err("cuMemcpyHtoD"))?;
+    let ready = from.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
+    wait_for(&s_to, &s_from, &ready)?;
+    let readback = PinnedBuffer::new(to, n)?;
+    let api = api()?;
+    {
+        let (sp, _r1) = src.device_ptr(&s_from);
+        let (dp, _r2) = dst.device_ptr(&s_to);
+        bind(to)?;
+        let raw = s_to.cu_stream() as sys::CUstream;
+        // SAFETY: both allocations hold `n` bytes and live until the event
+        // below completes (or are leaked on timeout); the pinned buffer holds `n`.
+        unsafe {
+            check("cuMemcpyPeerAsync", api.cuMemcpyPeerAsync(dp, raw_ctx(to), sp, raw_ctx(from), n, raw))?;
+            check("cuMemcpyDtoHAsync", api.cuMemcpyDtoHAsync_v2(readback.addr().cast(), dp, n, raw))?;
+        }
+    }
+    let done = s_to.record_event(None).map_err(cudarc_err("cuEventRecord"))?;
+    if let Err(e) = wait_bounded(&done, "link verification", timeout) {
+        // The copy may still be running: never free memory it may touch.
+        std::mem::forget((src, dst, readback, done, s_from, s_to));
+        return Err(e);
+    }
+    // SAFETY: the copy into the pinned buffer completed (event above); it
+    // holds `n` initialised bytes and nothing else writes it now.
+    let got = unsafe { std::slice::from_raw_parts(readback.addr(), n) };
+    Ok(compare(&pattern, got))
+}
+
+/// Verifies both directions between `a` and `b` (peer access must already
+/// be enabled both ways for the copies to take the P2P path). The answer
+/// for a pair is cached for the life of the process.
+pub fn verify_pair(a: &Arc<CudaContext>, b: &Arc<CudaContext>, timeout: Duration) -> Result<Verdict> {
+    let key = (a.ordinal().min(b.ordinal()), a.ordinal().max(b.ordinal()));
+    if let Some(v) = CACHE.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return v.clone();
+    }
+    let v = verify_direction(a, b, timeout).and_then(|v| match v {
+        Verdict::Ok => verify_direction(b, a, timeout),
+        bad => Ok(bad),
+    });
+    CACHE.lock().unwrap_or_else(|p| p.into_inner()).insert(key, v.clone());
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_patterns_differ_and_are_not_zero() {
+        let a = random_bytes(4099);
+        let b = random_bytes(4099);
+        assert_eq!(a.len(), 4099);
+        assert_ne!(a, b);
+        assert!(a.iter().filter(|&&x| x == 0).count() < 100);
+    }
+
+    #[test]
+    fn compare_counts_wrong_bytes() {
+        let a = random_bytes(1000);
+        assert_eq!(compare(&a, &a), Verdict::Ok);
+        let mut b = a.clone();
+        b[10] ^= 1;
+        b[999] ^= 0x80;
+        assert_eq!(compare(&a, &b), Verdict::Corrupt { wrong: 2, first: 10 });
+        assert_eq!(compare(&a, &a[..990]), Verdict::Corrupt { wrong: 10, first: 990 });
+    }
+}

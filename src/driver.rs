@@ -1,0 +1,90 @@
+//! The driver: loading it, device enumeration, and cudarc contexts created
+//! only once the driver is known to load (cudarc panics when it cannot find
+//! libcuda; this module asks first, so the caller gets an [`Error`]).
+
+use crate::error::{check, cudarc_err, Error, Result};
+use cuda_peer_sys as sys;
+use cudarc::driver::CudaContext;
+use once_cell::sync::OnceCell;
+use std::sync::Arc;
+
+static INIT: OnceCell<Result<(), Error>> = OnceCell::new();
+
+/// The loaded and initialised driver API. Every other function in the crate
+/// goes through this, so it is the one place where a missing driver becomes
+/// an error.
+pub fn api() -> Result<&'static sys::DriverApi> {
+    let api = sys::driver()?;
+    INIT.get_or_init(|| {
+        // SAFETY: cuInit takes flags (must be 0) and may be called any number of times.
+        check("cuInit", unsafe { api.cuInit(0) })
+    })
+    .clone()?;
+    Ok(api)
+}
+
+/// Whether the driver loads and initialises, without failing.
+pub fn is_available() -> bool {
+    api().is_ok()
+}
+
+/// The driver's CUDA version, e.g. `12080` for 12.8.
+pub fn driver_version() -> Result<i32> {
+    let api = api()?;
+    let mut v = 0;
+    // SAFETY: writes one int.
+    check("cuDriverGetVersion", unsafe { api.cuDriverGetVersion(&mut v) })?;
+    Ok(v)
+}
+
+/// How many CUDA devices the driver reports (0 is not an error here).
+pub fn device_count() -> Result<usize> {
+    let api = api()?;
+    let mut n = 0;
+    // SAFETY: writes one int.
+    check("cuDeviceGetCount", unsafe { api.cuDeviceGetCount(&mut n) })?;
+    Ok(n.max(0) as usize)
+}
+
+/// Checks that `ordinal` names an existing device and returns its handle.
+pub(crate) fn device(ordinal: usize) -> Result<sys::CUdevice> {
+    let count = device_count()?;
+    if count == 0 {
+        return Err(Error::NoDevice);
+    }
+    if ordinal >= count {
+        return Err(Error::DeviceOutOfRange { ordinal, count });
+    }
+    let api = api()?;
+    let mut dev = 0;
+    // SAFETY: writes one CUdevice; the ordinal was range-checked above.
+    check("cuDeviceGet", unsafe { api.cuDeviceGet(&mut dev, ordinal as i32) })?;
+    Ok(dev)
+}
+
+/// The primary context of device `ordinal`, as a cudarc context, or an error
+/// if there is no driver, no device, or no such device.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    device(ordinal)?;
+    CudaContext::new(ordinal).map_err(cudarc_err("cuDevicePrimaryCtxRetain"))
+}
+
+/// Contexts for every device, in order. Errors with [`Error::NoDevice`] when
+/// there is none.
+pub fn all_contexts() -> Result<Vec<Arc<CudaContext>>> {
+    let n = device_count()?;
+    if n == 0 {
+        return Err(Error::NoDevice);
+    }
+    (0..n).map(context).collect()
+}
+
+/// Free and total device memory of `ctx`'s device, in bytes (cuMemGetInfo).
+pub fn mem_info(ctx: &CudaContext) -> Result<(usize, usize)> {
+    ctx.mem_get_info().map_err(cudarc_err("cuMemGetInfo"))
+}
+
+/// Makes `ctx` current on this thread.
+pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread().map_err(cudarc_err("cuCtxSetCurrent"))
+}

@@ -1,0 +1,223 @@
+//! The crate's one error type.
+
+use cuda_peer_sys as sys;
+use std::time::Duration;
+
+/// Every failure the crate reports. `Send + Sync + 'static`, so it crosses
+/// threads and boxes into `anyhow`-style errors.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The CUDA driver library could not be loaded (no driver, or a driver
+    /// too old to export the calls this crate needs).
+    #[error("{0}")]
+    Load(#[from] sys::LoadError),
+    /// A driver call returned an error.
+    #[error("{op} failed: {name} ({description})")]
+    Driver {
+        /// The call, or the operation it was part of.
+        op: &'static str,
+        /// The raw `CUresult`.
+        code: u32,
+        /// The result's name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+        /// The driver's description of it.
+        description: String,
+    },
+    /// The driver loaded but reports no CUDA device.
+    #[error("no CUDA device found")]
+    NoDevice,
+    /// A device index past the last device.
+    #[error("device {ordinal} does not exist ({count} CUDA devices)")]
+    DeviceOutOfRange {
+        /// The index asked for.
+        ordinal: usize,
+        /// How many devices there are.
+        count: usize,
+    },
+    /// Peer access asked from a device to itself.
+    #[error("peer access from device {0} to itself")]
+    SameDevice(usize),
+    /// The driver reports that `from` cannot access `to`'s memory
+    /// (`CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`, or `cuDeviceCanAccessPeer` = 0).
+    #[error("peer access from device {from} to device {to} is not supported")]
+    PeerUnsupported {
+        /// The accessing device.
+        from: usize,
+        /// The device whose memory would be accessed.
+        to: usize,
+    },
+    /// The device has reached the driver's limit of peers
+    /// (`CUDA_ERROR_TOO_MANY_PEERS`).
+    #[error("device {from} cannot enable peer access to device {to}: too many peers")]
+    TooManyPeers {
+        /// The accessing device.
+        from: usize,
+        /// The device whose memory would be accessed.
+        to: usize,
+    },
+    /// Buffers whose lengths must agree do not.
+    #[error("{op}: length mismatch, expected {expected} elements, got {got}")]
+    LengthMismatch {
+        /// The operation.
+        op: &'static str,
+        /// The length required.
+        expected: usize,
+        /// The length given.
+        got: usize,
+    },
+    /// A buffer or stream on another device than the one it was named for.
+    #[error("{op}: {what} is on device {got}, expected device {expected}")]
+    WrongDevice {
+        /// The operation.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// The device it should be on.
+        expected: usize,
+        /// The device it is on.
+        got: usize,
+    },
+    /// A collective's root rank is not in the group.
+    #[error("root rank {root} out of range for a group of {size} ranks")]
+    RootOutOfRange {
+        /// The root asked for.
+        root: usize,
+        /// The group's size.
+        size: usize,
+    },
+    /// A reduction that the element type does not support (e.g. `Avg` on integers).
+    #[error("reduction {op} is not defined for element type {dtype}")]
+    UnsupportedOp {
+        /// The reduction.
+        op: &'static str,
+        /// The element type.
+        dtype: &'static str,
+    },
+    /// A group needs at least one rank.
+    #[error("a group needs at least one rank")]
+    EmptyGroup,
+    /// A link was asked to use P2P only, but P2P is unsupported or failed
+    /// verification.
+    #[error("link {from} -> {to}: P2P required but {reason}")]
+    P2pUnavailable {
+        /// Source device.
+        from: usize,
+        /// Destination device.
+        to: usize,
+        /// Why.
+        reason: String,
+    },
+    /// An operation on the device did not finish in time (a verification
+    /// that hung, for example). The device work may still be pending.
+    #[error("{op} did not complete within {after:?}")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// How long it was given.
+        after: Duration,
+    },
+    /// Any other argument that is out of its range.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Returns the driver's name and description of a raw `CUresult`.
+pub fn describe(code: u32) -> (String, String) {
+    let fallback = || (format!("CUresult({code})"), "unknown error".to_string());
+    let Ok(api) = sys::driver() else { return fallback() };
+    let code = sys::CUresult(code);
+    let mut name: *const std::os::raw::c_char = std::ptr::null();
+    let mut desc: *const std::os::raw::c_char = std::ptr::null();
+    // SAFETY: both calls only write a pointer to a static, NUL-terminated
+    // string owned by the driver (or leave it null for unknown codes).
+    let (rn, rd) = unsafe { (api.cuGetErrorName(code, &mut name), api.cuGetErrorString(code, &mut desc)) };
+    let text = |r: sys::CUresult, p: *const std::os::raw::c_char| {
+        if r == sys::CUresult::CUDA_SUCCESS && !p.is_null() {
+            // SAFETY: non-null pointers from the driver point at static C strings.
+            Some(unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        } else {
+            None
+        }
+    };
+    let (fname, fdesc) = fallback();
+    (text(rn, name).unwrap_or(fname), text(rd, desc).unwrap_or(fdesc))
+}
+
+impl Error {
+    /// Builds [`Error::Driver`] for `code` from `op`.
+    pub fn driver(op: &'static str, code: u32) -> Self {
+        let (name, description) = describe(code);
+        Error::Driver { op, code, name, description }
+    }
+
+    /// The raw `CUresult` if this is a driver error.
+    pub fn cu_result(&self) -> Option<u32> {
+        match self {
+            Error::Driver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// Turns a raw `CUresult` into `Ok(())` or [`Error::Driver`].
+pub(crate) fn check(op: &'static str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::driver(op, r.0))
+    }
+}
+
+/// Maps a cudarc error into ours, naming the operation.
+pub(crate) fn cudarc_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::driver(op, e.0 as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync + 'static>() {}
+
+    #[test]
+    fn error_is_send_sync_static() {
+        assert_send_sync::<Error>();
+    }
+
+    #[test]
+    fn check_maps_success_and_failure() {
+        assert_eq!(check("cuInit", sys::CUresult::CUDA_SUCCESS), Ok(()));
+        let e = check("cuCtxEnablePeerAccess", sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS).unwrap_err();
+        assert_eq!(e.cu_result(), Some(sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS.0));
+        let text = e.to_string();
+        assert!(text.starts_with("cuCtxEnablePeerAccess failed: "), "{text}");
+        // Without a driver the name falls back to the number; with one it is the name.
+        let code = sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS.0;
+        assert!(
+            text.contains("CUDA_ERROR_TOO_MANY_PEERS") || text.contains(&format!("CUresult({code})")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn typed_errors_say_what_is_wrong() {
+        let e = Error::LengthMismatch { op: "copy", expected: 4, got: 5 };
+        assert_eq!(e.to_string(), "copy: length mismatch, expected 4 elements, got 5");
+        let e = Error::DeviceOutOfRange { ordinal: 9, count: 2 };
+        assert_eq!(e.to_string(), "device 9 does not exist (2 CUDA devices)");
+        let e = Error::UnsupportedOp { op: "avg", dtype: "i32" };
+        assert_eq!(e.to_string(), "reduction avg is not defined for element type i32");
+    }
+
+    #[test]
+    fn cudarc_errors_keep_their_code() {
+        let e = cudarc_err("memcpy")(cudarc::driver::DriverError(
+            cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+        ));
+        assert_eq!(e.cu_result(), Some(sys::CUresult::CUDA_ERROR_INVALID_VALUE.0));
+    }
+}

@@ -1,0 +1,162 @@
+//! Embedded reduction kernels (PTX) and their naming scheme.
+//!
+//! The kernels are written in CUDA C in `kernels/reduce.cu`, compiled to PTX
+//! with NVRTC from CUDA 12.0 (`kernels/gen.sh`, target `compute_70`, PTX ISA
+//! 8.0) and committed as `src/kernels/reduce.ptx`.  The driver JIT-compiles the
+//! PTX for the actual GPU at module load, so one PTX file serves sm_70 and
+//! newer.  `kernels/gen.sh --check` verifies the committed PTX is up to date
+//! and assembles with `ptxas` for sm_70, sm_80, sm_86, sm_89 and sm_90.
+//!
+//! Launch convention (all kernels): 1-D grid and block, block size 256
+//! intended (any block size is correct), any grid size (grid-stride loops),
+//! no shared memory.  Pointers must be aligned to the element size and may
+//! point into a peer GPU's memory.  Element counts are `u64`
+//! (`unsigned long long`).
+//!
+//! Kernel signatures (`T` is the element type named by the type suffix):
+//!
+//! * [`reduce2_name`]: `(T* dst, const T* a, const T* b, u64 n)`;
+//!   `dst[i] = a[i] op b[i]`; `dst` may equal `a` or `b` exactly.
+//! * [`reduceN_name`]: `(T* dst, PtrArray srcs, i32 nsrc, u64 n)` where
+//!   `PtrArray` is `struct { const void* p[8]; }` passed by value (64 bytes;
+//!   unused slots may hold anything, e.g. null); `1 <= nsrc <= 8` (otherwise
+//!   the kernel does nothing); sources are combined strictly in index order so
+//!   results are bitwise identical on every rank; `dst` may equal one source.
+//! * [`scale_div_name`]: `(T* x, u64 n, f64 divisor)`; `x[i] /= divisor`
+//!   (floating-point types only, see [`FLOAT_TYPES`]).
+//!
+//! Semantics: integer `sum`/`prod` wrap; floating-point `min`/`max` propagate
+//! NaN; `f16`/`bf16` are computed in `f32` and rounded back (nearest-even)
+//! after every binary op.
+
+// Not every item is necessarily used by the rest of the crate.
+#![allow(dead_code)]
+
+/// PTX text of all reduction kernels (generated from `kernels/reduce.cu`).
+pub(crate) const REDUCE_PTX: &str = include_str!("reduce.ptx");
+
+/// Reduction operations, as they appear in kernel names.
+pub(crate) const OPS: [&str; 4] = ["sum", "prod", "min", "max"];
+
+/// Element types, as they appear in kernel names.
+///
+/// `f16` and `bf16` are 16-bit IEEE half and bfloat16 (stored as `u16`);
+/// `i8`/`u8` through `i64`/`u64` are two's-complement / unsigned integers.
+pub(crate) const TYPES: [&str; 10] = [
+    "f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8",
+];
+
+/// Element types for which a `cp_scale_div_*` kernel exists (used for avg).
+pub(crate) const FLOAT_TYPES: [&str; 4] = ["f32", "f64", "f16", "bf16"];
+
+/// Maximum number of sources accepted by the `cp_reduceN_*` kernels (the
+/// length of the `PtrArray` kernel argument).
+pub(crate) const MAX_REDUCE_N_SOURCES: usize = 8;
+
+/// Recommended block size (threads per block) for all kernels.
+pub(crate) const BLOCK_SIZE: u32 = 256;
+
+/// Name of the two-input reduction kernel for `op` (one of [`OPS`]) and
+/// element type `ty` (one of [`TYPES`]): `cp_reduce2_{op}_{ty}`.
+pub(crate) fn reduce2_name(op: &str, ty: &str) -> String {
+    format!("cp_reduce2_{op}_{ty}")
+}
+
+/// Name of the N-input (1..=8 sources) reduction kernel for `op` (one of
+/// [`OPS`]) and element type `ty` (one of [`TYPES`]): `cp_reduceN_{op}_{ty}`.
+#[allow(non_snake_case)]
+pub(crate) fn reduceN_name(op: &str, ty: &str) -> String {
+    format!("cp_reduceN_{op}_{ty}")
+}
+
+/// Name of the in-place division kernel for floating-point type `ty` (one of
+/// [`FLOAT_TYPES`]): `cp_scale_div_{ty}`.
+pub(crate) fn scale_div_name(ty: &str) -> String {
+    format!("cp_scale_div_{ty}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// All `.entry` names declared in the embedded PTX.
+    fn ptx_entries() -> Vec<String> {
+        REDUCE_PTX
+            .lines()
+            .filter_map(|line| {
+                let rest = line.trim_start();
+                let rest = rest.strip_prefix(".visible").unwrap_or(rest).trim_start();
+                let rest = rest.strip_prefix(".entry")?;
+                let name: String = rest
+                    .trim_start()
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                Some(name)
+            })
+            .collect()
+    }
+
+    /// The value of the first `.directive` line, e.g. `.version 8.0` -> `8.0`.
+    fn directive(name: &str) -> Option<&'static str> {
+        REDUCE_PTX.lines().find_map(|line| {
+            let rest = line.trim().strip_prefix(name)?;
+            rest.starts_with(char::is_whitespace).then(|| rest.trim())
+        })
+    }
+
+    fn expected_entries() -> BTreeSet<String> {
+        let mut set = BTreeSet::new();
+        for op in OPS {
+            for ty in TYPES {
+                set.insert(reduce2_name(op, ty));
+                set.insert(reduceN_name(op, ty));
+            }
+        }
+        for ty in FLOAT_TYPES {
+            set.insert(scale_div_name(ty));
+        }
+        set
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(reduce2_name("sum", "f32"), "cp_reduce2_sum_f32");
+        assert_eq!(reduceN_name("max", "bf16"), "cp_reduceN_max_bf16");
+        assert_eq!(reduceN_name("min", "u8"), "cp_reduceN_min_u8");
+        assert_eq!(scale_div_name("f16"), "cp_scale_div_f16");
+        assert!(FLOAT_TYPES.iter().all(|t| TYPES.contains(t)));
+    }
+
+    #[test]
+    fn ptx_has_exactly_the_expected_entries() {
+        let entries = ptx_entries();
+        let found: BTreeSet<String> = entries.iter().cloned().collect();
+        assert_eq!(found.len(), entries.len(), "duplicate .entry in PTX");
+        let expected = expected_entries();
+        let missing: Vec<_> = expected.difference(&found).collect();
+        let unexpected: Vec<_> = found.difference(&expected).collect();
+        assert!(missing.is_empty(), "kernels missing from PTX: {missing:?}");
+        assert!(unexpected.is_empty(), "unexpected kernels in PTX: {unexpected:?}");
+        assert_eq!(found.len(), 2 * OPS.len() * TYPES.len() + FLOAT_TYPES.len());
+    }
+
+    #[test]
+    fn ptx_version_and_target() {
+        let version = directive(".version").expect("no .version in PTX");
+        let (major, minor) = version.split_once('.').expect("bad .version");
+        let v = (major.parse::<u32>().unwrap(), minor.parse::<u32>().unwrap());
+        assert!(v <= (8, 0), "PTX .version {version} is newer than 8.0 (CUDA 12.0)");
+        assert_eq!(directive(".target"), Some("sm_70"));
+        assert_eq!(directive(".address_size"), Some("64"));
+    }
+
+    #[test]
+    fn ptx_is_plain_text() {
+        // cuModuleLoadData needs a NUL-terminated string; the PTX itself must
+        // not contain NUL bytes (callers append one).
+        assert!(!REDUCE_PTX.as_bytes().contains(&0));
+        assert!(REDUCE_PTX.is_ascii());
+    }
+}

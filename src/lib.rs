@@ -1,0 +1,34 @@
+//! # cuda-peer
+//!
+//! CUDA peer memory for Rust programs that already use [`cudarc`]: which
+//! devices can reach each other ([`topology`]), peer access as RAII guards
+//! ([`peer`]), verified peer copies with a staged-host fallback ([`copy`]),
+//! and ring collectives over those links ([`group`]).
+//!
+//! The driver is loaded at run time ([`driver`]); on a machine with no GPU or
+//! no driver every entry point returns an [`Error`] instead of panicking.
+//!
+//! ```no_run
+//! use cuda_peer::{copy::{Link, LinkOptions}, driver};
+//! # fn main() -> Result<(), cuda_peer::Error> {
+//! let (gpu0, gpu1) = (driver::context(0)?, driver::context(1)?);
+//! let (s0, s1) = (gpu0.default_stream(), gpu1.default_stream());
+//! let src = s0.clone_htod(&[1.0f32, 2.0, 3.0]).unwrap();
+//! let mut dst = s1.alloc_zeros::<f32>(3).unwrap();
+//! let mut link = Link::open(&gpu0, &gpu1, &LinkOptions::default())?; // verified P2P, or staged
+//! link.copy(&src, &mut dst, &s1)?;
+//! assert_eq!(s1.clone_dtoh(&dst).unwrap(), vec![1.0, 2.0, 3.0]);
+//! # Ok(()) }
+//! ```
+#![deny(missing_docs)]
+
+pub mod copy;
+pub mod driver;
+pub mod error;
+pub mod peer;
+mod sync;
+pub mod topology;
+
+pub use cuda_peer_sys as sys;
+pub use cudarc;
+pub use error::{Error, Result};

@@ -1,0 +1,201 @@
+//! Peer access as RAII guards.
+//!
+//! [`PeerAccess::enable`] lets one context read and write another device's
+//! memory: it calls `cuCtxEnablePeerAccess` and also opens the peer device's
+//! default memory pool to the accessing device (`cuMemPoolSetAccess`), since
+//! cudarc allocates from that pool and peer access alone does not cover pool
+//! memory. Guards for the same pair are counted process-wide: the last guard
+//! dropped undoes what the first one enabled, and nothing else. Access that
+//! was already enabled by someone else (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`)
+//! is success without ownership and is left enabled.
+
+use crate::driver::{api, bind};
+use crate::error::{check, Error, Result};
+use cuda_peer_sys as sys;
+use cudarc::driver::CudaContext;
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// What the first guard of a pair changed, to be undone by the last.
+struct Entry {
+    guards: usize,
+    owns_ctx_access: bool,
+    /// The pool access flags found before we granted read-write, if we did.
+    pool_restore: Option<(PoolHandle, sys::CUmemAccess_flags)>,
+}
+
+/// A device's default pool handle, kept in the registry.
+#[derive(Clone, Copy)]
+struct PoolHandle(sys::CUmemoryPool);
+
+// SAFETY: a pool handle is a process-wide driver object that may be used
+// from any thread.
+unsafe impl Send for PoolHandle {}
+
+type Key = (usize, usize);
+static REGISTRY: Lazy<Mutex<HashMap<Key, Entry>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn key(ctx: &CudaContext, peer: &CudaContext) -> Key {
+    (ctx.cu_ctx() as usize, peer.cu_ctx() as usize)
+}
+
+pub(crate) fn raw_ctx(ctx: &CudaContext) -> sys::CUcontext {
+    ctx.cu_ctx() as sys::CUcontext
+}
+
+/// `ctx`'s access to `peer`'s memory, held open while this guard lives.
+#[must_use = "peer access is disabled again when the guard is dropped"]
+pub struct PeerAccess {
+    ctx: Arc<CudaContext>,
+    peer: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for PeerAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerAccess({} -> {})", self.ctx.ordinal(), self.peer.ordinal())
+    }
+}
+
+fn pool_location(ordinal: usize) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal as i32 }
+}
+
+/// Grants `ordinal` read-write access to `pool`; returns the previous flags
+/// if they had to change.
+fn grant_pool(pool: sys::CUmemoryPool, ordinal: usize) -> Result<Option<sys::CUmemAccess_flags>> {
+    let api = api()?;
+    let mut loc = pool_location(ordinal);
+    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    // SAFETY: reads one flag value for a valid pool and location.
+    check("cuMemPoolGetAccess", unsafe { api.cuMemPoolGetAccess(&mut flags, pool, &mut loc) })?;
+    if flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
+        return Ok(None);
+    }
+    set_pool(pool, ordinal, sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)?;
+    Ok(Some(flags))
+}
+
+fn set_pool(pool: sys::CUmemoryPool, ordinal: usize, flags: sys::CUmemAccess_flags) -> Result<()> {
+    let desc = sys::CUmemAccessDesc { location: pool_location(ordinal), flags };
+    // SAFETY: one descriptor, read by the driver during the call.
+    check("cuMemPoolSetAccess", unsafe { api()?.cuMemPoolSetAccess(pool, &desc, 1) })
+}
+
+fn default_pool(ctx: &CudaContext) -> Result<Option<sys::CUmemoryPool>> {
+    let api = api()?;
+    let mut pools = 0;
+    // SAFETY: writes one int for a valid device.
+    check("cuDeviceGetAttribute", unsafe {
+        api.cuDeviceGetAttribute(
+            &mut pools,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
+            ctx.cu_device(),
+        )
+    })?;
+    if pools == 0 {
+        return Ok(None);
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: writes one pool handle for a valid device.
+    check("cuDeviceGetDefaultMemPool", unsafe { api.cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) })?;
+    Ok(Some(pool))
+}
+
+impl PeerAccess {
+    /// Lets `ctx` access `peer`'s memory (device memory and its default
+    /// pool) until the returned guard and every other guard for the same
+    /// pair are dropped.
+    ///
+    /// Errors: [`Error::SameDevice`], [`Error::PeerUnsupported`],
+    /// [`Error::TooManyPeers`], or the driver's error.
+    pub fn enable(ctx: &Arc<CudaContext>, peer: &Arc<CudaContext>) -> Result<PeerAccess> {
+        let (from, to) = (ctx.ordinal(), peer.ordinal());
+        if from == to {
+            return Err(Error::SameDevice(from));
+        }
+        let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        let k = key(ctx, peer);
+        if let Some(e) = reg.get_mut(&k) {
+            e.guards += 1;
+            return Ok(PeerAccess { ctx: ctx.clone(), peer: peer.clone() });
+        }
+        let api = api()?;
+        bind(ctx)?;
+        // SAFETY: `ctx` is current; `peer` is a live context kept alive by its Arc.
+        let r = unsafe { api.cuCtxEnablePeerAccess(raw_ctx(peer), 0) };
+        use sys::CUresult as R;
+        let owns_ctx_access = match r {
+            R::CUDA_SUCCESS => true,
+            R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => false,
+            R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => return Err(Error::PeerUnsupported { from, to }),
+            R::CUDA_ERROR_TOO_MANY_PEERS => return Err(Error::TooManyPeers { from, to }),
+            other => return Err(Error::driver("cuCtxEnablePeerAccess", other.0)),
+        };
+        let pool_restore = match default_pool(peer).and_then(|p| match p {
+            Some(pool) => grant_pool(pool, from).map(|prev| prev.map(|f| (PoolHandle(pool), f))),
+            None => Ok(None),
+        }) {
+            Ok(r) => r,
+            Err(e) => {
+                if owns_ctx_access {
+                    // SAFETY: undoes the enable above, with `ctx` still current.
+                    let _ = unsafe { api.cuCtxDisablePeerAccess(raw_ctx(peer)) };
+                }
+                return Err(e);
+            }
+        };
+        log::debug!("peer access {from} -> {to} enabled (owned: {owns_ctx_access}, pool granted: {})", pool_restore.is_some());
+        reg.insert(k, Entry { guards: 1, owns_ctx_access, pool_restore });
+        Ok(PeerAccess { ctx: ctx.clone(), peer: peer.clone() })
+    }
+
+    /// The accessing context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The context whose memory is accessed.
+    pub fn peer(&self) -> &Arc<CudaContext> {
+        &self.peer
+    }
+
+    /// Whether this process currently holds a guard for `ctx -> peer`.
+    pub fn is_held(ctx: &CudaContext, peer: &CudaContext) -> bool {
+        REGISTRY.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key(ctx, peer))
+    }
+}
+
+impl Drop for PeerAccess {
+    fn drop(&mut self) {
+        let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        let k = key(&self.ctx, &self.peer);
+        let Some(e) = reg.get_mut(&k) else { return };
+        e.guards -= 1;
+        if e.guards > 0 {
+            return;
+        }
+        let Some(e) = reg.remove(&k) else { return };
+        if let Some((pool, flags)) = e.pool_restore {
+            if let Err(err) = set_pool(pool.0, self.ctx.ordinal(), flags) {
+                log::warn!("restoring pool access {} -> {}: {err}", self.ctx.ordinal(), self.peer.ordinal());
+            }
+        }
+        if e.owns_ctx_access {
+            let disabled = api().and_then(|api| {
+                bind(&self.ctx)?;
+                // SAFETY: `ctx` is current and enabled access to `peer` itself (owns_ctx_access).
+                check("cuCtxDisablePeerAccess", unsafe { api.cuCtxDisablePeerAccess(raw_ctx(&self.peer)) })
+            });
+            if let Err(err) = disabled {
+                log::warn!("disabling peer access {} -> {}: {err}", self.ctx.ordinal(), self.peer.ordinal());
+            }
+        }
+    }
+}
+
+/// Whether the driver says `from` can access `to`'s memory (a hint; see
+/// [`crate::copy::Link`] for verified links).
+pub fn can_access_peer(from: usize, to: usize) -> Result<bool> {
+    Ok(crate::topology::link_info(from, to)?.can_access_peer)
+}
