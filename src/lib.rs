@@ -22,13 +22,21 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod collectives;
 pub mod copy;
 pub mod driver;
+pub mod dtype;
 pub mod error;
+pub mod group;
+pub(crate) mod kernels;
 pub mod peer;
+pub mod schedule;
 mod sync;
 pub mod topology;
 
 pub use cuda_peer_sys as sys;
 pub use cudarc;
+pub use copy::{Link, LinkOptions, Path, PathPolicy};
+pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
+pub use group::{Group, GroupOptions};

@@ -17,7 +17,7 @@
 //! is freed only after it (see [`crate::sync`]).
 
 pub mod plan;
-mod staged;
+pub(crate) mod staged;
 pub mod verify;
 
 use crate::driver::{api, bind};
@@ -280,13 +280,20 @@ impl Link {
                 let Some(staging) = self.staging.as_ref() else {
                     return Err(Error::InvalidArgument("staged link without staging buffers".into()));
                 };
-                // The staging stream starts after the caller's stream (earlier
-                // users of the destination and of the staging buffers).
-                crate::sync::wait_for(&staging.d2h, stream, &self.crossing.work)?;
                 with_read(src, &staging.d2h, &self.crossing, |s| {
                     with_write(dst, stream, &self.crossing, |d| staging.copy(d, s, bytes, stream))
                 })
             }
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // The last foreign copy recorded `crossing.work`; let it finish
+        // before the peer-access guards drop.
+        if let Err(e) = self.crossing.work.synchronize() {
+            log::warn!("link drop: {e:?}");
         }
     }
 }

@@ -94,13 +94,35 @@ impl Staging {
     /// The caller has ordered the staging stream after the source's writers
     /// and `stream` after the destination's users.
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+        let h2d_raw = stream.cu_stream() as sys::CUstream;
+        self.transfer(src, bytes, stream, |host, offset, len| {
+            // SAFETY: `dst + offset .. + len` lies in the destination (the
+            // caller checked lengths); the pinned chunk holds `len` bytes
+            // filled by the copy that `stream` now waits for.
+            check("cuMemcpyHtoDAsync", unsafe {
+                api()?.cuMemcpyHtoDAsync_v2(dst + offset as u64, host.cast(), len, h2d_raw)
+            })
+        })
+    }
+
+    /// Moves `bytes` bytes from device address `src` (source context) into
+    /// the pinned buffers chunk by chunk; for each chunk, `on_chunk(host,
+    /// offset, len)` enqueues on `stream` (destination context) whatever
+    /// consumes it (a host-to-device copy, then perhaps a kernel). The
+    /// device-to-host copy of chunk k+1 overlaps `on_chunk`'s work for chunk k.
+    pub(crate) fn transfer(
+        &self,
+        src: u64,
+        bytes: usize,
+        stream: &CudaStream,
+        mut on_chunk: impl FnMut(*const u8, usize, usize) -> Result<()>,
+    ) -> Result<()> {
         let api = api()?;
         let d2h_raw = self.d2h.cu_stream() as sys::CUstream;
-        let h2d_raw = stream.cu_stream() as sys::CUstream;
         for c in super::plan::plan(bytes, self.chunk_bytes, self.buffers.len()) {
             let buf = &self.buffers[c.buffer];
             debug_assert!(c.len <= buf.len());
-            // The buffer is free once its previous host-to-device copy is done.
+            // The buffer is free once its previous consumer on `stream` is done.
             self.d2h.wait(&self.h2d_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
             bind(self.d2h.context())?;
             // SAFETY: `src + offset .. + len` lies in the source allocation
@@ -112,11 +134,7 @@ impl Staging {
             self.d2h_done[c.buffer].record(&self.d2h).map_err(cudarc_err("cuEventRecord"))?;
             stream.wait(&self.d2h_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
             bind(stream.context())?;
-            // SAFETY: as above for the destination; the buffer was filled by
-            // the copy that `stream` now waits for.
-            check("cuMemcpyHtoDAsync", unsafe {
-                api.cuMemcpyHtoDAsync_v2(dst + c.offset as u64, buf.addr().cast(), c.len, h2d_raw)
-            })?;
+            on_chunk(buf.addr(), c.offset, c.len)?;
             self.h2d_done[c.buffer].record(stream).map_err(cudarc_err("cuEventRecord"))?;
         }
         Ok(())

@@ -1,0 +1,205 @@
+//! All-reduce over every visible GPU (or `--ranks N`, laid round-robin over
+//! the GPUs), checked against a CPU reference, with time, algbw and busbw
+//! as nccl-tests report them (busbw = algbw * 2(N-1)/N).
+//!
+//!     cargo run --release --example ring_allreduce -- [--ranks N] [--bytes B]
+//!         [--dtype f32|f64|f16|bf16|i32|i64|u32|u64|i8|u8] [--op sum|prod|min|max|avg]
+//!         [--path auto|p2p|staged] [--iters N]
+
+use clap::Parser;
+use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
+use cuda_peer::{driver, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
+use half::{bf16, f16};
+use rand::Rng;
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(about = "Ring all-reduce over the GPUs of this host, checked and timed")]
+struct Args {
+    /// Ranks in the group (default: one per GPU). Ranks are laid round-robin over the GPUs.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Bytes per rank.
+    #[arg(long, default_value_t = 64 << 20)]
+    bytes: usize,
+    /// Element type.
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Reduction.
+    #[arg(long, default_value = "sum")]
+    op: ReduceOp,
+    /// Link path policy.
+    #[arg(long, default_value = "auto")]
+    path: PathPolicy,
+    /// Timed iterations (after 5 warm-up iterations).
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+}
+
+trait Num: Element {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+macro_rules! num {
+    ($($t:ty: $from:expr, $to:expr;)*) => {$(impl Num for $t {
+        fn from_f64(v: f64) -> Self { ($from)(v) }
+        fn to_f64(self) -> f64 { ($to)(self) }
+    })*};
+}
+num! {
+    f32: |v| v as f32, |x| x as f64;
+    f64: |v| v, |x| x;
+    f16: f16::from_f64, |x: f16| x.to_f64();
+    bf16: bf16::from_f64, |x: bf16| x.to_f64();
+    i32: |v| v as i32, |x| x as f64;
+    i64: |v| v as i64, |x| x as f64;
+    u32: |v| v as u32, |x| x as f64;
+    u64: |v| v as u64, |x| x as f64;
+    i8: |v| v as i8, |x| x as f64;
+    u8: |v| v as u8, |x| x as f64;
+}
+
+fn err<E: std::fmt::Debug>(what: &'static str) -> impl Fn(E) -> cuda_peer::Error {
+    move |e| cuda_peer::Error::InvalidArgument(format!("{what}: {e:?}"))
+}
+
+/// Inputs small enough that integer sums and products stay exact in every
+/// type and float results are well conditioned.
+fn draw(rng: &mut impl Rng, dtype: DType, op: ReduceOp, ranks: usize) -> f64 {
+    match (op, dtype.is_float()) {
+        (ReduceOp::Prod, true) => rng.random_range(0.9..1.1),
+        (ReduceOp::Prod, false) => rng.random_range(1..=2) as f64,
+        (_, true) => rng.random_range(-1.0..1.0),
+        (_, false) => {
+            let cap = if dtype.size() == 1 { 100 / ranks.max(1) } else { 1000 };
+            rng.random_range(0..=cap.max(1)) as f64
+        }
+    }
+}
+
+fn run<T: Num>(args: &Args, group: &Group, streams: &[Arc<CudaStream>]) -> cuda_peer::Result<()> {
+    let n = group.size();
+    let count = (args.bytes / std::mem::size_of::<T>()).max(1);
+    let bytes = count * std::mem::size_of::<T>();
+    let mut rng = rand::rng();
+    let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..count).map(|_| T::from_f64(draw(&mut rng, T::DTYPE, args.op, n))).collect()).collect();
+    let mut bufs: Vec<CudaSlice<T>> =
+        inputs.iter().zip(streams).map(|(d, s)| s.clone_htod(d)).collect::<Result<_, _>>().map_err(err("upload"))?;
+
+    // Check once, against the CPU reference.
+    group.all_reduce_in_place(&mut bufs, args.op)?;
+    let mut wrong = 0usize;
+    let eps = match T::DTYPE {
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+        DType::F32 => 1.2e-7,
+        _ => 2.3e-16,
+    };
+    for (r, b) in bufs.iter().enumerate() {
+        let got = streams[r].clone_dtoh(b).map_err(err("download"))?;
+        for i in 0..count {
+            let xs = inputs.iter().map(|v| v[i].to_f64());
+            let (want, scale) = match args.op {
+                ReduceOp::Sum => (xs.clone().sum::<f64>(), xs.map(f64::abs).sum::<f64>()),
+                ReduceOp::Avg => (xs.clone().sum::<f64>() / n as f64, xs.map(f64::abs).sum::<f64>() / n as f64),
+                ReduceOp::Prod => {
+                    let p = xs.product::<f64>();
+                    (p, p.abs())
+                }
+                ReduceOp::Min => (xs.fold(f64::INFINITY, f64::min), 0.0),
+                ReduceOp::Max => (xs.fold(f64::NEG_INFINITY, f64::max), 0.0),
+            };
+            let tol = if T::DTYPE.is_float() { 2.0 * eps * (n as f64 + 1.0) * scale } else { 0.0 };
+            if (got[i].to_f64() - want).abs() > tol {
+                wrong += 1;
+            }
+        }
+    }
+
+    // Time back-to-back iterations with events on rank 0's stream.
+    let ctx0 = streams[0].context();
+    let (start, end) = (
+        ctx0.new_event(Some(cuda_peer::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("event"))?,
+        ctx0.new_event(Some(cuda_peer::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("event"))?,
+    );
+    for _ in 0..5 {
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Max)?;
+    }
+    group.synchronize()?;
+    start.record(&streams[0]).map_err(err("record"))?;
+    for s in &streams[1..] {
+        s.wait(&start).map_err(err("wait"))?;
+    }
+    for _ in 0..args.iters {
+        // Max keeps the values bounded however many iterations run.
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Max)?;
+    }
+    for s in &streams[1..] {
+        streams[0].join(s).map_err(err("join"))?;
+    }
+    end.record(&streams[0]).map_err(err("record"))?;
+    end.synchronize().map_err(err("sync"))?;
+    let us = start.elapsed_ms(&end).map_err(err("elapsed"))? as f64 * 1e3 / args.iters as f64;
+    let algbw = bytes as f64 / us / 1e3;
+    let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
+    println!("{:>12} {:>10} {:>6} {:>6} {:>10} {:>9} {:>9} {:>7}", "bytes", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong");
+    println!(
+        "{:>12} {:>10} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>7}",
+        bytes,
+        count,
+        T::DTYPE.name(),
+        args.op.name(),
+        us,
+        algbw,
+        busbw,
+        wrong
+    );
+    println!("(GB/s; time is the mean of {} back-to-back all-reduces, #wrong from the checked run)", args.iters);
+    if wrong > 0 {
+        return Err(cuda_peer::Error::InvalidArgument(format!("{wrong} wrong elements")));
+    }
+    Ok(())
+}
+
+fn main() {
+    let args = Args::parse();
+    let gpus = match driver::device_count() {
+        Ok(0) => Err(cuda_peer::Error::NoDevice),
+        other => other,
+    };
+    let gpus = match gpus {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("ring_allreduce: no usable CUDA device: {e}");
+            std::process::exit(2);
+        }
+    };
+    let result = (|| -> cuda_peer::Result<()> {
+        let ranks = args.ranks.unwrap_or(gpus);
+        let ctx = driver::all_contexts()?;
+        let streams: Vec<Arc<CudaStream>> =
+            (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
+        let group = Group::new(streams.clone(), &GroupOptions::with_policy(args.path))?;
+        println!("# ring_allreduce: {ranks} ranks on {gpus} GPU(s): {}", ctx[0].name().unwrap_or_default());
+        for r in 0..ranks {
+            let st = group.link_status(r).expect("rank exists");
+            println!("#   rank {} (GPU{}) <- rank {}: {} ({})", r, r % gpus, (r + ranks - 1) % ranks, st.path, st.reason);
+        }
+        match args.dtype {
+            DType::F32 => run::<f32>(&args, &group, &streams),
+            DType::F64 => run::<f64>(&args, &group, &streams),
+            DType::F16 => run::<f16>(&args, &group, &streams),
+            DType::BF16 => run::<bf16>(&args, &group, &streams),
+            DType::I32 => run::<i32>(&args, &group, &streams),
+            DType::I64 => run::<i64>(&args, &group, &streams),
+            DType::U32 => run::<u32>(&args, &group, &streams),
+            DType::U64 => run::<u64>(&args, &group, &streams),
+            DType::I8 => run::<i8>(&args, &group, &streams),
+            DType::U8 => run::<u8>(&args, &group, &streams),
+        }
+    })();
+    if let Err(e) = result {
+        eprintln!("ring_allreduce: {e}");
+        std::process::exit(1);
+    }
+}

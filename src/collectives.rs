@@ -1,0 +1,285 @@
+//! The collectives: all-reduce, reduce-scatter, all-gather, broadcast and
+//! reduce over a [`Group`], as ring schedules ([`crate::schedule`]) run by the
+//! group's lockstep engine.
+//!
+//! Every call is asynchronous and ordered on the ranks' streams: each rank's
+//! work starts after the pending writers of its buffers and the work already
+//! on its stream, and work enqueued on the rank's stream afterwards sees the
+//! result. There is no host synchronisation inside. Buffers are cudarc
+//! slices or views; rank r's buffers must be on rank r's device.
+//!
+//! Results are bitwise identical on every rank: each element is combined
+//! exactly once, in a fixed ring order, then copied.
+
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{cudarc_err, Error, Result};
+use crate::group::{Group, PullOp};
+use crate::schedule::{self, Action};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, SyncOnDrop};
+use std::ops::Range;
+
+/// Pointers to one buffer per rank, with the guards that record the
+/// buffers' events once the collective is enqueued.
+struct Bufs<'a> {
+    ptrs: Vec<u64>,
+    _guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl Group {
+    fn check_bufs<T, S: cudarc::driver::DeviceSlice<T>>(&self, op: &'static str, what: &'static str, bufs: &[S], len: usize) -> Result<()> {
+        if bufs.len() != self.size() {
+            return Err(Error::InvalidArgument(format!("{op}: {} {what} buffers for a group of {} ranks", bufs.len(), self.size())));
+        }
+        for (r, b) in bufs.iter().enumerate() {
+            let (expected, got) = (self.ranks[r].ctx.ordinal(), b.stream().context().ordinal());
+            if expected != got {
+                return Err(Error::WrongDevice { op, what, expected, got });
+            }
+            if b.len() != len {
+                return Err(Error::LengthMismatch { op, expected: len, got: b.len() });
+            }
+        }
+        Ok(())
+    }
+
+    fn read_ptrs<'a, T, S: DevicePtr<T>>(&'a self, bufs: &'a [S]) -> Bufs<'a> {
+        let (ptrs, guards) = bufs.iter().enumerate().map(|(r, b)| b.device_ptr(&self.ranks[r].stream)).unzip();
+        Bufs { ptrs, _guards: guards }
+    }
+
+    fn write_ptrs<'a, T, D: DevicePtrMut<T>>(&'a self, bufs: &'a mut [D]) -> Bufs<'a> {
+        let (ptrs, guards) = bufs.iter_mut().enumerate().map(|(r, b)| b.device_ptr_mut(&self.ranks[r].stream)).unzip();
+        Bufs { ptrs, _guards: guards }
+    }
+
+    fn divide<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
+        if op == ReduceOp::Avg && self.size() > 1 {
+            for r in ranks {
+                self.launch_scale_div(r, T::DTYPE, ptrs[r], count, self.size() as f64)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn segments<T: Element>(&self, count: usize, parts: usize) -> Vec<Range<usize>> {
+        schedule::partition(count, parts, 16 / T::DTYPE.size())
+    }
+
+    /// In-place all-reduce: every rank's buffer becomes the reduction of all
+    /// ranks' buffers. Ring reduce-scatter then all-gather; over P2P links
+    /// each step is one fused kernel that reads the predecessor's memory.
+    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        let count = bufs.first().map(|b| b.len()).unwrap_or(0);
+        self.check_bufs("all_reduce", "buffer", bufs, count)?;
+        let b = self.write_ptrs(bufs);
+        self.all_reduce_ptrs::<T>(op, &b.ptrs, count)
+    }
+
+    fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize) -> Result<()> {
+        let n = self.size();
+        if count == 0 {
+            return Ok(());
+        }
+        let esz = T::DTYPE.size() as u64;
+        let segs = self.segments::<T>(count, n);
+        let steps: Vec<Vec<Option<PullOp>>> = schedule::all_reduce(n)
+            .into_iter()
+            .map(|step| {
+                (0..n)
+                    .map(|r| {
+                        let pred = (r + n - 1) % n;
+                        let seg = &segs[step[r].part()];
+                        let off = seg.start as u64 * esz;
+                        (!seg.is_empty()).then(|| match step[r] {
+                            Action::Reduce(_) => PullOp::Reduce { dst: ptrs[r] + off, pred: ptrs[pred] + off, own: ptrs[r] + off, count: seg.len() },
+                            Action::Copy(_) => PullOp::Copy { dst: ptrs[r] + off, pred: ptrs[pred] + off, bytes: seg.len() * esz as usize },
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        self.run(op.kernel_op(), T::DTYPE, &steps)?;
+        self.divide::<T>(op, ptrs, count, 0..n)
+    }
+
+    /// Out-of-place all-reduce: `recv[r]` becomes the reduction of every
+    /// `send`; `send` is unchanged.
+    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        let count = send.first().map(|b| b.len()).unwrap_or(0);
+        self.check_bufs("all_reduce", "send", send, count)?;
+        self.check_bufs("all_reduce", "recv", recv, count)?;
+        let s = self.read_ptrs(send);
+        let d = self.write_ptrs(recv);
+        for r in 0..self.size() {
+            self.local_copy(r, d.ptrs[r], s.ptrs[r], count * T::DTYPE.size())?;
+        }
+        self.all_reduce_ptrs::<T>(op, &d.ptrs, count)
+    }
+
+    /// Reduce-scatter: `send[r]` holds `size() * c` elements; `recv[r]`
+    /// (c elements) becomes block r of the reduction. For groups of three or
+    /// more ranks, each rank keeps one scratch buffer of `c` elements
+    /// (allocated on first use, kept with the group, grown when needed).
+    pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        let n = self.size();
+        let c = recv.first().map(|b| b.len()).unwrap_or(0);
+        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("reduce_scatter: count overflows".into()))?;
+        self.check_bufs("reduce_scatter", "recv", recv, c)?;
+        self.check_bufs("reduce_scatter", "send", send, total)?;
+        if c == 0 {
+            return Ok(());
+        }
+        let esz = T::DTYPE.size();
+        let scratch = if n >= 3 { self.scratch(c * esz)? } else { Vec::new() };
+        let s = self.read_ptrs(send);
+        let d = self.write_ptrs(recv);
+        if n == 1 {
+            return self.local_copy(0, d.ptrs[0], s.ptrs[0], c * esz);
+        }
+        let partial = |r: usize, which: usize| if which == 0 { d.ptrs[r] } else { scratch[r] };
+        let blk = |q: usize| (q * c * esz) as u64;
+        let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce_scatter(n)
+            .into_iter()
+            .enumerate()
+            .map(|(st, step)| {
+                (0..n)
+                    .map(|r| {
+                        let pred = (r + n - 1) % n;
+                        let q = step[r].part();
+                        let from = if st == 0 { s.ptrs[pred] + blk(q) } else { partial(pred, schedule::partial_buffer(n, st - 1)) };
+                        Some(PullOp::Reduce { dst: partial(r, schedule::partial_buffer(n, st)), pred: from, own: s.ptrs[r] + blk(q), count: c })
+                    })
+                    .collect()
+            })
+            .collect();
+        self.run(op.kernel_op(), T::DTYPE, &steps)?;
+        self.divide::<T>(op, &d.ptrs, c, 0..n)
+    }
+
+    /// All-gather: `send[r]` holds c elements; every `recv[r]` (`size() * c`
+    /// elements) becomes the concatenation of all `send`s in rank order.
+    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D]) -> Result<()> {
+        let n = self.size();
+        let c = send.first().map(|b| b.len()).unwrap_or(0);
+        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
+        self.check_bufs("all_gather", "send", send, c)?;
+        self.check_bufs("all_gather", "recv", recv, total)?;
+        if c == 0 {
+            return Ok(());
+        }
+        let bytes = c * T::DTYPE.size();
+        let s = self.read_ptrs(send);
+        let d = self.write_ptrs(recv);
+        for r in 0..n {
+            self.local_copy(r, d.ptrs[r] + (r * bytes) as u64, s.ptrs[r], bytes)?;
+        }
+        let steps: Vec<Vec<Option<PullOp>>> = schedule::all_gather(n)
+            .into_iter()
+            .map(|step| {
+                (0..n)
+                    .map(|r| {
+                        let off = (step[r].part() * bytes) as u64;
+                        Some(PullOp::Copy { dst: d.ptrs[r] + off, pred: d.ptrs[(r + n - 1) % n] + off, bytes })
+                    })
+                    .collect()
+            })
+            .collect();
+        self.run("sum", T::DTYPE, &steps)
+    }
+
+    /// Chunks for the pipelined chains: one for two ranks (nothing to
+    /// overlap), else about 1 MiB each, at most 64.
+    fn chain_chunks<T: Element>(&self, count: usize) -> Vec<Range<usize>> {
+        let bytes = count * T::DTYPE.size();
+        let parts = if self.size() <= 2 { 1 } else { bytes.div_ceil(1 << 20).clamp(1, 64) };
+        self.segments::<T>(count, parts).into_iter().filter(|r| !r.is_empty()).collect()
+    }
+
+    /// Broadcast in place: every rank's buffer becomes a copy of `root`'s.
+    /// A chain from the root, pipelined in chunks.
+    pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], root: usize) -> Result<()> {
+        let n = self.size();
+        if root >= n {
+            return Err(Error::RootOutOfRange { root, size: n });
+        }
+        let count = bufs.first().map(|b| b.len()).unwrap_or(0);
+        self.check_bufs("broadcast", "buffer", bufs, count)?;
+        let chunks = self.chain_chunks::<T>(count);
+        let esz = T::DTYPE.size();
+        let b = self.write_ptrs(bufs);
+        let steps: Vec<Vec<Option<PullOp>>> = schedule::broadcast(n, root, chunks.len())
+            .into_iter()
+            .map(|step| {
+                (0..n)
+                    .map(|r| {
+                        step[r].map(|a| {
+                            let ch = &chunks[a.part()];
+                            let off = (ch.start * esz) as u64;
+                            PullOp::Copy { dst: b.ptrs[r] + off, pred: b.ptrs[(r + n - 1) % n] + off, bytes: ch.len() * esz }
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        self.run("sum", T::DTYPE, &steps)
+    }
+
+    /// Reduce to `root`: `recv[root]` becomes the reduction of every `send`.
+    /// Every rank's `recv` is used as working space (a chain from root+1 to
+    /// the root, pipelined in chunks); only the root's holds the result.
+    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], root: usize, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        let n = self.size();
+        if root >= n {
+            return Err(Error::RootOutOfRange { root, size: n });
+        }
+        let count = send.first().map(|b| b.len()).unwrap_or(0);
+        self.check_bufs("reduce", "send", send, count)?;
+        self.check_bufs("reduce", "recv", recv, count)?;
+        if count == 0 {
+            return Ok(());
+        }
+        let esz = T::DTYPE.size();
+        let s = self.read_ptrs(send);
+        let d = self.write_ptrs(recv);
+        if n == 1 {
+            return self.local_copy(0, d.ptrs[0], s.ptrs[0], count * esz);
+        }
+        let chunks = self.chain_chunks::<T>(count);
+        let start = (root + 1) % n; // chain position 0 reads its send buffer
+        let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce(n, root, chunks.len())
+            .into_iter()
+            .map(|step| {
+                (0..n)
+                    .map(|r| {
+                        step[r].map(|a| {
+                            let pred = (r + n - 1) % n;
+                            let ch = &chunks[a.part()];
+                            let off = (ch.start * esz) as u64;
+                            let from = if pred == start { s.ptrs[pred] } else { d.ptrs[pred] };
+                            PullOp::Reduce { dst: d.ptrs[r] + off, pred: from + off, own: s.ptrs[r] + off, count: ch.len() }
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        self.run(op.kernel_op(), T::DTYPE, &steps)?;
+        self.divide::<T>(op, &d.ptrs, count, std::iter::once(root))
+    }
+
+    /// Per-rank scratch of at least `bytes`, kept with the group.
+    fn scratch(&self, bytes: usize) -> Result<Vec<u64>> {
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if held.len() != self.size() || held.iter().any(|s: &CudaSlice<u8>| s.len() < bytes) {
+            held.clear();
+            for rank in &self.ranks {
+                // SAFETY: scratch is written by a reduction before it is read.
+                held.push(unsafe { rank.stream.alloc::<u8>(bytes) }.map_err(cudarc_err("cuMemAlloc (scratch)"))?);
+            }
+        }
+        Ok(held.iter().enumerate().map(|(r, s)| s.device_ptr(&self.ranks[r].stream).0).collect())
+    }
+}

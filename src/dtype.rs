@@ -1,0 +1,195 @@
+//! Element types and reduction operations of the collectives.
+
+use cudarc::driver::DeviceRepr;
+use half::{bf16, f16};
+
+/// An element type the collectives support.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// `f32`
+    F32,
+    /// `f64`
+    F64,
+    /// `half::f16`
+    F16,
+    /// `half::bf16`
+    BF16,
+    /// `i32`
+    I32,
+    /// `i64`
+    I64,
+    /// `u32`
+    U32,
+    /// `u64`
+    U64,
+    /// `i8`
+    I8,
+    /// `u8`
+    U8,
+}
+
+impl DType {
+    /// Every supported type.
+    pub const ALL: [DType; 10] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U32, DType::U64, DType::I8, DType::U8];
+
+    /// Short name, as used in kernel names and on the command line (`f32`, `bf16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U32 => "u32",
+            DType::U64 => "u64",
+            DType::I8 => "i8",
+            DType::U8 => "u8",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::I8 | DType::U8 => 1,
+        }
+    }
+
+    /// Whether it is a floating-point type.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Self> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown element type {s:?}")))
+    }
+}
+
+/// A reduction operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum. Integers wrap on overflow.
+    Sum,
+    /// Product. Integers wrap on overflow.
+    Prod,
+    /// Minimum. For floats, NaN in any input gives NaN.
+    Min,
+    /// Maximum. For floats, NaN in any input gives NaN.
+    Max,
+    /// Mean over the ranks: the sum divided by the number of ranks, for
+    /// floating-point types only. On integer types it is refused with
+    /// [`crate::Error::UnsupportedOp`] (integer division would silently
+    /// truncate; sum and divide yourself if that is what you want).
+    Avg,
+}
+
+impl ReduceOp {
+    /// Every operation.
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+
+    /// Short name (`sum`, `prod`, `min`, `max`, `avg`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+        }
+    }
+
+    /// The kernel operation that combines two values (`Avg` sums, then divides).
+    pub(crate) fn kernel_op(self) -> &'static str {
+        match self {
+            ReduceOp::Avg => "sum",
+            other => other.name(),
+        }
+    }
+
+    /// Checks that the operation is defined for `dtype`.
+    pub fn check(self, dtype: DType) -> crate::Result<()> {
+        if self == ReduceOp::Avg && !dtype.is_float() {
+            return Err(crate::Error::UnsupportedOp { op: self.name(), dtype: dtype.name() });
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ReduceOp {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Self> {
+        ReduceOp::ALL
+            .into_iter()
+            .find(|o| o.name() == s)
+            .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown reduction {s:?}")))
+    }
+}
+
+/// Rust element types usable in collectives.
+pub trait Element: DeviceRepr + bytemuck::Pod + Send + Sync + 'static {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),* $(,)?) => {$(impl Element for $t { const DTYPE: DType = DType::$d; })*};
+}
+element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i32 => I32, i64 => I64, u32 => U32, u64 => U64, i8 => I8, u8 => U8);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_match_sizes() {
+        for d in DType::ALL {
+            assert_eq!(d.name().parse::<DType>().unwrap(), d);
+        }
+        for o in ReduceOp::ALL {
+            assert_eq!(o.name().parse::<ReduceOp>().unwrap(), o);
+        }
+        assert_eq!(<half::bf16 as Element>::DTYPE.size(), std::mem::size_of::<half::bf16>());
+        assert_eq!(<u64 as Element>::DTYPE.size(), 8);
+        assert!("f8".parse::<DType>().is_err());
+    }
+
+    #[test]
+    fn avg_is_refused_on_integers_only() {
+        for d in DType::ALL {
+            assert_eq!(ReduceOp::Avg.check(d).is_ok(), d.is_float(), "{d}");
+            assert!(ReduceOp::Sum.check(d).is_ok());
+        }
+    }
+
+    #[test]
+    fn kernel_names_exist_for_every_pair() {
+        for d in DType::ALL {
+            for o in ReduceOp::ALL {
+                let name = crate::kernels::reduce2_name(o.kernel_op(), d.name());
+                assert!(crate::kernels::REDUCE_PTX.contains(&format!(".entry {name}(")), "{name}");
+            }
+        }
+    }
+}

@@ -1,0 +1,359 @@
+//! A group of ranks (a communicator) in one process, and the lockstep
+//! engine that runs ring schedules on it.
+//!
+//! Each rank is a device with its stream. Several ranks may share a device
+//! (useful for testing rings of 3-8 ranks on one or two GPUs). Each rank
+//! pulls from its ring predecessor over the link chosen for that pair:
+//! peer loads and peer copies where P2P is verified (or both ranks share a
+//! device), the staged-host path where not. A group may mix them.
+//!
+//! The collectives themselves are in [`crate::collectives`].
+
+use crate::copy::staged::Staging;
+use crate::copy::{decide, LinkOptions, LinkStatus, Path};
+use crate::driver::{api, bind};
+use crate::dtype::DType;
+use crate::error::{check, cudarc_err, Error, Result};
+use crate::kernels;
+use crate::peer::{raw_ctx, PeerAccess};
+use cuda_peer_sys as sys;
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Settings for a group.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GroupOptions {
+    /// How each ring link is opened (policy, verification, staging sizes).
+    pub link: LinkOptions,
+    /// Per-rank override of `link.policy` for the link from rank r-1 to rank
+    /// r (empty: `link.policy` everywhere). Lets a group mix paths on purpose.
+    pub pull_policies: Vec<crate::copy::PathPolicy>,
+}
+
+impl GroupOptions {
+    /// Default options with the given path policy for every link.
+    pub fn with_policy(policy: crate::copy::PathPolicy) -> Self {
+        GroupOptions { link: LinkOptions::with_policy(policy), pull_policies: Vec::new() }
+    }
+}
+
+/// The reduction kernels, loaded once per context for the life of the process.
+static MODULES: Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn module(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>> {
+    let mut map = MODULES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(m) = map.get(&(ctx.cu_ctx() as usize)) {
+        return Ok(m.clone());
+    }
+    let m = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_src(kernels::REDUCE_PTX))
+        .map_err(cudarc_err("cuModuleLoadData (reduction kernels)"))?;
+    map.insert(ctx.cu_ctx() as usize, m.clone());
+    Ok(m)
+}
+
+/// One rank: its device, stream, kernels and step event.
+pub(crate) struct Rank {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    funcs: Mutex<HashMap<String, CudaFunction>>,
+    /// Recorded on `stream` after each step.
+    pub(crate) done: CudaEvent,
+    max_blocks: u32,
+}
+
+/// How a rank pulls from its ring predecessor.
+pub(crate) struct Pull {
+    pub(crate) status: LinkStatus,
+    staging: Option<Staging>,
+    /// Device scratch of one staging chunk on the receiving rank (staged reductions).
+    scratch: Option<CudaSlice<u8>>,
+}
+
+/// A communicator of ranks in one process. See the module docs.
+pub struct Group {
+    pub(crate) ranks: Vec<Rank>,
+    /// `pulls[r]`: rank r pulling from rank r-1.
+    pub(crate) pulls: Vec<Pull>,
+    /// Per-rank scratch for reduce-scatter on three or more ranks.
+    pub(crate) scratch: Mutex<Vec<CudaSlice<u8>>>,
+    _access: Vec<PeerAccess>,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let devices: Vec<usize> = self.ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        let paths: Vec<Path> = self.pulls.iter().map(|p| p.status.path).collect();
+        f.debug_struct("Group").field("devices", &devices).field("pulls", &paths).finish()
+    }
+}
+
+/// One rank's work in one step, on raw device addresses.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum PullOp {
+    /// `dst[i] = pred[i] op own[i]` for `count` elements of `dtype`.
+    Reduce { dst: u64, pred: u64, own: u64, count: usize },
+    /// `dst[..bytes] = pred[..bytes]`.
+    Copy { dst: u64, pred: u64, bytes: usize },
+}
+
+impl Group {
+    /// A group with one rank per stream, in ring order. Several streams may
+    /// belong to one device. Opens every ring link `r-1 -> r` under
+    /// `opts.link` (enabling and verifying P2P, or allocating staging).
+    pub fn new(streams: Vec<Arc<CudaStream>>, opts: &GroupOptions) -> Result<Group> {
+        if streams.is_empty() {
+            return Err(Error::EmptyGroup);
+        }
+        let n = streams.len();
+        if !opts.pull_policies.is_empty() && opts.pull_policies.len() != n {
+            return Err(Error::InvalidArgument(format!("{} pull policies for {n} ranks", opts.pull_policies.len())));
+        }
+        let mut ranks = Vec::with_capacity(n);
+        for stream in streams {
+            let ctx = stream.context().clone();
+            let sms = ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(cudarc_err("cuDeviceGetAttribute"))?;
+            ranks.push(Rank {
+                module: module(&ctx)?,
+                done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
+                funcs: Mutex::new(HashMap::new()),
+                max_blocks: (sms.max(1) as u32) * 4,
+                ctx,
+                stream,
+            });
+        }
+        let mut access = Vec::new();
+        let mut pulls = Vec::with_capacity(n);
+        for r in 0..n {
+            let pred = (r + n - 1) % n;
+            let (src, dst) = (&ranks[pred].ctx, &ranks[r].ctx);
+            let mut link = opts.link.clone();
+            if let Some(&p) = opts.pull_policies.get(r) {
+                link.policy = p;
+            }
+            let (guards, status) = decide(src, dst, &link)?;
+            access.extend(guards);
+            let (staging, scratch) = if status.path == Path::Staged {
+                let st = Staging::new(src, dst, opts.link.staging_chunk_bytes, opts.link.staging_buffers)?;
+                // SAFETY (of reading it later): scratch is always written by a
+                // host-to-device copy before a kernel reads it.
+                let scratch = unsafe { ranks[r].stream.alloc::<u8>(st.chunk_bytes) }.map_err(cudarc_err("cuMemAlloc"))?;
+                (Some(st), Some(scratch))
+            } else {
+                (None, None)
+            };
+            pulls.push(Pull { status, staging, scratch });
+        }
+        Ok(Group { ranks, pulls, scratch: Mutex::new(Vec::new()), _access: access })
+    }
+
+    /// A group with one rank per device in `ordinals` (each on a new stream).
+    pub fn from_devices(ordinals: &[usize], opts: &GroupOptions) -> Result<Group> {
+        let mut streams = Vec::with_capacity(ordinals.len());
+        for &o in ordinals {
+            let ctx = crate::driver::context(o)?;
+            streams.push(ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?);
+        }
+        Group::new(streams, opts)
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Rank `r`'s stream: collectives are ordered on it.
+    pub fn stream(&self, r: usize) -> Option<&Arc<CudaStream>> {
+        self.ranks.get(r).map(|k| &k.stream)
+    }
+
+    /// Rank `r`'s context.
+    pub fn context(&self, r: usize) -> Option<&Arc<CudaContext>> {
+        self.ranks.get(r).map(|k| &k.ctx)
+    }
+
+    /// How rank `r` pulls from rank `r-1`, and why.
+    pub fn link_status(&self, r: usize) -> Option<&LinkStatus> {
+        self.pulls.get(r).map(|p| &p.status)
+    }
+
+    /// Waits on the host until every rank's stream is idle.
+    pub fn synchronize(&self) -> Result<()> {
+        for r in &self.ranks {
+            r.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+
+    fn function(&self, r: usize, name: &str) -> Result<CudaFunction> {
+        let rank = &self.ranks[r];
+        let mut funcs = rank.funcs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = funcs.get(name) {
+            return Ok(f.clone());
+        }
+        let f = rank.module.load_function(name).map_err(cudarc_err("cuModuleGetFunction"))?;
+        funcs.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
+        let per_block = (kernels::BLOCK_SIZE as usize) * (16 / dtype.size());
+        let blocks = count.div_ceil(per_block).clamp(1, self.ranks[r].max_blocks as usize) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Launches `dst = a op b` over `count` elements on rank `r`'s stream.
+    pub(crate) fn launch_reduce2(&self, r: usize, op: &str, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let f = self.function(r, &kernels::reduce2_name(op, dtype.name()))?;
+        let n = count as u64;
+        let stream = &self.ranks[r].stream;
+        let mut launch = stream.launch_builder(&f);
+        launch.arg(&dst).arg(&a).arg(&b).arg(&n);
+        // SAFETY: the kernel's signature is (T*, const T*, const T*, u64); the
+        // three addresses hold `count` elements of `dtype` on, or peer-accessible
+        // from, rank r's device, and stay alive until the step's events complete.
+        unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
+        Ok(())
+    }
+
+    /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.
+    pub(crate) fn launch_scale_div(&self, r: usize, dtype: DType, x: u64, count: usize, divisor: f64) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let f = self.function(r, &kernels::scale_div_name(dtype.name()))?;
+        let n = count as u64;
+        let mut launch = self.ranks[r].stream.launch_builder(&f);
+        launch.arg(&x).arg(&n).arg(&divisor);
+        // SAFETY: signature (T*, u64, double); `x` holds `count` elements on rank r's device.
+        unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
+        Ok(())
+    }
+
+    /// A device-to-device copy on rank `r`'s stream (same device).
+    pub(crate) fn local_copy(&self, r: usize, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        bind(&self.ranks[r].ctx)?;
+        // SAFETY: both ranges hold `bytes` bytes on rank r's device.
+        check("cuMemcpyDtoDAsync", unsafe {
+            api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, self.ranks[r].stream.cu_stream() as sys::CUstream)
+        })
+    }
+
+    /// Runs one rank's pull from its predecessor on its stream, over the link's path.
+    fn pull(&self, r: usize, op: &str, dtype: DType, what: PullOp) -> Result<()> {
+        let pred = (r + self.size() - 1) % self.size();
+        let pull = &self.pulls[r];
+        let stream = &self.ranks[r].stream;
+        match (pull.status.path, what) {
+            (Path::Local | Path::P2p, PullOp::Reduce { dst, pred: p, own, count }) => {
+                self.launch_reduce2(r, op, dtype, dst, p, own, count)
+            }
+            (Path::Local, PullOp::Copy { dst, pred: p, bytes }) => self.local_copy(r, dst, p, bytes),
+            (Path::P2p, PullOp::Copy { dst, pred: p, bytes }) => {
+                if bytes == 0 {
+                    return Ok(());
+                }
+                bind(&self.ranks[r].ctx)?;
+                let (dctx, sctx) = (raw_ctx(&self.ranks[r].ctx), raw_ctx(&self.ranks[pred].ctx));
+                // SAFETY: `p` holds `bytes` bytes on the predecessor's device,
+                // `dst` on ours; both contexts are alive (held by the group).
+                check("cuMemcpyPeerAsync", unsafe {
+                    api()?.cuMemcpyPeerAsync(dst, dctx, p, sctx, bytes, stream.cu_stream() as sys::CUstream)
+                })
+            }
+            (Path::Staged, what) => {
+                let (Some(staging), Some(scratch)) = (&pull.staging, &pull.scratch) else {
+                    return Err(Error::InvalidArgument("staged pull without staging buffers".into()));
+                };
+                match what {
+                    PullOp::Copy { dst, pred: p, bytes } => staging.copy(dst, p, bytes, stream),
+                    PullOp::Reduce { dst, pred: p, own, count } => {
+                        let esz = dtype.size() as u64;
+                        let sp = scratch_ptr(scratch, stream);
+                        let h2d = stream.cu_stream() as sys::CUstream;
+                        staging.transfer(p, count * dtype.size(), stream, |host, off, len| {
+                            // SAFETY: the scratch holds one chunk (>= len bytes)
+                            // and is consumed by the kernel below, in stream order.
+                            check("cuMemcpyHtoDAsync", unsafe { api()?.cuMemcpyHtoDAsync_v2(sp, host.cast(), len, h2d) })?;
+                            let o = off as u64;
+                            self.launch_reduce2(r, op, dtype, dst + o, sp, own + o, len / esz as usize)
+                        })
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs a schedule: `steps[k][r]` is rank r's work at step k. Ranks
+    /// advance in lockstep with their two ring neighbours (events only; no
+    /// host synchronisation). Before the first step, each rank's stream has
+    /// already been ordered after its buffers' writers by the caller; after
+    /// the last, each rank waits for its successor, which may still read
+    /// from it.
+    pub(crate) fn run(&self, op: &str, dtype: DType, steps: &[Vec<Option<PullOp>>]) -> Result<()> {
+        let n = self.size();
+        let rec = |r: usize| self.ranks[r].done.record(&self.ranks[r].stream).map_err(cudarc_err("cuEventRecord"));
+        let wait = |r: usize, on: usize| {
+            if r == on {
+                return Ok(());
+            }
+            self.ranks[r].stream.wait(&self.ranks[on].done).map_err(cudarc_err("cuStreamWaitEvent"))
+        };
+        for r in 0..n {
+            rec(r)?;
+        }
+        for step in steps {
+            for r in 0..n {
+                let (pred, succ) = ((r + n - 1) % n, (r + 1) % n);
+                wait(r, pred)?;
+                if succ != pred {
+                    wait(r, succ)?;
+                }
+                // A staged pull's device-to-host side runs on the predecessor's
+                // device and needs only the predecessor's previous step.
+                if let (Some(_), Some(staging)) = (step[r], &self.pulls[r].staging) {
+                    staging.d2h.wait(&self.ranks[pred].done).map_err(cudarc_err("cuStreamWaitEvent"))?;
+                }
+            }
+            for r in 0..n {
+                if let Some(what) = step[r] {
+                    self.pull(r, op, dtype, what)?;
+                }
+                rec(r)?;
+            }
+        }
+        if !steps.is_empty() {
+            for r in 0..n {
+                wait(r, (r + 1) % n)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // Peer access is disabled when the guards drop: no kernel or copy of
+        // this group may still be reading a peer's memory then.
+        if let Err(e) = self.synchronize() {
+            log::warn!("synchronising a group on drop: {e}");
+        }
+    }
+}
+
+fn scratch_ptr(scratch: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _record) = scratch.device_ptr(stream);
+    p
+}
