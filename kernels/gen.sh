@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Regenerate / verify src/kernels/reduce.ptx from kernels/reduce.cu.
+# Regenerate / verify src/kernels/{reduce,mesh}.ptx from kernels/reduce.cu
+# (two builds of one source: -DCP_BUILD_REDUCE and -DCP_BUILD_MESH).
 #
-#   kernels/gen.sh            regenerate src/kernels/reduce.ptx
+#   kernels/gen.sh            regenerate src/kernels/reduce.ptx and mesh.ptx
 #   kernels/gen.sh --check    (1) regenerate into a temp file and fail if it
 #                                 differs from the committed PTX,
 #                             (2) assemble the committed PTX with ptxas for
@@ -25,7 +26,7 @@ NVRTC_VERSION="12.0.76"
 NVCC_PKG="nvidia-cuda-nvcc-cu12"
 NVCC_VERSION="${CUDA_PEER_NVCC_VERSION:-12.0.76}"
 SRC="$ROOT/kernels/reduce.cu"
-PTX="$ROOT/src/kernels/reduce.ptx"
+MODULES="reduce:CP_BUILD_REDUCE mesh:CP_BUILD_MESH"
 ARCHS="sm_70 sm_80 sm_86 sm_89 sm_90"
 MAX_PTX_VERSION="8.0"
 
@@ -67,9 +68,9 @@ find_one() {  # find_one DIR NAME-GLOB -> first match (sorted) or dies
     echo "$hit"
 }
 
-# generate OUT: compile $SRC with NVRTC into OUT.
+# generate OUT DEFINE: compile $SRC with -DDEFINE with NVRTC into OUT.
 generate() {
-    local out="$1" dir lib builtins
+    local out="$1" define="$2" dir lib builtins
     dir="$(install_wheel "$NVRTC_PKG" "$NVRTC_VERSION")"
     lib="$(find_one "$dir" 'libnvrtc.so.12')"
     builtins="$(find_one "$dir" 'libnvrtc-builtins.so.*')"
@@ -78,33 +79,38 @@ generate() {
         "$PYTHON" "$ROOT/kernels/nvrtc_compile.py" \
             --nvrtc "$lib" --builtins "$builtins" \
             --src "$SRC" --banner-name kernels/reduce.cu --out "$out" \
-            --max-ptx-version "$MAX_PTX_VERSION" --expect-target sm_70
+            --max-ptx-version "$MAX_PTX_VERSION" --expect-target sm_70 -- "-D$define"
 }
 
 if [ "$mode" = gen ]; then
-    mkdir -p "$(dirname "$PTX")"
-    generate "$PTX"
-    log "wrote $PTX"
+    for m in $MODULES; do
+        PTX="$ROOT/src/kernels/${m%%:*}.ptx"
+        mkdir -p "$(dirname "$PTX")"
+        generate "$PTX" "${m#*:}"
+        log "wrote $PTX"
+    done
     exit 0
 fi
 
 # ---- check mode ----
-[ -f "$PTX" ] || die "$PTX does not exist; run kernels/gen.sh first"
 tmpdir="$(mktemp -d)"
 trap 'rm -rf "$tmpdir"' EXIT
+nvcc_dir="$(install_wheel "$NVCC_PKG" "$NVCC_VERSION")"
+ptxas="$(find_one "$nvcc_dir" 'ptxas')"
+[ -x "$ptxas" ] || chmod +x "$ptxas"
+for m in $MODULES; do
+PTX="$ROOT/src/kernels/${m%%:*}.ptx"
+[ -f "$PTX" ] || die "$PTX does not exist; run kernels/gen.sh first"
 
-log "step 1: regenerating into $tmpdir/reduce.ptx and comparing with $PTX"
-generate "$tmpdir/reduce.ptx"
-if ! cmp -s "$tmpdir/reduce.ptx" "$PTX"; then
-    diff -u "$PTX" "$tmpdir/reduce.ptx" | head -n 40 >&2 || true
+log "step 1: regenerating $PTX into $tmpdir and comparing"
+generate "$tmpdir/fresh.ptx" "${m#*:}"
+if ! cmp -s "$tmpdir/fresh.ptx" "$PTX"; then
+    diff -u "$PTX" "$tmpdir/fresh.ptx" | head -n 40 >&2 || true
     die "committed $PTX is stale (differs from a fresh NVRTC build); run kernels/gen.sh"
 fi
 log "step 1 OK: committed PTX is identical to a fresh build"
 
 log "step 2: assembling committed PTX with ptxas for: $ARCHS"
-nvcc_dir="$(install_wheel "$NVCC_PKG" "$NVCC_VERSION")"
-ptxas="$(find_one "$nvcc_dir" 'ptxas')"
-[ -x "$ptxas" ] || chmod +x "$ptxas"
 log "ptxas: $ptxas ($("$ptxas" --version | tail -n 1))"
 for arch in $ARCHS; do
     vlog="$tmpdir/ptxas-$arch.log"
@@ -124,5 +130,6 @@ for arch in $ARCHS; do
         die "ptxas -arch=$arch: register spills or stack frames"
     fi
     log "  $arch OK: $nfunc entry functions, max $maxreg registers, no spills, no stack"
+done
 done
 log "check OK"

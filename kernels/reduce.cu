@@ -64,7 +64,7 @@ struct PtrArray {
     const void* p[8];
 };
 
-static __device__ __forceinline__ u64 addr_of(const void* p) {
+__device__ __forceinline__ u64 addr_of(const void* p) {
     return (u64)p;
 }
 
@@ -199,6 +199,10 @@ CP_OP_ADAPTOR(prod)
 CP_OP_ADAPTOR(min)
 CP_OP_ADAPTOR(max)
 
+// Two PTX modules come from this file (kernels/gen.sh): reduce.ptx with
+// -DCP_BUILD_REDUCE and mesh.ptx with -DCP_BUILD_MESH, so that a program
+// JIT-compiles only the family it uses.
+#ifdef CP_BUILD_REDUCE
 // ---------------------------------------------------------------------------
 // Generic bodies.
 // ---------------------------------------------------------------------------
@@ -393,3 +397,173 @@ CP_SCALE_DIV_KERNEL(f32)
 CP_SCALE_DIV_KERNEL(f64)
 CP_SCALE_DIV_KERNEL(f16)
 CP_SCALE_DIV_KERNEL(bf16)
+#endif  // CP_BUILD_REDUCE
+
+// ---------------------------------------------------------------------------
+// Mesh all-reduce: one kernel per rank, every rank P2P-connected to every
+// other (distinct GPUs). Two-shot: rank r reduces segment r of every rank's
+// input by peer loads, in rank order 0..N-1 (so every rank's result is
+// bitwise identical), and writes the result into segment r of every rank's
+// output by peer stores. A per-block barrier of flags (release/acquire at
+// system scope) opens and closes the kernel:
+//   start: every rank's kernel has begun, so its inputs are ready (stream
+//          order) and its previous collective is over;
+//   end:   every peer's block b has written its segment into our output.
+// Block b of every rank handles the same element indices of its own
+// segment, so a barrier between blocks with the same index is enough.
+//
+//   cp_meshar_OP_TY(PtrArray ins, PtrArray outs, PtrArray flags,
+//                   int nranks, int rank, u64 n, u64 seg, int vec)
+//     ins/outs: each rank's buffers (outs may equal ins: in place);
+//     flags: each rank's flag area (MESH_FLAG_WORDS u32, zeroed once at
+//            creation; the block counters at its end are this rank's own);
+//     seg: elements per segment, a multiple of 16/sizeof(T);
+//     vec: 1 when every ins/outs pointer is 16-byte aligned.
+//   Launch: the same grid on every rank, at most MESH_MAX_BLOCKS blocks,
+//   small enough that every block is resident at once; 1-D blocks of at
+//   least nranks threads.
+//   A barrier that waits more than 10 s traps (the kernel fails with an
+//   error instead of hanging).
+// ---------------------------------------------------------------------------
+
+#ifdef CP_BUILD_MESH
+#define MESH_MAX_BLOCKS 1024
+#define MESH_MAX_RANKS 8
+#define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)
+#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)
+
+static __device__ __forceinline__ void st_release_sys(unsigned int* p, unsigned int v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+static __device__ __forceinline__ unsigned int ld_acquire_sys(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// `flags` is a copy of the flag pointers in shared memory (a dynamic index
+// into the kernel parameter would put the array on the stack).
+static __device__ __forceinline__ void mesh_barrier(unsigned int* const* flags, int nranks, int rank,
+                                    unsigned int value, int slot) {
+    __syncthreads();
+    if ((int)threadIdx.x < nranks) {
+        const int p = threadIdx.x;
+        const u64 cell = (u64)(slot * MESH_MAX_BLOCKS + blockIdx.x) * MESH_MAX_RANKS;
+        unsigned int* theirs = flags[p] + cell + rank;
+        const unsigned int* mine = flags[rank] + cell + p;
+        __threadfence_system();
+        st_release_sys(theirs, value);
+        u64 start = 0;
+        unsigned int spins = 0;
+        while ((int)(ld_acquire_sys(mine) - value) < 0) {
+            if ((++spins & 1023u) == 0) {
+                const u64 now = global_timer_ns();
+                if (start == 0) {
+                    start = now;
+                } else if (now - start > 10000000000ull) {
+                    __trap();
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+template <class Op>
+static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const PtrArray& outs,
+                                   const PtrArray& flags, int nranks, int rank,
+                                   u64 n, u64 seg, int vec) {
+    typedef typename Op::T T;
+    if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
+    if (gridDim.x > MESH_MAX_BLOCKS || (int)blockDim.x < nranks) return;
+    __shared__ unsigned int value;
+    __shared__ unsigned int* sflags[MESH_MAX_RANKS];
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int k = 0; k < MESH_MAX_RANKS; ++k) sflags[k] = (unsigned int*)flags.p[k];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int* counters = sflags[rank] + MESH_COUNTERS_OFFSET;
+        value = counters[blockIdx.x] + 1u;
+        counters[blockIdx.x] = value;
+    }
+    __syncthreads();
+    const unsigned int v = value;
+    mesh_barrier(sflags, nranks, rank, v, 0);
+
+    const u64 lo = (u64)rank * seg < n ? (u64)rank * seg : n;
+    const u64 hi = lo + seg < n ? lo + seg : n;
+    const u64 len = hi - lo;
+    const u64 E = 16 / sizeof(T);
+    const u64 nvec = vec ? len / E : 0;
+    const u64 tid = global_tid();
+    const u64 stride = global_stride();
+
+    for (u64 j = tid; j < nvec; j += stride) {
+        VecView<T> acc;
+        acc.v = ((const V16*)((const T*)ins.p[0] + lo))[j];
+#pragma unroll
+        for (int k = 1; k < MESH_MAX_RANKS; ++k) {
+            if (k < nranks) {
+                VecView<T> x;
+                x.v = ((const V16*)((const T*)ins.p[k] + lo))[j];
+#pragma unroll
+                for (int e = 0; e < (int)E; ++e) {
+                    acc.e[e] = Op::apply(acc.e[e], x.e[e]);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < MESH_MAX_RANKS; ++k) {
+            if (k < nranks) {
+                ((V16*)((T*)outs.p[k] + lo))[j] = acc.v;
+            }
+        }
+    }
+    for (u64 i = nvec * E + tid; i < len; i += stride) {
+        T acc = ((const T*)ins.p[0])[lo + i];
+#pragma unroll
+        for (int k = 1; k < MESH_MAX_RANKS; ++k) {
+            if (k < nranks) acc = Op::apply(acc, ((const T*)ins.p[k])[lo + i]);
+        }
+#pragma unroll
+        for (int k = 0; k < MESH_MAX_RANKS; ++k) {
+            if (k < nranks) ((T*)outs.p[k])[lo + i] = acc;
+        }
+    }
+
+    mesh_barrier(sflags, nranks, rank, v, 1);
+}
+
+#define CP_MESH_KERNEL(OP, TY)                                                  \
+    extern "C" __global__ void cp_meshar_##OP##_##TY(                           \
+        PtrArray ins, PtrArray outs, PtrArray flags, int nranks, int rank,      \
+        u64 n, u64 seg, int vec) {                                              \
+        meshar_body<Op_##OP<Ty_##TY> >(ins, outs, flags, nranks, rank, n, seg, vec); \
+    }
+
+#define CP_MESH_ALL_OPS(TY)                                                     \
+    CP_MESH_KERNEL(sum, TY)                                                     \
+    CP_MESH_KERNEL(prod, TY)                                                    \
+    CP_MESH_KERNEL(min, TY)                                                     \
+    CP_MESH_KERNEL(max, TY)
+
+CP_MESH_ALL_OPS(f32)
+CP_MESH_ALL_OPS(f64)
+CP_MESH_ALL_OPS(f16)
+CP_MESH_ALL_OPS(bf16)
+CP_MESH_ALL_OPS(i32)
+CP_MESH_ALL_OPS(i64)
+CP_MESH_ALL_OPS(u32)
+CP_MESH_ALL_OPS(u64)
+CP_MESH_ALL_OPS(i8)
+CP_MESH_ALL_OPS(u8)
+#endif  // CP_BUILD_MESH

@@ -66,13 +66,20 @@ impl Group {
     }
 
     /// In-place all-reduce: every rank's buffer becomes the reduction of all
-    /// ranks' buffers. Ring reduce-scatter then all-gather; over P2P links
-    /// each step is one fused kernel that reads the predecessor's memory.
+    /// ranks' buffers. With the mesh ([`crate::group::Algorithm`]) it is one
+    /// kernel per rank: rank r reduces segment r of every rank's buffer by
+    /// peer loads and writes it back into every rank's buffer by peer
+    /// stores, between two device-side barriers. Otherwise it is the ring:
+    /// reduce-scatter then all-gather, where over P2P links each step is one
+    /// fused kernel that reads the predecessor's memory.
     pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
         let b = self.write_ptrs(bufs);
+        if count > 0 && self.launch_mesh(op.kernel_op(), T::DTYPE, &b.ptrs, &b.ptrs, count)? {
+            return self.divide::<T>(op, &b.ptrs, count, 0..self.size());
+        }
         self.all_reduce_ptrs::<T>(op, &b.ptrs, count)
     }
 
@@ -112,6 +119,9 @@ impl Group {
         self.check_bufs("all_reduce", "recv", recv, count)?;
         let s = self.read_ptrs(send);
         let d = self.write_ptrs(recv);
+        if count > 0 && self.launch_mesh(op.kernel_op(), T::DTYPE, &s.ptrs, &d.ptrs, count)? {
+            return self.divide::<T>(op, &d.ptrs, count, 0..self.size());
+        }
         for r in 0..self.size() {
             self.local_copy(r, d.ptrs[r], s.ptrs[r], count * T::DTYPE.size())?;
         }

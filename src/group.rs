@@ -22,9 +22,24 @@ use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+/// Which algorithm a group's all-reduce uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// Mesh where the group allows it (every rank on its own device and
+    /// every pair of devices P2P, verified; at most 8 ranks), else ring.
+    #[default]
+    Auto,
+    /// Always the ring (reduce-scatter then all-gather over ring links).
+    Ring,
+    /// Always the mesh; creating the group fails where it is not possible.
+    Mesh,
+}
+
 /// Settings for a group.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct GroupOptions {
+    /// All-reduce algorithm (see [`Algorithm`]).
+    pub algorithm: Algorithm,
     /// How each ring link is opened (policy, verification, staging sizes).
     pub link: LinkOptions,
     /// Per-rank override of `link.policy` for the link from rank r-1 to rank
@@ -35,21 +50,23 @@ pub struct GroupOptions {
 impl GroupOptions {
     /// Default options with the given path policy for every link.
     pub fn with_policy(policy: crate::copy::PathPolicy) -> Self {
-        GroupOptions { link: LinkOptions::with_policy(policy), pull_policies: Vec::new() }
+        GroupOptions { link: LinkOptions::with_policy(policy), ..Default::default() }
     }
 }
 
-/// The reduction kernels, loaded once per context for the life of the process.
-static MODULES: Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+type ModuleCache = Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>>;
 
-fn module(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>> {
-    let mut map = MODULES.lock().unwrap_or_else(|p| p.into_inner());
+/// The kernel modules, loaded (JIT-compiled) once per context for the life
+/// of the process.
+static REDUCE_MODULES: ModuleCache = Lazy::new(|| Mutex::new(HashMap::new()));
+static MESH_MODULES: ModuleCache = Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn load_module(ctx: &Arc<CudaContext>, cache: &ModuleCache, ptx: &'static str) -> Result<Arc<CudaModule>> {
+    let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(m) = map.get(&(ctx.cu_ctx() as usize)) {
         return Ok(m.clone());
     }
-    let m = ctx
-        .load_module(cudarc::nvrtc::Ptx::from_src(kernels::REDUCE_PTX))
-        .map_err(cudarc_err("cuModuleLoadData (reduction kernels)"))?;
+    let m = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(cudarc_err("cuModuleLoadData (kernels)"))?;
     map.insert(ctx.cu_ctx() as usize, m.clone());
     Ok(m)
 }
@@ -73,8 +90,36 @@ pub(crate) struct Pull {
     scratch: Option<CudaSlice<u8>>,
 }
 
+/// The mesh all-reduce's per-rank state: kernels and flag areas.
+pub(crate) struct Mesh {
+    modules: Vec<Arc<CudaModule>>,
+    funcs: Mutex<HashMap<(usize, String), CudaFunction>>,
+    /// Each rank's flag area (zeroed once), kept alive with the group.
+    _flags: Vec<CudaSlice<u32>>,
+    flag_ptrs: [u64; kernels::MESH_MAX_RANKS],
+}
+
+/// Kernel argument: up to 8 device pointers by value (`struct { void* p[8]; }`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PtrArray(pub(crate) [u64; kernels::MESH_MAX_RANKS]);
+
+// SAFETY: a plain 64-byte array of integers, laid out like the C struct the
+// kernels take by value.
+unsafe impl cudarc::driver::DeviceRepr for PtrArray {}
+
+impl PtrArray {
+    pub(crate) fn from_slice(ptrs: &[u64]) -> Self {
+        let mut a = PtrArray::default();
+        a.0[..ptrs.len()].copy_from_slice(ptrs);
+        a
+    }
+}
+
 /// A communicator of ranks in one process. See the module docs.
 pub struct Group {
+    /// The mesh all-reduce, when the group uses it.
+    pub(crate) mesh: Option<Mesh>,
     pub(crate) ranks: Vec<Rank>,
     /// `pulls[r]`: rank r pulling from rank r-1.
     pub(crate) pulls: Vec<Pull>,
@@ -119,7 +164,7 @@ impl Group {
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(cudarc_err("cuDeviceGetAttribute"))?;
             ranks.push(Rank {
-                module: module(&ctx)?,
+                module: load_module(&ctx, &REDUCE_MODULES, kernels::REDUCE_PTX)?,
                 done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
                 funcs: Mutex::new(HashMap::new()),
                 max_blocks: (sms.max(1) as u32) * 4,
@@ -149,7 +194,61 @@ impl Group {
             };
             pulls.push(Pull { status, staging, scratch });
         }
-        Ok(Group { ranks, pulls, scratch: Mutex::new(Vec::new()), _access: access })
+        let mesh = Self::open_mesh(&ranks, &pulls, opts, &mut access)?;
+        Ok(Group { mesh, ranks, pulls, scratch: Mutex::new(Vec::new()), _access: access })
+    }
+
+    /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
+    fn open_mesh(ranks: &[Rank], pulls: &[Pull], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<Option<Mesh>> {
+        let n = ranks.len();
+        let refuse = |why: &str| {
+            if opts.algorithm == Algorithm::Mesh {
+                Err(Error::InvalidArgument(format!("mesh all-reduce impossible: {why}")))
+            } else {
+                Ok(None)
+            }
+        };
+        if opts.algorithm == Algorithm::Ring {
+            return Ok(None);
+        }
+        if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
+            return refuse("needs 2 to 8 ranks");
+        }
+        let mut devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        devices.sort();
+        devices.dedup();
+        if devices.len() != n {
+            return refuse("needs every rank on its own device");
+        }
+        if pulls.iter().any(|p| p.status.path != Path::P2p) {
+            return refuse("needs every ring link on P2P");
+        }
+        for i in 0..n {
+            for j in i + 1..n {
+                match decide(&ranks[i].ctx, &ranks[j].ctx, &opts.link) {
+                    Ok((guards, st)) if st.path == Path::P2p => access.extend(guards),
+                    Ok((_, st)) => return refuse(&format!("ranks {i} and {j}: {}", st.reason)),
+                    Err(e) => return refuse(&format!("ranks {i} and {j}: {e}")),
+                }
+            }
+        }
+        let mut modules = Vec::with_capacity(n);
+        let mut flags = Vec::with_capacity(n);
+        let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
+        for (r, rank) in ranks.iter().enumerate() {
+            modules.push(load_module(&rank.ctx, &MESH_MODULES, kernels::MESH_PTX)?);
+            let f = rank.stream.alloc_zeros::<u32>(kernels::MESH_FLAG_WORDS).map_err(cudarc_err("cuMemAlloc (mesh flags)"))?;
+            flag_ptrs[r] = {
+                use cudarc::driver::DevicePtr;
+                f.device_ptr(&rank.stream).0
+            };
+            flags.push(f);
+        }
+        // The zeroed flags must be in place before any peer's first kernel reads them.
+        for rank in ranks {
+            rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
+        }
+        Ok(Some(Mesh { modules, funcs: Mutex::new(HashMap::new()), _flags: flags, flag_ptrs }))
     }
 
     /// A group with one rank per device in `ordinals` (each on a new stream).
@@ -222,6 +321,51 @@ impl Group {
         // from, rank r's device, and stay alive until the step's events complete.
         unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
         Ok(())
+    }
+
+    /// Whether all-reduce runs as the mesh kernel.
+    pub fn uses_mesh(&self) -> bool {
+        self.mesh.is_some()
+    }
+
+    /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`.
+    /// Returns false (and does nothing) when the group has no mesh.
+    pub(crate) fn launch_mesh(&self, op: &str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
+        let Some(mesh) = &self.mesh else { return Ok(false) };
+        let n = self.size();
+        let e = 16 / dtype.size();
+        let seg = count.div_ceil(n).div_ceil(e) * e;
+        let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
+        let max_blocks = (self.ranks.iter().map(|r| r.max_blocks).min().unwrap_or(1) / 2).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
+        let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, max_blocks as usize) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+        let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
+        let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
+        let name = kernels::meshar_name(op, dtype.name());
+        for r in 0..n {
+            let f = {
+                let mut funcs = mesh.funcs.lock().unwrap_or_else(|p| p.into_inner());
+                match funcs.get(&(r, name.clone())) {
+                    Some(f) => f.clone(),
+                    None => {
+                        let f = mesh.modules[r].load_function(&name).map_err(cudarc_err("cuModuleGetFunction"))?;
+                        funcs.insert((r, name.clone()), f.clone());
+                        f
+                    }
+                }
+            };
+            let rank = r as i32;
+            let mut launch = self.ranks[r].stream.launch_builder(&f);
+            launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec);
+            // SAFETY: the signature is (PtrArray, PtrArray, PtrArray, i32, i32,
+            // u64, u64, i32); every pointer holds `count` elements (flags:
+            // MESH_FLAG_WORDS words) on a device that every rank's device has
+            // P2P access to (enabled and verified when the mesh was set up),
+            // and the same grid is launched on every rank, as the kernel's
+            // per-block barrier requires.
+            unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (mesh all-reduce)"))?;
+        }
+        Ok(true)
     }
 
     /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.

@@ -39,4 +39,4 @@ pub use cudarc;
 pub use copy::{Link, LinkOptions, Path, PathPolicy};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
-pub use group::{Group, GroupOptions};
+pub use group::{Algorithm, Group, GroupOptions};

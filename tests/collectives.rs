@@ -8,13 +8,13 @@ mod common;
 
 use common::gpus;
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
+use cuda_peer::{Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
 use half::{bf16, f16};
 use rand::Rng;
 use std::sync::Arc;
 
 /// Element types under test: conversions, random draws and exact integer ops.
-trait TestElem: Element + PartialEq + std::fmt::Debug {
+trait TestElem: Element + PartialEq + std::fmt::Debug + Sync {
     fn to_f64(self) -> f64;
     fn random(rng: &mut impl Rng, op: ReduceOp) -> Self;
     /// Exact combination for integer types (wrapping); None for floats.
@@ -92,43 +92,66 @@ int_elem!(u64);
 int_elem!(i8);
 int_elem!(u8);
 
-/// The expected reduction of `inputs[..][i]` and the allowed error.
-/// Floats: the f64 reduction, with |err| <= 2 * eps * N * sum|x| for sum and
-/// avg (scaled by 1/N), a relative 2 * eps * (N + 1) for prod, exact for min/max.
-fn reference<T: TestElem>(op: ReduceOp, inputs: &[Vec<T>], i: usize) -> (f64, f64, Option<T>) {
-    let n = inputs.len();
-    if T::DTYPE.is_float() {
-        let xs: Vec<f64> = inputs.iter().map(|v| v[i].to_f64()).collect();
-        let abs: f64 = xs.iter().map(|x| x.abs()).sum();
-        let (v, tol) = match op {
-            ReduceOp::Sum => (xs.iter().sum::<f64>(), 2.0 * T::EPS * n as f64 * abs),
-            ReduceOp::Avg => (xs.iter().sum::<f64>() / n as f64, 2.0 * T::EPS * (n as f64 + 1.0) * abs / n as f64),
-            ReduceOp::Prod => {
-                let p: f64 = xs.iter().product();
-                (p, 2.0 * T::EPS * (n as f64 + 1.0) * p.abs())
-            }
-            ReduceOp::Min => (xs.iter().cloned().fold(f64::INFINITY, f64::min), 0.0),
-            ReduceOp::Max => (xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max), 0.0),
-        };
-        (v, tol, None)
-    } else {
-        let mut acc = inputs[0][i];
-        for v in &inputs[1..] {
-            acc = T::exact(op, acc, v[i]).unwrap();
-        }
-        (0.0, 0.0, Some(acc))
+/// Checks `got[i]` against the reduction of `inputs[r][offset + i]` over r.
+/// Integers must match exactly (wrapping arithmetic). Floats are compared
+/// with the f64 reduction: |err| <= 2 * eps * N * sum|x| for sum (scaled by
+/// 1/N for avg), relative 2 * eps * (N + 1) for prod, exact for min/max.
+fn check_all<T: TestElem>(what: &str, op: ReduceOp, inputs: &[Vec<T>], offset: usize, got: &[T]) {
+    // Large outputs are checked on every core of the machine.
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(32);
+    let per = got.len().div_ceil(threads).max(1 << 14);
+    let bad: Vec<(usize, usize)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = got
+            .chunks(per)
+            .enumerate()
+            .map(|(k, part)| scope.spawn(move || check_range(op, inputs, offset + k * per, part).map(|(w, f)| (w, k * per + f))))
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().unwrap()).collect()
+    });
+    if let Some(&(_, i)) = bad.first() {
+        let wrong: usize = bad.iter().map(|b| b.0).sum();
+        panic!("{what}: {wrong} of {} elements wrong; first at {i}: got {:?}", got.len(), got[i]);
     }
 }
 
-fn check_element<T: TestElem>(what: &str, op: ReduceOp, inputs: &[Vec<T>], i: usize, got: T) {
-    let (v, tol, exact) = reference(op, inputs, i);
-    match exact {
-        Some(e) => assert_eq!(got, e, "{what}: element {i}: got {got:?}, want {e:?}"),
-        None => {
-            let g = got.to_f64();
-            assert!((g - v).abs() <= tol, "{what}: element {i}: got {g}, want {v} (tolerance {tol})");
+/// (wrong count, first wrong index in `got`) or None when all are right.
+fn check_range<T: TestElem>(op: ReduceOp, inputs: &[Vec<T>], offset: usize, got: &[T]) -> Option<(usize, usize)> {
+    let n = inputs.len() as f64;
+    let mut wrong = 0usize;
+    let mut first = None;
+    for (i, &g) in got.iter().enumerate() {
+        let j = offset + i;
+        let ok = if T::DTYPE.is_float() {
+            let (mut sum, mut abs, mut prod, mut lo, mut hi) = (0.0f64, 0.0f64, 1.0f64, f64::INFINITY, f64::NEG_INFINITY);
+            for v in inputs {
+                let x = v[j].to_f64();
+                sum += x;
+                abs += x.abs();
+                prod *= x;
+                lo = lo.min(x);
+                hi = hi.max(x);
+            }
+            let (want, tol) = match op {
+                ReduceOp::Sum => (sum, 2.0 * T::EPS * n * abs),
+                ReduceOp::Avg => (sum / n, 2.0 * T::EPS * (n + 1.0) * abs / n),
+                ReduceOp::Prod => (prod, 2.0 * T::EPS * (n + 1.0) * prod.abs()),
+                ReduceOp::Min => (lo, 0.0),
+                ReduceOp::Max => (hi, 0.0),
+            };
+            (g.to_f64() - want).abs() <= tol
+        } else {
+            let mut acc = inputs[0][j];
+            for v in &inputs[1..] {
+                acc = T::exact(op, acc, v[j]).unwrap();
+            }
+            g == acc
+        };
+        if !ok {
+            wrong += 1;
+            first.get_or_insert(i);
         }
     }
+    first.map(|f| (wrong, f))
 }
 
 struct Setup {
@@ -137,12 +160,21 @@ struct Setup {
 }
 
 /// `n` ranks round-robin over the GPUs, with a path policy per link.
-fn setup(ctx: &[Arc<CudaContext>], n: usize, policies: Vec<PathPolicy>) -> Setup {
+fn setup(ctx: &[Arc<CudaContext>], n: usize, (tag, policies, algorithm): PathSet) -> Setup {
+    use std::io::Write;
     let streams: Vec<_> = (0..n).map(|r| ctx[r % ctx.len()].new_stream().unwrap()).collect();
-    let opts = GroupOptions { pull_policies: policies, ..GroupOptions::default() };
+    let opts = GroupOptions { pull_policies: policies, algorithm, ..GroupOptions::default() };
     let group = Group::new(streams.clone(), &opts).expect("group");
+    let paths: Vec<String> = (0..n).map(|r| group.link_status(r).unwrap().path.to_string()).collect();
+    let _ = writeln!(std::io::stderr(), "  group n={n} {tag}: mesh={} pulls={paths:?}", group.uses_mesh());
+    if algorithm == Algorithm::Mesh {
+        assert!(group.uses_mesh());
+    }
     Setup { streams, group }
 }
+
+/// A label, per-link path policies, and the all-reduce algorithm.
+type PathSet = (&'static str, Vec<PathPolicy>, Algorithm);
 
 fn upload<T: TestElem>(s: &Setup, data: &[Vec<T>]) -> Vec<CudaSlice<T>> {
     data.iter().zip(&s.streams).map(|(d, st)| st.clone_htod(d).unwrap()).collect()
@@ -177,9 +209,7 @@ fn run_all<T: TestElem>(s: &Setup, op: ReduceOp, count: usize, tag: &str) {
     s.group.all_reduce_in_place(&mut bufs, op).expect("all_reduce_in_place");
     let outs = download(s, &bufs);
     for o in &outs {
-        for i in 0..count {
-            check_element(&what("all_reduce_in_place"), op, &inputs, i, o[i]);
-        }
+        check_all(&what("all_reduce_in_place"), op, &inputs, 0, o);
     }
     assert_ranks_identical(&what("all_reduce_in_place"), &outs);
 
@@ -190,9 +220,7 @@ fn run_all<T: TestElem>(s: &Setup, op: ReduceOp, count: usize, tag: &str) {
     s.group.all_reduce(&send, &mut recv, op).expect("all_reduce");
     let outs = download(s, &recv);
     for o in &outs {
-        for i in 0..count {
-            check_element(&what("all_reduce"), op, &inputs, i, o[i]);
-        }
+        check_all(&what("all_reduce"), op, &inputs, 0, o);
     }
     assert_ranks_identical(&what("all_reduce"), &outs);
     assert!(download(s, &send) == inputs, "{}: send buffers changed", what("all_reduce"));
@@ -203,22 +231,18 @@ fn run_all<T: TestElem>(s: &Setup, op: ReduceOp, count: usize, tag: &str) {
     let mut recv = upload(s, &poison(count));
     s.group.reduce_scatter(&send, &mut recv, op).expect("reduce_scatter");
     for (r, o) in download(s, &recv).iter().enumerate() {
-        for i in 0..count {
-            check_element(&what("reduce_scatter"), op, &inputs, r * count + i, o[i]);
-        }
+        check_all(&what("reduce_scatter"), op, &inputs, r * count, o);
     }
     assert!(download(s, &send) == inputs, "{}: send buffers changed", what("reduce_scatter"));
 
     // reduce to each root in turn (two roots at most, to bound the time)
-    for root in [0, n - 1].into_iter().take(if n > 1 { 2 } else { 1 }) {
+    for root in [n - 1, 0].into_iter().take(if n > 1 && count < 100_000 { 2 } else { 1 }) {
         let inputs = random_inputs::<T>(n, count, op);
         let send = upload(s, &inputs);
         let mut recv = upload(s, &poison(count));
         s.group.reduce(&send, &mut recv, root, op).expect("reduce");
         let out = s.streams[root].clone_dtoh(&recv[root]).unwrap();
-        for i in 0..count {
-            check_element(&what(&format!("reduce(root={root})")), op, &inputs, i, out[i]);
-        }
+        check_all(&what(&format!("reduce(root={root})")), op, &inputs, 0, &out);
     }
 }
 
@@ -250,9 +274,18 @@ fn counts(n: usize) -> Vec<usize> {
     c
 }
 
-fn path_sets(n: usize) -> Vec<(&'static str, Vec<PathPolicy>)> {
+/// P2P ring, staged ring, a ring mixing both, and (with one rank per GPU) the mesh.
+fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
     let mixed: Vec<PathPolicy> = (0..n).map(|r| if r % 2 == 0 { PathPolicy::P2pOnly } else { PathPolicy::StagedOnly }).collect();
-    vec![("p2p", Vec::new()), ("staged", vec![PathPolicy::StagedOnly; n]), ("mixed", mixed)]
+    let mut sets = vec![
+        ("p2p-ring", Vec::new(), Algorithm::Ring),
+        ("staged", vec![PathPolicy::StagedOnly; n], Algorithm::Auto),
+        ("mixed", mixed, Algorithm::Auto),
+    ];
+    if n <= gpus {
+        sets.push(("p2p-mesh", Vec::new(), Algorithm::Mesh));
+    }
+    sets
 }
 
 macro_rules! for_types {
@@ -284,8 +317,9 @@ fn ops_for<T: TestElem>(s: &Setup, count: usize, tag: &str) {
 fn every_op_and_type_on_two_and_three_ranks() {
     let Some(ctx) = gpus("every_op_and_type", 2) else { return };
     for n in [2, 3] {
-        for (tag, policies) in path_sets(n) {
-            let s = setup(&ctx, n, policies);
+        for set in path_sets(n, ctx.len()) {
+            let tag = set.0;
+            let s = setup(&ctx, n, set);
             for count in counts(n) {
                 for_types!(ops_for, &s, count, tag);
                 for_types!(run_moves, &s, count, tag);
@@ -299,8 +333,9 @@ fn every_op_and_type_on_two_and_three_ranks() {
 fn larger_rings_every_type() {
     let Some(ctx) = gpus("larger_rings", 2) else { return };
     for n in [4, 5, 8] {
-        for (tag, policies) in path_sets(n) {
-            let s = setup(&ctx, n, policies);
+        for set in path_sets(n, ctx.len()) {
+            let tag = set.0;
+            let s = setup(&ctx, n, set);
             for count in counts(n) {
                 for_types!(sum_only, &s, count, tag);
                 for_types!(run_moves, &s, count, tag);
@@ -320,8 +355,9 @@ fn sum_only<T: TestElem>(s: &Setup, count: usize, tag: &str) {
 fn sixteen_million_elements() {
     let Some(ctx) = gpus("sixteen_million", 2) else { return };
     for n in [2, 3, 4, 5, 8] {
-        for (tag, policies) in path_sets(n) {
-            let s = setup(&ctx, n, policies);
+        for set in path_sets(n, ctx.len()) {
+            let tag = set.0;
+            let s = setup(&ctx, n, set);
             run_all::<f32>(&s, ReduceOp::Sum, 16 << 20, tag);
             run_all::<bf16>(&s, ReduceOp::Sum, 16 << 20, tag);
         }
@@ -334,8 +370,9 @@ fn sixteen_million_elements() {
 fn hundred_back_to_back_all_reduces() {
     let Some(ctx) = gpus("hundred_back_to_back", 2) else { return };
     for n in [2, 3, 8] {
-        for (tag, policies) in path_sets(n) {
-            let s = setup(&ctx, n, policies);
+        for set in path_sets(n, ctx.len()) {
+            let tag = set.0;
+            let s = setup(&ctx, n, set);
             let count = 1_000_003;
             let inputs = random_inputs::<u32>(n, count, ReduceOp::Sum);
             let mut want: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
@@ -362,7 +399,10 @@ fn bad_input_is_refused() {
     use cuda_peer::Error;
     let Some(ctx) = gpus("collectives_bad_input", 2) else { return };
     assert!(matches!(Group::new(Vec::new(), &GroupOptions::default()), Err(Error::EmptyGroup)));
-    let s = setup(&ctx, 2, Vec::new());
+    let s = setup(&ctx, 2, ("p2p", Vec::new(), Algorithm::Auto));
+    let shared: Vec<_> = (0..3).map(|r| ctx[r % 2].new_stream().unwrap()).collect();
+    let mesh_opts = GroupOptions { algorithm: Algorithm::Mesh, ..GroupOptions::default() };
+    assert!(matches!(Group::new(shared, &mesh_opts), Err(Error::InvalidArgument(_))), "mesh with a shared device");
     let mut a = vec![s.streams[0].alloc_zeros::<f32>(10).unwrap(), s.streams[1].alloc_zeros::<f32>(11).unwrap()];
     assert!(matches!(s.group.all_reduce_in_place(&mut a, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
     let mut swapped = vec![s.streams[1].alloc_zeros::<f32>(10).unwrap(), s.streams[0].alloc_zeros::<f32>(10).unwrap()];
@@ -382,7 +422,7 @@ fn bad_input_is_refused() {
 #[test]
 fn single_rank_group_is_identity() {
     let Some(ctx) = gpus("single_rank", 1) else { return };
-    let s = setup(&ctx[..1], 1, Vec::new());
+    let s = setup(&ctx[..1], 1, ("single", Vec::new(), Algorithm::Auto));
     for count in [0, 1, 1000] {
         run_all::<f32>(&s, ReduceOp::Avg, count, "single");
         run_all::<i64>(&s, ReduceOp::Prod, count, "single");

@@ -32,8 +32,30 @@
 // Not every item is necessarily used by the rest of the crate.
 #![allow(dead_code)]
 
-/// PTX text of all reduction kernels (generated from `kernels/reduce.cu`).
+/// PTX text of the reduction kernels (`kernels/reduce.cu` built with
+/// `-DCP_BUILD_REDUCE`).
 pub(crate) const REDUCE_PTX: &str = include_str!("reduce.ptx");
+
+/// PTX text of the mesh all-reduce kernels (`kernels/reduce.cu` built with
+/// `-DCP_BUILD_MESH`), loaded only by groups that use the mesh algorithm.
+pub(crate) const MESH_PTX: &str = include_str!("mesh.ptx");
+
+/// Largest grid of a mesh kernel (its flag area has a slot per block).
+pub(crate) const MESH_MAX_BLOCKS: usize = 1024;
+
+/// Most ranks a mesh kernel serves (the length of `PtrArray`).
+pub(crate) const MESH_MAX_RANKS: usize = 8;
+
+/// `u32` words in one rank's mesh flag area: two barrier slots of
+/// `[block][source rank]` flags, then one counter per block.
+pub(crate) const MESH_FLAG_WORDS: usize = 2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS + MESH_MAX_BLOCKS;
+
+/// Name of the mesh all-reduce kernel for `op` and `ty`: `cp_meshar_{op}_{ty}`.
+/// Signature `(PtrArray ins, PtrArray outs, PtrArray flags, i32 nranks,
+/// i32 rank, u64 n, u64 seg, i32 vec)`; see `kernels/reduce.cu`.
+pub(crate) fn meshar_name(op: &str, ty: &str) -> String {
+    format!("cp_meshar_{op}_{ty}")
+}
 
 /// Reduction operations, as they appear in kernel names.
 pub(crate) const OPS: [&str; 4] = ["sum", "prod", "min", "max"];
@@ -80,10 +102,9 @@ mod tests {
     use super::*;
     use std::collections::BTreeSet;
 
-    /// All `.entry` names declared in the embedded PTX.
-    fn ptx_entries() -> Vec<String> {
-        REDUCE_PTX
-            .lines()
+    /// All `.entry` names declared in a PTX text.
+    fn ptx_entries(ptx: &str) -> Vec<String> {
+        ptx.lines()
             .filter_map(|line| {
                 let rest = line.trim_start();
                 let rest = rest.strip_prefix(".visible").unwrap_or(rest).trim_start();
@@ -99,8 +120,8 @@ mod tests {
     }
 
     /// The value of the first `.directive` line, e.g. `.version 8.0` -> `8.0`.
-    fn directive(name: &str) -> Option<&'static str> {
-        REDUCE_PTX.lines().find_map(|line| {
+    fn directive(ptx: &'static str, name: &str) -> Option<&'static str> {
+        ptx.lines().find_map(|line| {
             let rest = line.trim().strip_prefix(name)?;
             rest.starts_with(char::is_whitespace).then(|| rest.trim())
         })
@@ -131,7 +152,7 @@ mod tests {
 
     #[test]
     fn ptx_has_exactly_the_expected_entries() {
-        let entries = ptx_entries();
+        let entries = ptx_entries(REDUCE_PTX);
         let found: BTreeSet<String> = entries.iter().cloned().collect();
         assert_eq!(found.len(), entries.len(), "duplicate .entry in PTX");
         let expected = expected_entries();
@@ -143,20 +164,41 @@ mod tests {
     }
 
     #[test]
+    fn mesh_ptx_has_one_kernel_per_op_and_type() {
+        let found: BTreeSet<String> = ptx_entries(MESH_PTX).into_iter().collect();
+        let expected: BTreeSet<String> =
+            OPS.iter().flat_map(|op| TYPES.iter().map(move |ty| meshar_name(op, ty))).collect();
+        assert_eq!(found, expected);
+    }
+
+    #[test]
+    fn mesh_layout_matches_the_source() {
+        let src = include_str!("../../kernels/reduce.cu");
+        assert!(src.contains(&format!("#define MESH_MAX_BLOCKS {MESH_MAX_BLOCKS}\n")));
+        assert!(src.contains(&format!("#define MESH_MAX_RANKS {MESH_MAX_RANKS}\n")));
+        assert!(src.contains("#define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)"));
+        assert!(src.contains("#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)"));
+    }
+
+    #[test]
     fn ptx_version_and_target() {
-        let version = directive(".version").expect("no .version in PTX");
-        let (major, minor) = version.split_once('.').expect("bad .version");
-        let v = (major.parse::<u32>().unwrap(), minor.parse::<u32>().unwrap());
-        assert!(v <= (8, 0), "PTX .version {version} is newer than 8.0 (CUDA 12.0)");
-        assert_eq!(directive(".target"), Some("sm_70"));
-        assert_eq!(directive(".address_size"), Some("64"));
+        for ptx in [REDUCE_PTX, MESH_PTX] {
+            let version = directive(ptx, ".version").expect("no .version in PTX");
+            let (major, minor) = version.split_once('.').expect("bad .version");
+            let v = (major.parse::<u32>().unwrap(), minor.parse::<u32>().unwrap());
+            assert!(v <= (8, 0), "PTX .version {version} is newer than 8.0 (CUDA 12.0)");
+            assert_eq!(directive(ptx, ".target"), Some("sm_70"));
+            assert_eq!(directive(ptx, ".address_size"), Some("64"));
+        }
     }
 
     #[test]
     fn ptx_is_plain_text() {
         // cuModuleLoadData needs a NUL-terminated string; the PTX itself must
         // not contain NUL bytes (callers append one).
-        assert!(!REDUCE_PTX.as_bytes().contains(&0));
-        assert!(REDUCE_PTX.is_ascii());
+        for ptx in [REDUCE_PTX, MESH_PTX] {
+            assert!(!ptx.as_bytes().contains(&0));
+            assert!(ptx.is_ascii());
+        }
     }
 }
