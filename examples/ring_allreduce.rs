@@ -8,7 +8,7 @@
 
 use clap::Parser;
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
-use cuda_peer::{driver, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
+use cuda_peer::{driver, Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
 use half::{bf16, f16};
 use rand::Rng;
 use std::sync::Arc;
@@ -31,6 +31,9 @@ struct Args {
     /// Link path policy.
     #[arg(long, default_value = "auto")]
     path: PathPolicy,
+    /// All-reduce algorithm: auto (mesh where every rank has its own P2P-linked GPU), ring or mesh.
+    #[arg(long, default_value = "auto")]
+    algorithm: Algorithm,
     /// Timed iterations (after 5 warm-up iterations).
     #[arg(long, default_value_t = 20)]
     iters: usize,
@@ -179,8 +182,10 @@ fn main() {
         let ctx = driver::all_contexts()?;
         let streams: Vec<Arc<CudaStream>> =
             (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
-        let group = Group::new(streams.clone(), &GroupOptions::with_policy(args.path))?;
-        println!("# ring_allreduce: {ranks} ranks on {gpus} GPU(s): {}", ctx[0].name().unwrap_or_default());
+        let opts = GroupOptions { algorithm: args.algorithm, ..GroupOptions::with_policy(args.path) };
+        let group = Group::new(streams.clone(), &opts)?;
+        let algo = if group.uses_mesh() { "mesh" } else { "ring" };
+        println!("# ring_allreduce: {ranks} ranks on {gpus} GPU(s): {}; algorithm {algo}", ctx[0].name().unwrap_or_default());
         for r in 0..ranks {
             let st = group.link_status(r).expect("rank exists");
             println!("#   rank {} (GPU{}) <- rank {}: {} ({})", r, r % gpus, (r + ranks - 1) % ranks, st.path, st.reason);

@@ -35,6 +35,18 @@ pub enum Algorithm {
     Mesh,
 }
 
+impl std::str::FromStr for Algorithm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Algorithm::Auto),
+            "ring" => Ok(Algorithm::Ring),
+            "mesh" => Ok(Algorithm::Mesh),
+            other => Err(Error::InvalidArgument(format!("algorithm {other:?}: expected auto, ring or mesh"))),
+        }
+    }
+}
+
 /// Settings for a group.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct GroupOptions {

@@ -48,34 +48,33 @@ pub(crate) fn wait_for(waiter: &CudaStream, on: &CudaStream, event: &CudaEvent) 
     waiter.wait(event).map_err(cudarc_err("cuStreamWaitEvent"))
 }
 
-/// Shared shape of [`with_read`] and [`with_write`]. `ptr_on(stream, keep)`
-/// returns the pointer after making `stream` wait for the slice's pending
-/// accesses; when `keep` is false the slice's event is not recorded (it
-/// would be recorded on a stream of a foreign context, which CUDA refuses).
-fn with_access<R>(
-    home: &Arc<CudaStream>,
-    tracking: bool,
-    work: &CudaStream,
-    crossing: &Crossing,
-    mut ptr_on: impl FnMut(&CudaStream, bool) -> u64,
-    f: impl FnOnce(u64) -> Result<R>,
-) -> Result<R> {
-    if home.context() == work.context() {
-        return f(ptr_on(work, true));
-    }
-    // `work` waits for the slice's tracked accesses (a wait on another
-    // context's event is allowed), or for its whole home stream without tracking.
-    let ptr = ptr_on(work, false);
-    if !tracking {
-        wait_for(work, home, &crossing.home)?;
-    }
-    let r = f(ptr)?;
-    // The shadow stream (home context) waits for the work, then the slice's
-    // event is recorded there: the slice's free, which waits for that event,
-    // now comes after the foreign work.
-    wait_for(&crossing.shadow, work, &crossing.work)?;
-    ptr_on(&crossing.shadow, true);
-    Ok(r)
+/// The shared body of [`with_read`] and [`with_write`]; `$ptr` is
+/// `device_ptr` or `device_ptr_mut`. The slice's guard lives until the work
+/// is enqueued, so the event it records covers the work.
+macro_rules! with_access {
+    ($slice:ident, $ptr:ident, $work:ident, $crossing:ident, $f:ident) => {{
+        let home = $slice.stream().clone();
+        if home.context() == $work.context() {
+            let (p, _record) = $slice.$ptr($work);
+            return $f(p);
+        }
+        let tracking = home.context().is_event_tracking();
+        // `work` waits for the slice's tracked accesses (waiting on another
+        // context's event is allowed; recording on it is not, so that guard
+        // is forgotten), or for its whole home stream without tracking.
+        let (p, record) = $slice.$ptr($work);
+        std::mem::forget(record);
+        if !tracking {
+            wait_for($work, &home, &$crossing.home)?;
+        }
+        let r = $f(p)?;
+        // The shadow stream (home context) waits for the work, then the
+        // slice's event is recorded there: the slice's free, which waits for
+        // that event, now comes after the foreign work.
+        wait_for(&$crossing.shadow, $work, &$crossing.work)?;
+        let (_, _record) = $slice.$ptr(&$crossing.shadow);
+        Ok(r)
+    }};
 }
 
 /// Runs `f` with a pointer to `slice` for reading by work that `f` enqueues
@@ -86,16 +85,7 @@ pub(crate) fn with_read<T, S: DevicePtr<T>, R>(
     crossing: &Crossing,
     f: impl FnOnce(u64) -> Result<R>,
 ) -> Result<R> {
-    let home = slice.stream().clone();
-    let tracking = home.context().is_event_tracking();
-    let ptr_on = |s: &CudaStream, keep: bool| {
-        let (p, record) = slice.device_ptr(s);
-        if !keep {
-            std::mem::forget(record);
-        }
-        p
-    };
-    with_access(&home, tracking, work, crossing, ptr_on, f)
+    with_access!(slice, device_ptr, work, crossing, f)
 }
 
 /// Runs `f` with a pointer to `slice` for writing by work that `f` enqueues
@@ -106,16 +96,7 @@ pub(crate) fn with_write<T, S: DevicePtrMut<T>, R>(
     crossing: &Crossing,
     f: impl FnOnce(u64) -> Result<R>,
 ) -> Result<R> {
-    let home = slice.stream().clone();
-    let tracking = home.context().is_event_tracking();
-    let ptr_on = |s: &CudaStream, keep: bool| {
-        let (p, record) = slice.device_ptr_mut(s);
-        if !keep {
-            std::mem::forget(record);
-        }
-        p
-    };
-    with_access(&home, tracking, work, crossing, ptr_on, f)
+    with_access!(slice, device_ptr_mut, work, crossing, f)
 }
 
 /// Waits until `event` completes, polling, for at most `timeout`.

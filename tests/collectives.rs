@@ -225,13 +225,14 @@ fn run_all<T: TestElem>(s: &Setup, op: ReduceOp, count: usize, tag: &str) {
     assert_ranks_identical(&what("all_reduce"), &outs);
     assert!(download(s, &send) == inputs, "{}: send buffers changed", what("all_reduce"));
 
-    // reduce-scatter: send n*count, recv count
-    let inputs = random_inputs::<T>(n, n * count, op);
+    // reduce-scatter: `count` elements in all (rounded up to n blocks of c)
+    let c = count.div_ceil(n);
+    let inputs = random_inputs::<T>(n, n * c, op);
     let send = upload(s, &inputs);
-    let mut recv = upload(s, &poison(count));
+    let mut recv = upload(s, &poison(c));
     s.group.reduce_scatter(&send, &mut recv, op).expect("reduce_scatter");
     for (r, o) in download(s, &recv).iter().enumerate() {
-        check_all(&what("reduce_scatter"), op, &inputs, r * count, o);
+        check_all(&what("reduce_scatter"), op, &inputs, r * c, o);
     }
     assert!(download(s, &send) == inputs, "{}: send buffers changed", what("reduce_scatter"));
 
@@ -250,9 +251,11 @@ fn run_all<T: TestElem>(s: &Setup, op: ReduceOp, count: usize, tag: &str) {
 fn run_moves<T: TestElem>(s: &Setup, count: usize, tag: &str) {
     let n = s.group.size();
     let what = |c: &str| format!("{c} {tag} {} n={n} count={count}", T::DTYPE);
-    let inputs = random_inputs::<T>(n, count, ReduceOp::Sum);
+    // all-gather: `count` elements in all (n blocks of c)
+    let c = count.div_ceil(n);
+    let inputs = random_inputs::<T>(n, c, ReduceOp::Sum);
     let send = upload(s, &inputs);
-    let mut recv = upload(s, &vec![vec![T::poison(); n * count]; n]);
+    let mut recv = upload(s, &vec![vec![T::poison(); n * c]; n]);
     s.group.all_gather(&send, &mut recv).expect("all_gather");
     let want: Vec<T> = inputs.concat();
     for (r, o) in download(s, &recv).iter().enumerate() {
