@@ -25,7 +25,7 @@
 use clap::{Parser, ValueEnum};
 use cuda_peer::copy::{Link, LinkOptions, PathPolicy};
 use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use cuda_peer::{driver, Element, Group, GroupOptions, ReduceOp};
+use cuda_peer::{driver, Algorithm, Element, Group, GroupOptions, ReduceOp};
 use half::bf16;
 use rand::Rng;
 use std::collections::HashMap;
@@ -181,6 +181,12 @@ enum Impl {
     PeerP2p,
     #[value(name = "cuda-peer-staged")]
     PeerStaged,
+    /// cuda-peer over P2P, ring all-reduce forced (for the algorithm crossover).
+    #[value(name = "cuda-peer-ring")]
+    PeerRing,
+    /// cuda-peer over P2P, mesh all-reduce forced (for the algorithm crossover).
+    #[value(name = "cuda-peer-mesh")]
+    PeerMesh,
     #[value(name = "nccl")]
     Nccl,
     #[value(name = "nccl-no-p2p")]
@@ -192,6 +198,8 @@ impl Impl {
         match self {
             Impl::PeerP2p => "cuda-peer-p2p",
             Impl::PeerStaged => "cuda-peer-staged",
+            Impl::PeerRing => "cuda-peer-ring",
+            Impl::PeerMesh => "cuda-peer-mesh",
             Impl::Nccl => "nccl",
             Impl::NcclNoP2p => "nccl-no-p2p",
         }
@@ -542,9 +550,14 @@ impl Backend {
 /// A cuda-peer group over every GPU with `policy` on every link; prints
 /// which path each rank pulls from its predecessor over.
 fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>]) -> Res<Backend> {
-    let policy = if imp == Impl::PeerP2p { PathPolicy::P2pOnly } else { PathPolicy::StagedOnly };
+    let policy = if imp == Impl::PeerStaged { PathPolicy::StagedOnly } else { PathPolicy::P2pOnly };
+    let algorithm = match imp {
+        Impl::PeerRing => Algorithm::Ring,
+        Impl::PeerMesh => Algorithm::Mesh,
+        _ => Algorithm::Auto,
+    };
     let streams = ctxs.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let group = Group::new(streams.clone(), &GroupOptions::with_policy(policy))?;
+    let group = Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::with_policy(policy) })?;
     let n = group.size();
     println!("#");
     println!("# {}: {n} ranks", imp.name());

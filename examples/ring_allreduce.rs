@@ -184,7 +184,8 @@ fn main() {
             (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
         let opts = GroupOptions { algorithm: args.algorithm, ..GroupOptions::with_policy(args.path) };
         let group = Group::new(streams.clone(), &opts)?;
-        let algo = if group.uses_mesh() { "mesh" } else { "ring" };
+        let mesh = group.uses_mesh() && (args.algorithm == Algorithm::Mesh || args.bytes < cuda_peer::MESH_AUTO_MAX_BYTES);
+        let algo = if mesh { "mesh" } else { "ring" };
         println!("# ring_allreduce: {ranks} ranks on {gpus} GPU(s): {}; algorithm {algo}", ctx[0].name().unwrap_or_default());
         for r in 0..ranks {
             let st = group.link_status(r).expect("rank exists");

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Regenerate / verify src/kernels/{reduce,mesh}.ptx from kernels/reduce.cu
-# (two builds of one source: -DCP_BUILD_REDUCE and -DCP_BUILD_MESH).
+# Regenerate / verify src/kernels/reduce.ptx and mesh_TY.ptx from
+# kernels/reduce.cu (several builds of one source: -DCP_BUILD_REDUCE, and
+# -DCP_MESH_TY_TY for each element type).
 #
-#   kernels/gen.sh            regenerate src/kernels/reduce.ptx and mesh.ptx
+#   kernels/gen.sh            regenerate src/kernels/*.ptx
 #   kernels/gen.sh --check    (1) regenerate into a temp file and fail if it
 #                                 differs from the committed PTX,
 #                             (2) assemble the committed PTX with ptxas for
@@ -26,7 +27,8 @@ NVRTC_VERSION="12.0.76"
 NVCC_PKG="nvidia-cuda-nvcc-cu12"
 NVCC_VERSION="${CUDA_PEER_NVCC_VERSION:-12.0.76}"
 SRC="$ROOT/kernels/reduce.cu"
-MODULES="reduce:CP_BUILD_REDUCE mesh:CP_BUILD_MESH"
+MODULES="reduce:CP_BUILD_REDUCE"
+for ty in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8; do MODULES="$MODULES mesh_$ty:CP_MESH_TY_$ty"; done
 ARCHS="sm_70 sm_80 sm_86 sm_89 sm_90"
 MAX_PTX_VERSION="8.0"
 

@@ -199,9 +199,9 @@ CP_OP_ADAPTOR(prod)
 CP_OP_ADAPTOR(min)
 CP_OP_ADAPTOR(max)
 
-// Two PTX modules come from this file (kernels/gen.sh): reduce.ptx with
-// -DCP_BUILD_REDUCE and mesh.ptx with -DCP_BUILD_MESH, so that a program
-// JIT-compiles only the family it uses.
+// Several PTX modules come from this file (kernels/gen.sh): reduce.ptx with
+// -DCP_BUILD_REDUCE, and mesh_TY.ptx with -DCP_MESH_TY_TY (one per element
+// type), so that a program JIT-compiles only the kernels it uses.
 #ifdef CP_BUILD_REDUCE
 // ---------------------------------------------------------------------------
 // Generic bodies.
@@ -426,9 +426,17 @@ CP_SCALE_DIV_KERNEL(bf16)
 //   error instead of hanging).
 // ---------------------------------------------------------------------------
 
+#if defined(CP_MESH_TY_f32) || defined(CP_MESH_TY_f64) || defined(CP_MESH_TY_f16) ||   \
+    defined(CP_MESH_TY_bf16) || defined(CP_MESH_TY_i32) || defined(CP_MESH_TY_i64) ||  \
+    defined(CP_MESH_TY_u32) || defined(CP_MESH_TY_u64) || defined(CP_MESH_TY_i8) ||    \
+    defined(CP_MESH_TY_u8)
+#define CP_BUILD_MESH
+#endif
+
 #ifdef CP_BUILD_MESH
 #define MESH_MAX_BLOCKS 1024
 #define MESH_MAX_RANKS 8
+#define MESH_UNROLL 4
 #define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)
 #define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)
 
@@ -507,24 +515,42 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
     const u64 tid = global_tid();
     const u64 stride = global_stride();
 
-    for (u64 j = tid; j < nvec; j += stride) {
-        VecView<T> acc;
-        acc.v = ((const V16*)((const T*)ins.p[0] + lo))[j];
+    // Each thread keeps MESH_UNROLL vectors in flight per rank (indices
+    // j0, j0 + stride, ...: the same grid-stride set as without unrolling,
+    // so block b still handles the same elements on every rank).
+    for (u64 j0 = tid; j0 < nvec; j0 += stride * MESH_UNROLL) {
+        VecView<T> acc[MESH_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MESH_UNROLL; ++u) {
+            const u64 j = j0 + (u64)u * stride;
+            if (j < nvec) acc[u].v = ((const V16*)((const T*)ins.p[0] + lo))[j];
+        }
 #pragma unroll
         for (int k = 1; k < MESH_MAX_RANKS; ++k) {
             if (k < nranks) {
-                VecView<T> x;
-                x.v = ((const V16*)((const T*)ins.p[k] + lo))[j];
+                VecView<T> x[MESH_UNROLL];
 #pragma unroll
-                for (int e = 0; e < (int)E; ++e) {
-                    acc.e[e] = Op::apply(acc.e[e], x.e[e]);
+                for (int u = 0; u < MESH_UNROLL; ++u) {
+                    const u64 j = j0 + (u64)u * stride;
+                    if (j < nvec) x[u].v = ((const V16*)((const T*)ins.p[k] + lo))[j];
+                }
+#pragma unroll
+                for (int u = 0; u < MESH_UNROLL; ++u) {
+#pragma unroll
+                    for (int e = 0; e < (int)E; ++e) {
+                        acc[u].e[e] = Op::apply(acc[u].e[e], x[u].e[e]);
+                    }
                 }
             }
         }
 #pragma unroll
         for (int k = 0; k < MESH_MAX_RANKS; ++k) {
             if (k < nranks) {
-                ((V16*)((T*)outs.p[k] + lo))[j] = acc.v;
+#pragma unroll
+                for (int u = 0; u < MESH_UNROLL; ++u) {
+                    const u64 j = j0 + (u64)u * stride;
+                    if (j < nvec) ((V16*)((T*)outs.p[k] + lo))[j] = acc[u].v;
+                }
             }
         }
     }
@@ -556,14 +582,34 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
     CP_MESH_KERNEL(min, TY)                                                     \
     CP_MESH_KERNEL(max, TY)
 
+#ifdef CP_MESH_TY_f32
 CP_MESH_ALL_OPS(f32)
+#endif
+#ifdef CP_MESH_TY_f64
 CP_MESH_ALL_OPS(f64)
+#endif
+#ifdef CP_MESH_TY_f16
 CP_MESH_ALL_OPS(f16)
+#endif
+#ifdef CP_MESH_TY_bf16
 CP_MESH_ALL_OPS(bf16)
+#endif
+#ifdef CP_MESH_TY_i32
 CP_MESH_ALL_OPS(i32)
+#endif
+#ifdef CP_MESH_TY_i64
 CP_MESH_ALL_OPS(i64)
+#endif
+#ifdef CP_MESH_TY_u32
 CP_MESH_ALL_OPS(u32)
+#endif
+#ifdef CP_MESH_TY_u64
 CP_MESH_ALL_OPS(u64)
+#endif
+#ifdef CP_MESH_TY_i8
 CP_MESH_ALL_OPS(i8)
+#endif
+#ifdef CP_MESH_TY_u8
 CP_MESH_ALL_OPS(u8)
+#endif
 #endif  // CP_BUILD_MESH

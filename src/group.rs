@@ -26,7 +26,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Mesh where the group allows it (every rank on its own device and
-    /// every pair of devices P2P, verified; at most 8 ranks), else ring.
+    /// every pair of devices P2P, verified; at most 8 ranks) for messages
+    /// below [`MESH_AUTO_MAX_BYTES`] per rank, else ring.
     #[default]
     Auto,
     /// Always the ring (reduce-scatter then all-gather over ring links).
@@ -34,6 +35,12 @@ pub enum Algorithm {
     /// Always the mesh; creating the group fails where it is not possible.
     Mesh,
 }
+
+/// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
+/// use the ring even where the mesh is possible: on 2x H200 (NVLink) the
+/// ring's copy-engine all-gather overtook the mesh kernel from 256 MiB on
+/// (345 against 332 GB/s busbw at 256 MiB, one run each, ring_allreduce).
+pub const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
 
 impl std::str::FromStr for Algorithm {
     type Err = Error;
@@ -71,7 +78,7 @@ type ModuleCache = Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>>;
 /// The kernel modules, loaded (JIT-compiled) once per context for the life
 /// of the process.
 static REDUCE_MODULES: ModuleCache = Lazy::new(|| Mutex::new(HashMap::new()));
-static MESH_MODULES: ModuleCache = Lazy::new(|| Mutex::new(HashMap::new()));
+static MESH_MODULES: [ModuleCache; 10] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 10];
 
 fn load_module(ctx: &Arc<CudaContext>, cache: &ModuleCache, ptx: &'static str) -> Result<Arc<CudaModule>> {
     let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
@@ -104,8 +111,8 @@ pub(crate) struct Pull {
 
 /// The mesh all-reduce's per-rank state: kernels and flag areas.
 pub(crate) struct Mesh {
-    modules: Vec<Arc<CudaModule>>,
-    funcs: Mutex<HashMap<(usize, String), CudaFunction>>,
+    /// Kernels by (rank, op, element type), loaded on first use.
+    funcs: Mutex<HashMap<(usize, &'static str, DType), CudaFunction>>,
     /// Each rank's flag area (zeroed once), kept alive with the group.
     _flags: Vec<CudaSlice<u32>>,
     flag_ptrs: [u64; kernels::MESH_MAX_RANKS],
@@ -132,6 +139,7 @@ impl PtrArray {
 pub struct Group {
     /// The mesh all-reduce, when the group uses it.
     pub(crate) mesh: Option<Mesh>,
+    algorithm: Algorithm,
     pub(crate) ranks: Vec<Rank>,
     /// `pulls[r]`: rank r pulling from rank r-1.
     pub(crate) pulls: Vec<Pull>,
@@ -207,7 +215,7 @@ impl Group {
             pulls.push(Pull { status, staging, scratch });
         }
         let mesh = Self::open_mesh(&ranks, &pulls, opts, &mut access)?;
-        Ok(Group { mesh, ranks, pulls, scratch: Mutex::new(Vec::new()), _access: access })
+        Ok(Group { mesh, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), _access: access })
     }
 
     /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
@@ -244,11 +252,9 @@ impl Group {
                 }
             }
         }
-        let mut modules = Vec::with_capacity(n);
         let mut flags = Vec::with_capacity(n);
         let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
         for (r, rank) in ranks.iter().enumerate() {
-            modules.push(load_module(&rank.ctx, &MESH_MODULES, kernels::MESH_PTX)?);
             let f = rank.stream.alloc_zeros::<u32>(kernels::MESH_FLAG_WORDS).map_err(cudarc_err("cuMemAlloc (mesh flags)"))?;
             flag_ptrs[r] = {
                 use cudarc::driver::DevicePtr;
@@ -260,7 +266,7 @@ impl Group {
         for rank in ranks {
             rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         }
-        Ok(Some(Mesh { modules, funcs: Mutex::new(HashMap::new()), _flags: flags, flag_ptrs }))
+        Ok(Some(Mesh { funcs: Mutex::new(HashMap::new()), _flags: flags, flag_ptrs }))
     }
 
     /// A group with one rank per device in `ordinals` (each on a new stream).
@@ -335,15 +341,20 @@ impl Group {
         Ok(())
     }
 
-    /// Whether all-reduce runs as the mesh kernel.
+    /// Whether all-reduce runs as the mesh kernel (below
+    /// [`MESH_AUTO_MAX_BYTES`] under [`Algorithm::Auto`]).
     pub fn uses_mesh(&self) -> bool {
         self.mesh.is_some()
     }
 
     /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`.
-    /// Returns false (and does nothing) when the group has no mesh.
-    pub(crate) fn launch_mesh(&self, op: &str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
+    /// Returns false (and does nothing) when the group has no mesh, or
+    /// under [`Algorithm::Auto`] when the message is large enough for the ring.
+    pub(crate) fn launch_mesh(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
         let Some(mesh) = &self.mesh else { return Ok(false) };
+        if self.algorithm == Algorithm::Auto && count * dtype.size() >= MESH_AUTO_MAX_BYTES {
+            return Ok(false);
+        }
         let n = self.size();
         let e = 16 / dtype.size();
         let seg = count.div_ceil(n).div_ceil(e) * e;
@@ -353,15 +364,18 @@ impl Group {
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
         let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
-        let name = kernels::meshar_name(op, dtype.name());
         for r in 0..n {
             let f = {
                 let mut funcs = mesh.funcs.lock().unwrap_or_else(|p| p.into_inner());
-                match funcs.get(&(r, name.clone())) {
+                match funcs.get(&(r, op, dtype)) {
                     Some(f) => f.clone(),
                     None => {
-                        let f = mesh.modules[r].load_function(&name).map_err(cudarc_err("cuModuleGetFunction"))?;
-                        funcs.insert((r, name.clone()), f.clone());
+                        let ty = dtype.name();
+                        let ptx = kernels::mesh_ptx(ty).ok_or_else(|| Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
+                        let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
+                        let module = load_module(&self.ranks[r].ctx, cache, ptx)?;
+                        let f = module.load_function(&kernels::meshar_name(op, ty)).map_err(cudarc_err("cuModuleGetFunction"))?;
+                        funcs.insert((r, op, dtype), f.clone());
                         f
                     }
                 }

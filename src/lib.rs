@@ -35,8 +35,13 @@ mod sync;
 pub mod topology;
 
 pub use cuda_peer_sys as sys;
+
+/// The README's code, compiled as a doctest so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 pub use cudarc;
 pub use copy::{Link, LinkOptions, Path, PathPolicy};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
-pub use group::{Algorithm, Group, GroupOptions};
+pub use group::{Algorithm, Group, GroupOptions, MESH_AUTO_MAX_BYTES};

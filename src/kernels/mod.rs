@@ -36,9 +36,24 @@
 /// `-DCP_BUILD_REDUCE`).
 pub(crate) const REDUCE_PTX: &str = include_str!("reduce.ptx");
 
-/// PTX text of the mesh all-reduce kernels (`kernels/reduce.cu` built with
-/// `-DCP_BUILD_MESH`), loaded only by groups that use the mesh algorithm.
-pub(crate) const MESH_PTX: &str = include_str!("mesh.ptx");
+/// PTX text of the mesh all-reduce kernels for element type `ty`
+/// (`kernels/reduce.cu` built with `-DCP_MESH_TY_{ty}`), one module per
+/// type so that a program JIT-compiles only the types it reduces.
+pub(crate) fn mesh_ptx(ty: &str) -> Option<&'static str> {
+    Some(match ty {
+        "f32" => include_str!("mesh_f32.ptx"),
+        "f64" => include_str!("mesh_f64.ptx"),
+        "f16" => include_str!("mesh_f16.ptx"),
+        "bf16" => include_str!("mesh_bf16.ptx"),
+        "i32" => include_str!("mesh_i32.ptx"),
+        "i64" => include_str!("mesh_i64.ptx"),
+        "u32" => include_str!("mesh_u32.ptx"),
+        "u64" => include_str!("mesh_u64.ptx"),
+        "i8" => include_str!("mesh_i8.ptx"),
+        "u8" => include_str!("mesh_u8.ptx"),
+        _ => return None,
+    })
+}
 
 /// Largest grid of a mesh kernel (its flag area has a slot per block).
 pub(crate) const MESH_MAX_BLOCKS: usize = 1024;
@@ -164,11 +179,18 @@ mod tests {
     }
 
     #[test]
-    fn mesh_ptx_has_one_kernel_per_op_and_type() {
-        let found: BTreeSet<String> = ptx_entries(MESH_PTX).into_iter().collect();
-        let expected: BTreeSet<String> =
-            OPS.iter().flat_map(|op| TYPES.iter().map(move |ty| meshar_name(op, ty))).collect();
-        assert_eq!(found, expected);
+    fn mesh_ptx_has_one_kernel_per_op_for_its_type() {
+        for ty in TYPES {
+            let ptx = mesh_ptx(ty).expect("a mesh module per type");
+            let found: BTreeSet<String> = ptx_entries(ptx).into_iter().collect();
+            let expected: BTreeSet<String> = OPS.iter().map(|op| meshar_name(op, ty)).collect();
+            assert_eq!(found, expected, "{ty}");
+        }
+        assert!(mesh_ptx("f8").is_none());
+    }
+
+    fn all_ptx() -> Vec<&'static str> {
+        std::iter::once(REDUCE_PTX).chain(TYPES.iter().filter_map(|t| mesh_ptx(t))).collect()
     }
 
     #[test]
@@ -182,7 +204,7 @@ mod tests {
 
     #[test]
     fn ptx_version_and_target() {
-        for ptx in [REDUCE_PTX, MESH_PTX] {
+        for ptx in all_ptx() {
             let version = directive(ptx, ".version").expect("no .version in PTX");
             let (major, minor) = version.split_once('.').expect("bad .version");
             let v = (major.parse::<u32>().unwrap(), minor.parse::<u32>().unwrap());
@@ -196,7 +218,7 @@ mod tests {
     fn ptx_is_plain_text() {
         // cuModuleLoadData needs a NUL-terminated string; the PTX itself must
         // not contain NUL bytes (callers append one).
-        for ptx in [REDUCE_PTX, MESH_PTX] {
+        for ptx in all_ptx() {
             assert!(!ptx.as_bytes().contains(&0));
             assert!(ptx.is_ascii());
         }
