@@ -4,6 +4,8 @@
 //!
 //!     cargo run --release --example p2p_matrix -- [--bytes N] [--iters N] [--json]
 
+#![allow(clippy::needless_range_loop)] // matrices indexed by device pairs
+
 use clap::Parser;
 use cuda_peer::copy::{Link, LinkOptions, PathPolicy};
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};

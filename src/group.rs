@@ -325,6 +325,7 @@ impl Group {
     }
 
     /// Launches `dst = a op b` over `count` elements on rank `r`'s stream.
+    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus rank, op and type
     pub(crate) fn launch_reduce2(&self, r: usize, op: &str, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
@@ -371,7 +372,7 @@ impl Group {
                     Some(f) => f.clone(),
                     None => {
                         let ty = dtype.name();
-                        let ptx = kernels::mesh_ptx(ty).ok_or_else(|| Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
+                        let ptx = kernels::mesh_ptx(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
                         let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
                         let module = load_module(&self.ranks[r].ctx, cache, ptx)?;
                         let f = module.load_function(&kernels::meshar_name(op, ty)).map_err(cudarc_err("cuModuleGetFunction"))?;
@@ -471,6 +472,7 @@ impl Group {
     /// already been ordered after its buffers' writers by the caller; after
     /// the last, each rank waits for its successor, which may still read
     /// from it.
+    #[allow(clippy::needless_range_loop)] // r indexes ranks, pulls and the step alike
     pub(crate) fn run(&self, op: &str, dtype: DType, steps: &[Vec<Option<PullOp>>]) -> Result<()> {
         let n = self.size();
         let rec = |r: usize| self.ranks[r].done.record(&self.ranks[r].stream).map_err(cudarc_err("cuEventRecord"));
@@ -527,3 +529,30 @@ fn scratch_ptr(scratch: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
     let (p, _record) = scratch.device_ptr(stream);
     p
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_group_is_an_error_without_touching_the_driver() {
+        assert!(matches!(Group::new(Vec::new(), &GroupOptions::default()), Err(Error::EmptyGroup)));
+    }
+
+    #[test]
+    fn algorithm_names_parse() {
+        assert_eq!("auto".parse::<Algorithm>().unwrap(), Algorithm::Auto);
+        assert_eq!("ring".parse::<Algorithm>().unwrap(), Algorithm::Ring);
+        assert_eq!("mesh".parse::<Algorithm>().unwrap(), Algorithm::Mesh);
+        assert!(matches!("tree".parse::<Algorithm>(), Err(Error::InvalidArgument(_))));
+        assert_eq!(GroupOptions::default().algorithm, Algorithm::Auto);
+    }
+
+    #[test]
+    fn pointer_arrays_fill_from_the_front() {
+        let a = PtrArray::from_slice(&[16, 32, 48]);
+        assert_eq!(a.0, [16, 32, 48, 0, 0, 0, 0, 0]);
+        assert_eq!(std::mem::size_of::<PtrArray>(), 64, "the kernels take struct {{ void* p[8]; }}");
+    }
+}
+

@@ -124,6 +124,7 @@ fn chain(
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_range_loop, clippy::type_complexity)] // simulations index ranks and parts
 mod tests {
     use super::*;
 

@@ -297,3 +297,23 @@ impl Drop for Link {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_parse_and_default_to_auto() {
+        assert_eq!("auto".parse::<PathPolicy>().unwrap(), PathPolicy::Auto);
+        assert_eq!("p2p".parse::<PathPolicy>().unwrap(), PathPolicy::P2pOnly);
+        assert_eq!("staged".parse::<PathPolicy>().unwrap(), PathPolicy::StagedOnly);
+        assert!(matches!("nvlink".parse::<PathPolicy>(), Err(Error::InvalidArgument(_))));
+        let o = LinkOptions::default();
+        assert_eq!(o.policy, PathPolicy::Auto);
+        assert!(o.verify && o.staging_buffers >= 2 && o.staging_chunk_bytes >= 4096);
+        assert_eq!(LinkOptions::with_policy(PathPolicy::StagedOnly).policy, PathPolicy::StagedOnly);
+        assert_eq!(Path::P2p.to_string(), "p2p");
+        assert_eq!(Path::Staged.to_string(), "staged");
+    }
+}
+

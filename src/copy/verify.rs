@@ -33,7 +33,10 @@ pub enum Verdict {
     },
 }
 
-static CACHE: Lazy<Mutex<HashMap<(usize, usize), Result<Verdict>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// Verdicts by unordered pair of device ordinals.
+type VerdictCache = Lazy<Mutex<HashMap<(usize, usize), Result<Verdict>>>>;
+
+static CACHE: VerdictCache = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// A fresh pseudo-random byte pattern (splitmix64), different on every call.
 pub(crate) fn random_bytes(n: usize) -> Vec<u8> {

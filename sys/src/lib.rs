@@ -85,7 +85,10 @@ mod tests {
 
     #[test]
     fn missing_library_names_every_attempt() {
-        let err = load_from(&["libcuda-peer-does-not-exist.so.7", "also-missing.so"]).err().expect("must fail");
+        let err = match load_from(&["libcuda-peer-does-not-exist.so.7", "also-missing.so"]) {
+            Err(e) => e,
+            Ok(_) => panic!("loading a missing library must fail"),
+        };
         assert_eq!(err.attempts.len(), 2);
         let text = err.to_string();
         assert!(text.contains("libcuda-peer-does-not-exist.so.7"), "{text}");
@@ -97,7 +100,10 @@ mod tests {
         // libc is on every Linux machine and exports none of the driver's symbols.
         #[cfg(target_os = "linux")]
         {
-            let err = load_from(&["libc.so.6"]).err().expect("must fail");
+            let err = match load_from(&["libc.so.6"]) {
+                Err(e) => e,
+                Ok(_) => panic!("libc has no driver symbols"),
+            };
             let text = err.to_string();
             assert!(text.contains("libc.so.6") && text.contains("cu"), "{text}");
         }
