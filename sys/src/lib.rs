@@ -14,6 +14,16 @@
 //!
 //! Everything here is `unsafe` raw FFI: the safe layer lives in the
 //! `cuda-peer` crate.
+//!
+//! # Safety
+//!
+//! Every `DriverApi` method is the driver entry point of the same name,
+//! called through a pointer resolved at load time (the methods are
+//! generated, so this section stands for all of them). Calling one is sound
+//! exactly when the CUDA driver API's documented contract for that function
+//! holds: valid handles (contexts, streams, events, pools) that are still
+//! alive, pointers that are valid for the sizes passed, `cuInit` called
+//! first, and a current context where the function needs one.
 
 pub mod bindings;
 
