@@ -9,7 +9,8 @@
 //! slices or views; rank r's buffers must be on rank r's device.
 //!
 //! Results are bitwise identical on every rank: each element is combined
-//! exactly once, in a fixed ring order, then copied.
+//! exactly once, in a fixed order, then copied. A group may be shared
+//! between threads; its collectives are then enqueued one at a time.
 
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -73,6 +74,7 @@ impl Group {
     /// reduce-scatter then all-gather, where over P2P links each step is one
     /// fused kernel that reads the predecessor's memory.
     pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], op: ReduceOp) -> Result<()> {
+        let _serial = self.serial();
         op.check(T::DTYPE)?;
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
@@ -113,6 +115,7 @@ impl Group {
     /// Out-of-place all-reduce: `recv[r]` becomes the reduction of every
     /// `send`; `send` is unchanged.
     pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
+        let _serial = self.serial();
         op.check(T::DTYPE)?;
         let count = send.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "send", send, count)?;
@@ -133,6 +136,7 @@ impl Group {
     /// more ranks, each rank keeps one scratch buffer of `c` elements
     /// (allocated on first use, kept with the group, grown when needed).
     pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
+        let _serial = self.serial();
         op.check(T::DTYPE)?;
         let n = self.size();
         let c = recv.first().map(|b| b.len()).unwrap_or(0);
@@ -172,6 +176,7 @@ impl Group {
     /// All-gather: `send[r]` holds c elements; every `recv[r]` (`size() * c`
     /// elements) becomes the concatenation of all `send`s in rank order.
     pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D]) -> Result<()> {
+        let _serial = self.serial();
         let n = self.size();
         let c = send.first().map(|b| b.len()).unwrap_or(0);
         let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
@@ -211,6 +216,7 @@ impl Group {
     /// Broadcast in place: every rank's buffer becomes a copy of `root`'s.
     /// A chain from the root, pipelined in chunks.
     pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], root: usize) -> Result<()> {
+        let _serial = self.serial();
         let n = self.size();
         if root >= n {
             return Err(Error::RootOutOfRange { root, size: n });
@@ -241,6 +247,7 @@ impl Group {
     /// Every rank's `recv` is used as working space (a chain from root+1 to
     /// the root, pipelined in chunks); only the root's holds the result.
     pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], root: usize, op: ReduceOp) -> Result<()> {
+        let _serial = self.serial();
         op.check(T::DTYPE)?;
         let n = self.size();
         if root >= n {

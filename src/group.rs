@@ -145,6 +145,10 @@ pub struct Group {
     pub(crate) pulls: Vec<Pull>,
     /// Per-rank scratch for reduce-scatter on three or more ranks.
     pub(crate) scratch: Mutex<Vec<CudaSlice<u8>>>,
+    /// Held for the whole enqueue of one collective: the per-rank step
+    /// events and the mesh's device-side counters assume calls in one order
+    /// on every rank, so calls from several threads are serialised.
+    serial: Mutex<()>,
     _access: Vec<PeerAccess>,
 }
 
@@ -215,7 +219,7 @@ impl Group {
             pulls.push(Pull { status, staging, scratch });
         }
         let mesh = Self::open_mesh(&ranks, &pulls, opts, &mut access)?;
-        Ok(Group { mesh, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), _access: access })
+        Ok(Group { mesh, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
     }
 
     /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
@@ -340,6 +344,11 @@ impl Group {
         // from, rank r's device, and stay alive until the step's events complete.
         unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
         Ok(())
+    }
+
+    /// Serialises one collective's enqueue against calls from other threads.
+    pub(crate) fn serial(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.serial.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether all-reduce runs as the mesh kernel (below
@@ -549,10 +558,15 @@ mod tests {
     }
 
     #[test]
+    fn a_group_can_be_shared_between_threads() {
+        fn is_send_sync<T: Send + Sync>() {}
+        is_send_sync::<Group>();
+    }
+
+    #[test]
     fn pointer_arrays_fill_from_the_front() {
         let a = PtrArray::from_slice(&[16, 32, 48]);
         assert_eq!(a.0, [16, 32, 48, 0, 0, 0, 0, 0]);
         assert_eq!(std::mem::size_of::<PtrArray>(), 64, "the kernels take struct {{ void* p[8]; }}");
     }
 }
-
