@@ -14,7 +14,7 @@
 //! Copies are asynchronous and ordered on the caller's stream (a stream of
 //! the destination device). The buffers' cudarc read/write events are
 //! recorded after the copy, so a buffer dropped while the copy is in flight
-//! is freed only after it (see [`crate::sync`]).
+//! is freed only after it (the ordering lives in the private `sync` module).
 
 pub mod plan;
 pub(crate) mod staged;
