@@ -19,11 +19,6 @@
 //   cp_reduce2_OP_TY(T* dst, const T* a, const T* b, unsigned long long n)
 //       dst[i] = a[i] OP b[i] for i < n.  dst may be == a or == b (exactly);
 //       no other overlap is allowed.
-//   cp_reduceN_OP_TY(T* dst, PtrArray srcs, int nsrc, unsigned long long n)
-//       dst[i] = ((src0[i] OP src1[i]) OP src2[i]) ... OP src[nsrc-1][i],
-//       always combined in index order, so every rank computing it gets
-//       bitwise-identical results.  1 <= nsrc <= 8 (anything else: the kernel
-//       does nothing; the host must validate).  dst may be == one of the srcs.
 //   cp_scale_div_TY(T* x, unsigned long long n, double divisor)   (float TY only)
 //       x[i] = x[i] / divisor; f32/f16/bf16 compute in float with
 //       (float)divisor, f64 in double.  Used to turn a sum into an average.
@@ -269,64 +264,6 @@ static __device__ __forceinline__ void reduce2_body(typename Op::T* dst,
     }
 }
 
-// Scalar combine of element i across sources 0..nsrc-1, in order.
-template <class Op>
-static __device__ __forceinline__ typename Op::T reduceN_elem(const PtrArray& srcs,
-                                                              int nsrc, u64 i) {
-    typedef typename Op::T T;
-    T acc = ((const T*)srcs.p[0])[i];
-#pragma unroll
-    for (int k = 1; k < 8; ++k) {
-        if (k < nsrc) {
-            acc = Op::apply(acc, ((const T*)srcs.p[k])[i]);
-        }
-    }
-    return acc;
-}
-
-template <class Op>
-static __device__ __forceinline__ void reduceN_body(typename Op::T* dst,
-                                                    const PtrArray& srcs,
-                                                    int nsrc, u64 n) {
-    typedef typename Op::T T;
-    if (nsrc < 1 || nsrc > 8) return;
-    const u64 E = 16 / sizeof(T);
-    const u64 tid = global_tid();
-    const u64 stride = global_stride();
-
-    u64 mis = 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        if (k < nsrc) mis |= addr_of(dst) ^ addr_of(srcs.p[k]);
-    }
-    u64 head, nvec, tail;
-    split_range<T>(dst, (mis & 15u) == 0, n, head, nvec, tail);
-
-    V16* vd = (V16*)(dst + head);
-    for (u64 j = tid; j < nvec; j += stride) {
-        VecView<T> acc;
-        acc.v = ((const V16*)((const T*)srcs.p[0] + head))[j];
-#pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            if (k < nsrc) {
-                VecView<T> x;
-                x.v = ((const V16*)((const T*)srcs.p[k] + head))[j];
-#pragma unroll
-                for (int e = 0; e < (int)E; ++e) {
-                    acc.e[e] = Op::apply(acc.e[e], x.e[e]);
-                }
-            }
-        }
-        vd[j] = acc.v;
-    }
-
-    const u64 nscalar = head + (n - tail);
-    for (u64 k = tid; k < nscalar; k += stride) {
-        const u64 i = scalar_index(k, head, tail);
-        dst[i] = reduceN_elem<Op>(srcs, nsrc, i);
-    }
-}
-
 template <class Tr>
 static __device__ __forceinline__ void scale_div_body(typename Tr::T* x, u64 n,
                                                       double divisor) {
@@ -364,10 +301,6 @@ static __device__ __forceinline__ void scale_div_body(typename Tr::T* x, u64 n,
     extern "C" __global__ void cp_reduce2_##OP##_##TY(                          \
         Ty_##TY::T* dst, const Ty_##TY::T* a, const Ty_##TY::T* b, u64 n) {    \
         reduce2_body<Op_##OP<Ty_##TY> >(dst, a, b, n);                          \
-    }                                                                           \
-    extern "C" __global__ void cp_reduceN_##OP##_##TY(                          \
-        Ty_##TY::T* dst, PtrArray srcs, int nsrc, u64 n) {                      \
-        reduceN_body<Op_##OP<Ty_##TY> >(dst, srcs, nsrc, n);                    \
     }
 
 #define CP_ALL_OPS(TY)                                                          \

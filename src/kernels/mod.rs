@@ -7,9 +7,9 @@
 //! newer.  `kernels/gen.sh --check` verifies the committed PTX is up to date
 //! and assembles with `ptxas` for sm_70, sm_80, sm_86, sm_89 and sm_90.
 //!
-//! Launch convention (all kernels): 1-D grid and block, block size 256
-//! intended (any block size is correct), any grid size (grid-stride loops),
-//! no shared memory.  Pointers must be aligned to the element size and may
+//! Launch convention (reduce2 and scale_div): 1-D grid and block, block size
+//! 256 intended (any block size is correct), any grid size (grid-stride
+//! loops), no shared memory.  Pointers must be aligned to the element size and may
 //! point into a peer GPU's memory.  Element counts are `u64`
 //! (`unsigned long long`).
 //!
@@ -17,20 +17,14 @@
 //!
 //! * [`reduce2_name`]: `(T* dst, const T* a, const T* b, u64 n)`;
 //!   `dst[i] = a[i] op b[i]`; `dst` may equal `a` or `b` exactly.
-//! * [`reduceN_name`]: `(T* dst, PtrArray srcs, i32 nsrc, u64 n)` where
-//!   `PtrArray` is `struct { const void* p[8]; }` passed by value (64 bytes;
-//!   unused slots may hold anything, e.g. null); `1 <= nsrc <= 8` (otherwise
-//!   the kernel does nothing); sources are combined strictly in index order so
-//!   results are bitwise identical on every rank; `dst` may equal one source.
 //! * [`scale_div_name`]: `(T* x, u64 n, f64 divisor)`; `x[i] /= divisor`
-//!   (floating-point types only, see [`FLOAT_TYPES`]).
+//!   (floating-point types only).
+//! * [`meshar_name`]: the mesh all-reduce, in its own per-type modules
+//!   ([`mesh_ptx`]); `PtrArray` is `struct { const void* p[8]; }` by value.
 //!
 //! Semantics: integer `sum`/`prod` wrap; floating-point `min`/`max` propagate
 //! NaN; `f16`/`bf16` are computed in `f32` and rounded back (nearest-even)
 //! after every binary op.
-
-// Not every item is necessarily used by the rest of the crate.
-#![allow(dead_code)]
 
 /// PTX text of the reduction kernels (`kernels/reduce.cu` built with
 /// `-DCP_BUILD_REDUCE`).
@@ -73,9 +67,11 @@ pub(crate) fn meshar_name(op: &str, ty: &str) -> String {
 }
 
 /// Reduction operations, as they appear in kernel names.
+#[cfg(test)]
 pub(crate) const OPS: [&str; 4] = ["sum", "prod", "min", "max"];
 
 /// Element types, as they appear in kernel names.
+#[cfg(test)]
 ///
 /// `f16` and `bf16` are 16-bit IEEE half and bfloat16 (stored as `u16`);
 /// `i8`/`u8` through `i64`/`u64` are two's-complement / unsigned integers.
@@ -84,11 +80,8 @@ pub(crate) const TYPES: [&str; 10] = [
 ];
 
 /// Element types for which a `cp_scale_div_*` kernel exists (used for avg).
+#[cfg(test)]
 pub(crate) const FLOAT_TYPES: [&str; 4] = ["f32", "f64", "f16", "bf16"];
-
-/// Maximum number of sources accepted by the `cp_reduceN_*` kernels (the
-/// length of the `PtrArray` kernel argument).
-pub(crate) const MAX_REDUCE_N_SOURCES: usize = 8;
 
 /// Recommended block size (threads per block) for all kernels.
 pub(crate) const BLOCK_SIZE: u32 = 256;
@@ -97,13 +90,6 @@ pub(crate) const BLOCK_SIZE: u32 = 256;
 /// element type `ty` (one of [`TYPES`]): `cp_reduce2_{op}_{ty}`.
 pub(crate) fn reduce2_name(op: &str, ty: &str) -> String {
     format!("cp_reduce2_{op}_{ty}")
-}
-
-/// Name of the N-input (1..=8 sources) reduction kernel for `op` (one of
-/// [`OPS`]) and element type `ty` (one of [`TYPES`]): `cp_reduceN_{op}_{ty}`.
-#[allow(non_snake_case)]
-pub(crate) fn reduceN_name(op: &str, ty: &str) -> String {
-    format!("cp_reduceN_{op}_{ty}")
 }
 
 /// Name of the in-place division kernel for floating-point type `ty` (one of
@@ -147,7 +133,6 @@ mod tests {
         for op in OPS {
             for ty in TYPES {
                 set.insert(reduce2_name(op, ty));
-                set.insert(reduceN_name(op, ty));
             }
         }
         for ty in FLOAT_TYPES {
@@ -159,8 +144,6 @@ mod tests {
     #[test]
     fn names() {
         assert_eq!(reduce2_name("sum", "f32"), "cp_reduce2_sum_f32");
-        assert_eq!(reduceN_name("max", "bf16"), "cp_reduceN_max_bf16");
-        assert_eq!(reduceN_name("min", "u8"), "cp_reduceN_min_u8");
         assert_eq!(scale_div_name("f16"), "cp_scale_div_f16");
         assert!(FLOAT_TYPES.iter().all(|t| TYPES.contains(t)));
     }
@@ -175,7 +158,7 @@ mod tests {
         let unexpected: Vec<_> = found.difference(&expected).collect();
         assert!(missing.is_empty(), "kernels missing from PTX: {missing:?}");
         assert!(unexpected.is_empty(), "unexpected kernels in PTX: {unexpected:?}");
-        assert_eq!(found.len(), 2 * OPS.len() * TYPES.len() + FLOAT_TYPES.len());
+        assert_eq!(found.len(), OPS.len() * TYPES.len() + FLOAT_TYPES.len());
     }
 
     #[test]
