@@ -502,11 +502,193 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
     mesh_barrier(sflags, nranks, rank, v, 1);
 }
 
+// ---------------------------------------------------------------------------
+// One-shot all-reduce through scratch slots. Every rank pushes its input into
+// a slot that every other rank can read, raises a flag, waits for the other
+// ranks' flags, then reduces all slots (its own input read locally) in rank
+// order 0..N-1 into its output: one barrier, and stores only on the link.
+// The slots live either in every peer's device memory (P2P: rank r stores
+// into each peer's region) or in one mapped pinned host buffer shared by all
+// ranks (no P2P: rank r stores once, every rank reads from host memory).
+//
+// A region is ONESHOT_FLAG_BYTES of flags, u32 [source rank][block], then
+// the data: [parity 2][source rank nranks][cap bytes]. Messages longer than
+// cap bytes run in rounds of cap bytes; round k of a call uses the slots of
+// parity (v & 1), v being the block's round counter. Data is handled in
+// 16-byte units; unit j of a round always belongs to thread j % stride of
+// the grid, and the grid is the same on every launch for a group, so block b
+// of every rank always writes and reads the same units: a block that has
+// seen a peer's flag for round v knows that peer has finished round v - 1,
+// hence reading the slots of parity (v + 1) & 1, which it may now refill.
+//
+//   cp_oneshot_OP_TY(PtrArray push, int npush, const void* pull,
+//                    const T* in, T* out, unsigned* counters,
+//                    int nranks, int rank, u64 n, u64 cap)
+//     push:  the regions this rank stores its slot and flags into (npush);
+//     pull:  the region this rank reads slots and polls flags from;
+//     in/out: 16-byte aligned (out may equal in);
+//     counters: this rank's own block counters (ONESHOT_MAX_BLOCKS words,
+//            zeroed at creation);
+//     cap:   slot bytes, a multiple of 16.
+//   Launch: the same grid on every rank and for every call of the group, at
+//   most ONESHOT_MAX_BLOCKS blocks, all resident at once; 1-D blocks of at
+//   least nranks threads. A wait of more than 10 s traps.
+// ---------------------------------------------------------------------------
+#define ONESHOT_MAX_BLOCKS 64
+#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)
+#define ONESHOT_UNROLL 4
+
+static __device__ __forceinline__ void wait_flag(const unsigned int* p, unsigned int value) {
+    u64 start = 0;
+    unsigned int spins = 0;
+    while ((int)(ld_acquire_sys(p) - value) < 0) {
+        if ((++spins & 1023u) == 0) {
+            const u64 now = global_timer_ns();
+            if (start == 0) {
+                start = now;
+            } else if (now - start > 10000000000ull) {
+                __trap();
+            }
+        }
+    }
+}
+
+// The last, partial 16-byte unit of a round (elements [j*E, len)), as a
+// whole unit with the missing elements zero.
+template <class T>
+static __device__ __forceinline__ V16 load_partial(const T* src, u64 j, u64 len) {
+    const u64 E = 16 / sizeof(T);
+    VecView<T> x;
+    x.v.x = x.v.y = x.v.z = x.v.w = 0u;
+#pragma unroll
+    for (int e = 0; e < (int)E; ++e) {
+        if (j * E + e < len) x.e[e] = src[j * E + e];
+    }
+    return x.v;
+}
+
+template <class Op>
+static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int npush, const void* pull,
+                                    const typename Op::T* in, typename Op::T* out,
+                                    unsigned int* counters, int nranks, int rank, u64 n, u64 cap) {
+    typedef typename Op::T T;
+    if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
+    if (npush < 0 || npush > MESH_MAX_RANKS || cap < 16 || (cap & 15u) != 0) return;
+    if (gridDim.x > ONESHOT_MAX_BLOCKS || (int)blockDim.x < nranks || (int)blockDim.x < npush) return;
+    __shared__ unsigned int base_v;
+    __shared__ char* spush[MESH_MAX_RANKS];
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int k = 0; k < MESH_MAX_RANKS; ++k) spush[k] = (char*)push.p[k];
+        base_v = counters[blockIdx.x];
+    }
+    __syncthreads();
+    const u64 E = 16 / sizeof(T);
+    const u64 per_round = cap / sizeof(T);
+    const u64 rounds = (n + per_round - 1) / per_round;
+    const u64 tid = global_tid();
+    const u64 stride = global_stride();
+    const char* pdata = (const char*)pull + ONESHOT_FLAG_BYTES;
+    const unsigned int* pflags = (const unsigned int*)pull;
+    for (u64 round = 0; round < rounds; ++round) {
+        const unsigned int v = base_v + (unsigned int)round + 1u;
+        const u64 slot0 = (u64)(v & 1u) * (u64)nranks;
+        const u64 off = round * per_round;
+        const u64 len = n - off < per_round ? n - off : per_round;
+        const u64 full = len / E;
+        const u64 units = (len + E - 1) / E;
+        const T* src = in + off;
+        T* dst = out + off;
+        // Push this rank's units into its slot of every region.
+        for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
+            V16 x[ONESHOT_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                const u64 j = j0 + (u64)u * stride;
+                if (j < full) x[u] = ((const V16*)src)[j];
+            }
+            for (int k = 0; k < npush; ++k) {
+                V16* slot = (V16*)(spush[k] + ONESHOT_FLAG_BYTES + (slot0 + (u64)rank) * cap);
+#pragma unroll
+                for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                    const u64 j = j0 + (u64)u * stride;
+                    if (j < full) slot[j] = x[u];
+                }
+            }
+        }
+        if (full < units && tid == full % stride) {
+            const V16 x = load_partial<T>(src, full, len);
+            for (int k = 0; k < npush; ++k) {
+                ((V16*)(spush[k] + ONESHOT_FLAG_BYTES + (slot0 + (u64)rank) * cap))[full] = x;
+            }
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < npush) {
+            unsigned int* f = (unsigned int*)spush[threadIdx.x] + rank * ONESHOT_MAX_BLOCKS + blockIdx.x;
+            __threadfence_system();
+            st_release_sys(f, v);
+        }
+        if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank) {
+            wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v);
+        }
+        __syncthreads();
+        // Reduce every rank's units in rank order.
+        for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
+            VecView<T> acc[ONESHOT_UNROLL];
+#pragma unroll 1
+            for (int k = 0; k < MESH_MAX_RANKS; ++k) {
+                if (k < nranks) {
+                    const V16* from = k == rank ? (const V16*)src : (const V16*)(pdata + (slot0 + (u64)k) * cap);
+                    VecView<T> x[ONESHOT_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                        const u64 j = j0 + (u64)u * stride;
+                        if (j < full) x[u].v = from[j];
+                    }
+#pragma unroll
+                    for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                        if (k == 0) {
+                            acc[u].v = x[u].v;
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < (int)E; ++e) acc[u].e[e] = Op::apply(acc[u].e[e], x[u].e[e]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                const u64 j = j0 + (u64)u * stride;
+                if (j < full) ((V16*)dst)[j] = acc[u].v;
+            }
+        }
+        if (full < units && tid == full % stride) {
+            for (u64 i = full * E; i < len; ++i) {
+                T acc = src[i];
+                for (int k = 0; k < nranks; ++k) {
+                    const T x = k == rank ? src[i] : ((const T*)(pdata + (slot0 + (u64)k) * cap))[i];
+                    acc = k == 0 ? x : Op::apply(acc, x);
+                }
+                dst[i] = acc;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) counters[blockIdx.x] = base_v + (unsigned int)rounds;
+}
+
 #define CP_MESH_KERNEL(OP, TY)                                                  \
     extern "C" __global__ void cp_meshar_##OP##_##TY(                           \
         PtrArray ins, PtrArray outs, PtrArray flags, int nranks, int rank,      \
         u64 n, u64 seg, int vec) {                                              \
         meshar_body<Op_##OP<Ty_##TY> >(ins, outs, flags, nranks, rank, n, seg, vec); \
+    }                                                                           \
+    extern "C" __global__ void cp_oneshot_##OP##_##TY(                          \
+        PtrArray push, int npush, const void* pull, const Ty_##TY::T* in,       \
+        Ty_##TY::T* out, unsigned int* counters, int nranks, int rank, u64 n,   \
+        u64 cap) {                                                              \
+        oneshot_body<Op_##OP<Ty_##TY> >(push, npush, pull, in, out, counters,   \
+                                        nranks, rank, n, cap);                  \
     }
 
 #define CP_MESH_ALL_OPS(TY)                                                     \

@@ -79,7 +79,7 @@ impl Group {
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
         let b = self.write_ptrs(bufs);
-        if count > 0 && self.launch_mesh(op.kernel_op(), T::DTYPE, &b.ptrs, &b.ptrs, count)? {
+        if count > 0 && self.launch_fused(op.kernel_op(), T::DTYPE, &b.ptrs, &b.ptrs, count)? {
             return self.divide::<T>(op, &b.ptrs, count, 0..self.size());
         }
         self.all_reduce_ptrs::<T>(op, &b.ptrs, count)
@@ -122,7 +122,7 @@ impl Group {
         self.check_bufs("all_reduce", "recv", recv, count)?;
         let s = self.read_ptrs(send);
         let d = self.write_ptrs(recv);
-        if count > 0 && self.launch_mesh(op.kernel_op(), T::DTYPE, &s.ptrs, &d.ptrs, count)? {
+        if count > 0 && self.launch_fused(op.kernel_op(), T::DTYPE, &s.ptrs, &d.ptrs, count)? {
             return self.divide::<T>(op, &d.ptrs, count, 0..self.size());
         }
         for r in 0..self.size() {

@@ -18,23 +18,43 @@ use crate::kernels;
 use crate::peer::{raw_ctx, PeerAccess};
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use crate::oneshot::{self, OneShot};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Which algorithm a group's all-reduce uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
-    /// Mesh where the group allows it (every rank on its own device and
-    /// every pair of devices P2P, verified; at most 8 ranks) for messages
-    /// below [`MESH_AUTO_MAX_BYTES`] per rank, else ring.
+    /// By message size, where the group allows it (2 to 8 ranks, each on
+    /// its own device): with P2P verified between every pair, the one-shot
+    /// up to [`ONESHOT_AUTO_MAX_BYTES`], the mesh below
+    /// [`MESH_AUTO_MAX_BYTES`], the ring above; without, the one-shot
+    /// through host memory up to [`HOST_ONESHOT_AUTO_MAX_BYTES`], the ring
+    /// above. Other groups always use the ring.
     #[default]
     Auto,
     /// Always the ring (reduce-scatter then all-gather over ring links).
     Ring,
     /// Always the mesh; creating the group fails where it is not possible.
     Mesh,
+    /// Always the one-shot all-reduce ([`crate::oneshot`]): slots in peer
+    /// device memory where every pair has P2P, else in mapped host memory.
+    /// Needs 2 to 8 ranks, each on its own device; creating the group fails
+    /// otherwise.
+    OneShot,
 }
+
+/// Under [`Algorithm::Auto`], a group whose every pair has P2P uses the
+/// one-shot all-reduce while each rank stores at most this many bytes into
+/// its peers (message bytes times ranks - 1), the mesh above.
+pub const ONESHOT_AUTO_MAX_BYTES: usize = 1 << 20;
+
+/// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
+/// distinct devices, 2 to 8) uses the one-shot all-reduce through host
+/// memory while each rank reads at most this many bytes from it (message
+/// bytes times ranks - 1), the staged ring above.
+pub const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 64 << 20;
 
 /// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
 /// use the ring even where the mesh is possible: on 2x H200 (NVLink) the
@@ -49,7 +69,8 @@ impl std::str::FromStr for Algorithm {
             "auto" => Ok(Algorithm::Auto),
             "ring" => Ok(Algorithm::Ring),
             "mesh" => Ok(Algorithm::Mesh),
-            other => Err(Error::InvalidArgument(format!("algorithm {other:?}: expected auto, ring or mesh"))),
+            "oneshot" | "one-shot" => Ok(Algorithm::OneShot),
+            other => Err(Error::InvalidArgument(format!("algorithm {other:?}: expected auto, ring, mesh or oneshot"))),
         }
     }
 }
@@ -90,12 +111,46 @@ fn load_module(ctx: &Arc<CudaContext>, cache: &ModuleCache, ptx: &'static str) -
     Ok(m)
 }
 
+/// One kernel family's functions for one rank, by (op, element type),
+/// each looked up on first use and kept: a launch costs an index, not a
+/// name format and a map lookup.
+pub(crate) struct FnTable {
+    cells: [OnceLock<CudaFunction>; 5 * 10],
+}
+
+impl Default for FnTable {
+    fn default() -> Self {
+        FnTable { cells: [const { OnceLock::new() }; 50] }
+    }
+}
+
+impl FnTable {
+    /// The function for `op` ("sum", "prod", "min", "max", or "div" for
+    /// scale_div) and `dtype`, loaded by `load` the first time.
+    pub(crate) fn get(&self, op: &str, dtype: DType, load: impl FnOnce() -> Result<CudaFunction>) -> Result<&CudaFunction> {
+        let o = match op {
+            "sum" => 0,
+            "prod" => 1,
+            "min" => 2,
+            "max" => 3,
+            _ => 4,
+        };
+        let t = DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0);
+        let cell = &self.cells[o * 10 + t];
+        if let Some(f) = cell.get() {
+            return Ok(f);
+        }
+        let f = load()?;
+        Ok(cell.get_or_init(|| f))
+    }
+}
+
 /// One rank: its device, stream, kernels and step event.
 pub(crate) struct Rank {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
-    funcs: Mutex<HashMap<String, CudaFunction>>,
+    funcs: FnTable,
     /// Recorded on `stream` after each step.
     pub(crate) done: CudaEvent,
     max_blocks: u32,
@@ -111,8 +166,8 @@ pub(crate) struct Pull {
 
 /// The mesh all-reduce's per-rank state: kernels and flag areas.
 pub(crate) struct Mesh {
-    /// Kernels by (rank, op, element type), loaded on first use.
-    funcs: Mutex<HashMap<(usize, &'static str, DType), CudaFunction>>,
+    /// Each rank's kernels, loaded on first use.
+    funcs: Vec<FnTable>,
     /// Each rank's flag area (zeroed once), kept alive with the group.
     _flags: Vec<CudaSlice<u32>>,
     flag_ptrs: [u64; kernels::MESH_MAX_RANKS],
@@ -139,6 +194,8 @@ impl PtrArray {
 pub struct Group {
     /// The mesh all-reduce, when the group uses it.
     pub(crate) mesh: Option<Mesh>,
+    /// The one-shot all-reduce, when the group uses it.
+    pub(crate) oneshot: Option<OneShot>,
     algorithm: Algorithm,
     pub(crate) ranks: Vec<Rank>,
     /// `pulls[r]`: rank r pulling from rank r-1.
@@ -190,7 +247,7 @@ impl Group {
             ranks.push(Rank {
                 module: load_module(&ctx, &REDUCE_MODULES, kernels::REDUCE_PTX)?,
                 done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
-                funcs: Mutex::new(HashMap::new()),
+                funcs: FnTable::default(),
                 max_blocks: (sms.max(1) as u32) * 4,
                 ctx,
                 stream,
@@ -219,7 +276,38 @@ impl Group {
             pulls.push(Pull { status, staging, scratch });
         }
         let mesh = Self::open_mesh(&ranks, &pulls, opts, &mut access)?;
-        Ok(Group { mesh, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
+        let oneshot = Self::open_oneshot(&ranks, &pulls, opts, mesh.is_some(), &mut access)?;
+        Ok(Group { mesh, oneshot, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
+    }
+
+    /// Sets up the one-shot all-reduce where `opts` asks for it and the
+    /// group allows it: slots in device memory when every pair has P2P
+    /// (`mesh_ok`, or checked here), else in host memory.
+    fn open_oneshot(ranks: &[Rank], pulls: &[Pull], opts: &GroupOptions, mesh_ok: bool, access: &mut Vec<PeerAccess>) -> Result<Option<OneShot>> {
+        if !matches!(opts.algorithm, Algorithm::Auto | Algorithm::OneShot) {
+            return Ok(None);
+        }
+        if let Some(why) = oneshot::refusal(ranks) {
+            return if opts.algorithm == Algorithm::OneShot { Err(oneshot::impossible("one-shot", &why)) } else { Ok(None) };
+        }
+        let p2p = mesh_ok || (pulls.iter().all(|p| p.status.path == Path::P2p) && Self::all_pairs_p2p(ranks, opts, access)?.is_ok());
+        OneShot::new(ranks, p2p).map(Some)
+    }
+
+    /// Enables and verifies P2P between every pair of ranks under
+    /// `opts.link`; `Err(why)` for the first pair without it.
+    fn all_pairs_p2p(ranks: &[Rank], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<std::result::Result<(), String>> {
+        let n = ranks.len();
+        for i in 0..n {
+            for j in i + 1..n {
+                match decide(&ranks[i].ctx, &ranks[j].ctx, &opts.link) {
+                    Ok((guards, st)) if st.path == Path::P2p => access.extend(guards),
+                    Ok((_, st)) => return Ok(Err(format!("ranks {i} and {j}: {}", st.reason))),
+                    Err(e) => return Ok(Err(format!("ranks {i} and {j}: {e}"))),
+                }
+            }
+        }
+        Ok(Ok(()))
     }
 
     /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
@@ -232,7 +320,7 @@ impl Group {
                 Ok(None)
             }
         };
-        if opts.algorithm == Algorithm::Ring {
+        if matches!(opts.algorithm, Algorithm::Ring | Algorithm::OneShot) {
             return Ok(None);
         }
         if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
@@ -247,14 +335,8 @@ impl Group {
         if pulls.iter().any(|p| p.status.path != Path::P2p) {
             return refuse("needs every ring link on P2P");
         }
-        for i in 0..n {
-            for j in i + 1..n {
-                match decide(&ranks[i].ctx, &ranks[j].ctx, &opts.link) {
-                    Ok((guards, st)) if st.path == Path::P2p => access.extend(guards),
-                    Ok((_, st)) => return refuse(&format!("ranks {i} and {j}: {}", st.reason)),
-                    Err(e) => return refuse(&format!("ranks {i} and {j}: {e}")),
-                }
-            }
+        if let Err(why) = Self::all_pairs_p2p(ranks, opts, access)? {
+            return refuse(&why);
         }
         let mut flags = Vec::with_capacity(n);
         let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
@@ -270,7 +352,7 @@ impl Group {
         for rank in ranks {
             rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         }
-        Ok(Some(Mesh { funcs: Mutex::new(HashMap::new()), _flags: flags, flag_ptrs }))
+        Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs }))
     }
 
     /// A group with one rank per device in `ordinals` (each on a new stream).
@@ -311,15 +393,20 @@ impl Group {
         Ok(())
     }
 
-    fn function(&self, r: usize, name: &str) -> Result<CudaFunction> {
+    /// Rank r's reduction kernel `name` (for `op` and `dtype`), from its table.
+    fn function(&self, r: usize, op: &str, dtype: DType, name: impl FnOnce() -> String) -> Result<&CudaFunction> {
         let rank = &self.ranks[r];
-        let mut funcs = rank.funcs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(f) = funcs.get(name) {
-            return Ok(f.clone());
-        }
-        let f = rank.module.load_function(name).map_err(cudarc_err("cuModuleGetFunction"))?;
-        funcs.insert(name.to_string(), f.clone());
-        Ok(f)
+        rank.funcs.get(op, dtype, || rank.module.load_function(&name()).map_err(cudarc_err("cuModuleGetFunction")))
+    }
+
+    /// Loads `{family}_{op}_{ty}` from the mesh module of `dtype` on rank r
+    /// (JIT-compiled once per context and type).
+    pub(crate) fn mesh_function(&self, r: usize, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
+        let ty = dtype.name();
+        let ptx = kernels::mesh_ptx(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
+        let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
+        let module = load_module(&self.ranks[r].ctx, cache, ptx)?;
+        module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
     }
 
     fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
@@ -334,10 +421,10 @@ impl Group {
         if count == 0 {
             return Ok(());
         }
-        let f = self.function(r, &kernels::reduce2_name(op, dtype.name()))?;
+        let f = self.function(r, op, dtype, || kernels::reduce2_name(op, dtype.name()))?;
         let n = count as u64;
         let stream = &self.ranks[r].stream;
-        let mut launch = stream.launch_builder(&f);
+        let mut launch = stream.launch_builder(f);
         launch.arg(&dst).arg(&a).arg(&b).arg(&n);
         // SAFETY: the kernel's signature is (T*, const T*, const T*, u64); the
         // three addresses hold `count` elements of `dtype` on, or peer-accessible
@@ -351,20 +438,54 @@ impl Group {
         self.serial.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether all-reduce runs as the mesh kernel (below
+    /// Whether the group has the mesh all-reduce (used below
     /// [`MESH_AUTO_MAX_BYTES`] under [`Algorithm::Auto`]).
     pub fn uses_mesh(&self) -> bool {
         self.mesh.is_some()
     }
 
-    /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`.
-    /// Returns false (and does nothing) when the group has no mesh, or
-    /// under [`Algorithm::Auto`] when the message is large enough for the ring.
-    pub(crate) fn launch_mesh(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
-        let Some(mesh) = &self.mesh else { return Ok(false) };
-        if self.algorithm == Algorithm::Auto && count * dtype.size() >= MESH_AUTO_MAX_BYTES {
-            return Ok(false);
+    /// Whether the group has the one-shot all-reduce, and where its slots
+    /// are: `Some(true)` in host memory, `Some(false)` in device memory.
+    pub fn oneshot_on_host(&self) -> Option<bool> {
+        self.oneshot.as_ref().map(|o| o.on_host())
+    }
+
+    /// The algorithm an all-reduce of `bytes` bytes per rank runs with
+    /// ([`Algorithm::Ring`], [`Algorithm::Mesh`] or [`Algorithm::OneShot`]),
+    /// for buffers aligned to 16 bytes (others never take the one-shot).
+    pub fn all_reduce_algorithm(&self, bytes: usize) -> Algorithm {
+        self.pick(bytes, true)
+    }
+
+    fn pick(&self, bytes: usize, aligned: bool) -> Algorithm {
+        let pushed = bytes.saturating_mul(self.size().saturating_sub(1));
+        let auto = self.algorithm == Algorithm::Auto;
+        if let (Some(os), true) = (&self.oneshot, aligned) {
+            let max = if os.on_host() { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
+            if !auto || pushed <= max {
+                return Algorithm::OneShot;
+            }
         }
+        if self.mesh.is_some() && (!auto || bytes < MESH_AUTO_MAX_BYTES) {
+            return Algorithm::Mesh;
+        }
+        Algorithm::Ring
+    }
+
+    /// Launches the fused all-reduce (one-shot or mesh) the group picks for
+    /// this message on every rank: `outs[r] = reduce(ins)`. Returns false
+    /// (and does nothing) when the ring should run instead.
+    pub(crate) fn launch_fused(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
+        let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
+        match (self.pick(count * dtype.size(), aligned), &self.oneshot, &self.mesh) {
+            (Algorithm::OneShot, Some(os), _) => self.launch_oneshot(os, op, dtype, ins, outs, count).map(|()| true),
+            (Algorithm::Mesh, _, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count).map(|()| true),
+            _ => Ok(false),
+        }
+    }
+
+    /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`.
+    fn launch_mesh(&self, mesh: &Mesh, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
         let n = self.size();
         let e = 16 / dtype.size();
         let seg = count.div_ceil(n).div_ceil(e) * e;
@@ -374,24 +495,12 @@ impl Group {
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
         let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
-        for r in 0..n {
-            let f = {
-                let mut funcs = mesh.funcs.lock().unwrap_or_else(|p| p.into_inner());
-                match funcs.get(&(r, op, dtype)) {
-                    Some(f) => f.clone(),
-                    None => {
-                        let ty = dtype.name();
-                        let ptx = kernels::mesh_ptx(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
-                        let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
-                        let module = load_module(&self.ranks[r].ctx, cache, ptx)?;
-                        let f = module.load_function(&kernels::meshar_name(op, ty)).map_err(cudarc_err("cuModuleGetFunction"))?;
-                        funcs.insert((r, op, dtype), f.clone());
-                        f
-                    }
-                }
-            };
+        // Last rank first: the callers' buffer guards then record their events
+        // from rank 0 on without switching contexts back and forth.
+        for r in (0..n).rev() {
+            let f = mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
             let rank = r as i32;
-            let mut launch = self.ranks[r].stream.launch_builder(&f);
+            let mut launch = self.ranks[r].stream.launch_builder(f);
             launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec);
             // SAFETY: the signature is (PtrArray, PtrArray, PtrArray, i32, i32,
             // u64, u64, i32); every pointer holds `count` elements (flags:
@@ -401,7 +510,7 @@ impl Group {
             // per-block barrier requires.
             unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (mesh all-reduce)"))?;
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.
@@ -409,9 +518,9 @@ impl Group {
         if count == 0 {
             return Ok(());
         }
-        let f = self.function(r, &kernels::scale_div_name(dtype.name()))?;
+        let f = self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
         let n = count as u64;
-        let mut launch = self.ranks[r].stream.launch_builder(&f);
+        let mut launch = self.ranks[r].stream.launch_builder(f);
         launch.arg(&x).arg(&n).arg(&divisor);
         // SAFETY: signature (T*, u64, double); `x` holds `count` elements on rank r's device.
         unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;

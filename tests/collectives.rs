@@ -163,12 +163,19 @@ struct Setup {
 fn setup(ctx: &[Arc<CudaContext>], n: usize, (tag, policies, algorithm): PathSet) -> Setup {
     use std::io::Write;
     let streams: Vec<_> = (0..n).map(|r| ctx[r % ctx.len()].new_stream().unwrap()).collect();
-    let opts = GroupOptions { pull_policies: policies, algorithm, ..GroupOptions::default() };
+    let opts = GroupOptions { pull_policies: policies.clone(), algorithm, ..GroupOptions::default() };
     let group = Group::new(streams.clone(), &opts).expect("group");
     let paths: Vec<String> = (0..n).map(|r| group.link_status(r).unwrap().path.to_string()).collect();
-    let _ = writeln!(std::io::stderr(), "  group n={n} {tag}: mesh={} pulls={paths:?}", group.uses_mesh());
-    if algorithm == Algorithm::Mesh {
-        assert!(group.uses_mesh());
+    let _ = writeln!(std::io::stderr(), "  group n={n} {tag}: mesh={} oneshot_on_host={:?} pulls={paths:?}", group.uses_mesh(), group.oneshot_on_host());
+    match algorithm {
+        Algorithm::Mesh => assert!(group.uses_mesh() && group.all_reduce_algorithm(4096) == Algorithm::Mesh),
+        Algorithm::OneShot => {
+            let on_host = policies.contains(&PathPolicy::StagedOnly);
+            assert_eq!(group.oneshot_on_host(), Some(on_host), "{tag}");
+            assert_eq!(group.all_reduce_algorithm(1 << 30), Algorithm::OneShot);
+        }
+        Algorithm::Ring => assert_eq!(group.all_reduce_algorithm(4096), Algorithm::Ring),
+        Algorithm::Auto => {}
     }
     Setup { streams, group }
 }
@@ -277,7 +284,9 @@ fn counts(n: usize) -> Vec<usize> {
     c
 }
 
-/// P2P ring, staged ring, a ring mixing both, and (with one rank per GPU) the mesh.
+/// P2P ring, staged (Auto), a ring mixing both (Auto), and with one rank per
+/// GPU also the mesh, the one-shot over P2P and over host memory, and the
+/// staged ring forced (Auto picks the host one-shot there).
 fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
     let mixed: Vec<PathPolicy> = (0..n).map(|r| if r % 2 == 0 { PathPolicy::P2pOnly } else { PathPolicy::StagedOnly }).collect();
     let mut sets = vec![
@@ -287,6 +296,9 @@ fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
     ];
     if n <= gpus {
         sets.push(("p2p-mesh", Vec::new(), Algorithm::Mesh));
+        sets.push(("p2p-oneshot", Vec::new(), Algorithm::OneShot));
+        sets.push(("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot));
+        sets.push(("staged-ring", vec![PathPolicy::StagedOnly; n], Algorithm::Ring));
     }
     sets
 }
@@ -361,7 +373,8 @@ fn sixteen_million_elements() {
         for set in path_sets(n, ctx.len()) {
             let tag = set.0;
             let s = setup(&ctx, n, set);
-            run_all::<f32>(&s, ReduceOp::Sum, 16 << 20, tag);
+            // Not a whole number of one-shot rounds or 16-byte units.
+            run_all::<f32>(&s, ReduceOp::Sum, (16 << 20) + 5, tag);
             run_all::<bf16>(&s, ReduceOp::Sum, 16 << 20, tag);
         }
     }
@@ -405,7 +418,9 @@ fn bad_input_is_refused() {
     let s = setup(&ctx, 2, ("p2p", Vec::new(), Algorithm::Auto));
     let shared: Vec<_> = (0..3).map(|r| ctx[r % 2].new_stream().unwrap()).collect();
     let mesh_opts = GroupOptions { algorithm: Algorithm::Mesh, ..GroupOptions::default() };
-    assert!(matches!(Group::new(shared, &mesh_opts), Err(Error::InvalidArgument(_))), "mesh with a shared device");
+    assert!(matches!(Group::new(shared.clone(), &mesh_opts), Err(Error::InvalidArgument(_))), "mesh with a shared device");
+    let oneshot_opts = GroupOptions { algorithm: Algorithm::OneShot, ..GroupOptions::default() };
+    assert!(matches!(Group::new(shared, &oneshot_opts), Err(Error::InvalidArgument(_))), "one-shot with a shared device");
     let mut a = vec![s.streams[0].alloc_zeros::<f32>(10).unwrap(), s.streams[1].alloc_zeros::<f32>(11).unwrap()];
     assert!(matches!(s.group.all_reduce_in_place(&mut a, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
     let mut swapped = vec![s.streams[1].alloc_zeros::<f32>(10).unwrap(), s.streams[0].alloc_zeros::<f32>(10).unwrap()];
@@ -430,5 +445,60 @@ fn single_rank_group_is_identity() {
         run_all::<f32>(&s, ReduceOp::Avg, count, "single");
         run_all::<i64>(&s, ReduceOp::Prod, count, "single");
         run_moves::<u8>(&s, count, "single");
+    }
+}
+
+/// All-reduces of several sizes (one-shot, mesh and ring under Auto) and an
+/// unaligned view, interleaved back to back with no host synchronisation:
+/// wrapping u32 sums show any slot reused too early or any race between
+/// algorithms exactly.
+#[test]
+fn interleaved_sizes_and_algorithms() {
+    let Some(ctx) = gpus("interleaved_sizes", 2) else { return };
+    let n = 2;
+    let sets: Vec<PathSet> = vec![("p2p-auto", Vec::new(), Algorithm::Auto), ("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto)];
+    for set in sets {
+        let tag = set.0;
+        let s = setup(&ctx, n, set);
+        let counts = [1000usize, 300_001, 5_000_003];
+        let algos: Vec<Algorithm> = counts.iter().map(|c| s.group.all_reduce_algorithm(c * 4)).collect();
+        eprintln!("  {tag}: algorithms {algos:?}");
+        let inputs: Vec<Vec<Vec<u32>>> = counts.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
+        let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
+        let mut rounds = [0u32; 4];
+        for step in 0..40 {
+            let k = (step * 7 + step / 3) % 4;
+            if k < 3 {
+                s.group.all_reduce_in_place(&mut bufs[k], ReduceOp::Sum).unwrap();
+            } else {
+                // An unaligned view of the largest buffer: never the one-shot.
+                let mut views: Vec<_> = bufs[2].iter_mut().map(|b| b.slice_mut(1..)).collect();
+                s.group.all_reduce_in_place(&mut views, ReduceOp::Sum).unwrap();
+            }
+            rounds[k] += 1;
+        }
+        for (k, &c) in counts.iter().enumerate() {
+            let mut want: Vec<u32> = (0..c).map(|i| inputs[k].iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
+            let mul = |w: &mut [u32], times: u32| {
+                for x in w.iter_mut() {
+                    for _ in 1..times {
+                        *x = x.wrapping_mul(n as u32);
+                    }
+                }
+            };
+            mul(&mut want, rounds[k]);
+            if k == 2 {
+                // The view's elements were reduced rounds[3] more times.
+                for x in want[1..].iter_mut() {
+                    for _ in 0..rounds[3] {
+                        *x = x.wrapping_mul(n as u32);
+                    }
+                }
+            }
+            for (r, o) in download(&s, &bufs[k]).iter().enumerate() {
+                let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
+                assert_eq!(bad, 0, "{tag}: buffer of {c} elements, rank {r}: {bad} wrong after {} + {} all-reduces", rounds[k], rounds[3]);
+            }
+        }
     }
 }

@@ -22,13 +22,35 @@ unsafe impl Sync for PinnedBuffer {}
 
 impl PinnedBuffer {
     pub(crate) fn new(ctx: &CudaContext, len: usize) -> Result<Self> {
+        Self::alloc(ctx, len, sys::CU_MEMHOSTALLOC_PORTABLE)
+    }
+
+    /// A buffer that kernels of every context can also read and write
+    /// directly (mapped), zero-filled.
+    pub(crate) fn new_mapped(ctx: &CudaContext, len: usize) -> Result<Self> {
+        let b = Self::alloc(ctx, len, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP)?;
+        // SAFETY: the buffer holds `len` bytes (at least 1 allocated), owned by
+        // `b`, and no copy or kernel uses it yet.
+        unsafe { std::ptr::write_bytes(b.ptr, 0, len) };
+        Ok(b)
+    }
+
+    fn alloc(ctx: &CudaContext, len: usize, flags: u32) -> Result<Self> {
         bind(ctx)?;
         let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: allocates `len` bytes of page-locked memory and writes its address.
-        check("cuMemHostAlloc", unsafe {
-            api()?.cuMemHostAlloc(&mut ptr, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
-        })?;
+        check("cuMemHostAlloc", unsafe { api()?.cuMemHostAlloc(&mut ptr, len.max(1), flags) })?;
         Ok(PinnedBuffer { ptr: ptr.cast(), len })
+    }
+
+    /// The address kernels of `ctx` use for a buffer made by [`Self::new_mapped`].
+    pub(crate) fn device_addr(&self, ctx: &CudaContext) -> Result<u64> {
+        bind(ctx)?;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a mapped, portable page-locked allocation alive for
+        // the call; the driver writes one device address.
+        check("cuMemHostGetDevicePointer", unsafe { api()?.cuMemHostGetDevicePointer_v2(&mut dptr, self.ptr.cast(), 0) })?;
+        Ok(dptr)
     }
 
     pub(crate) fn addr(&self) -> *mut u8 {

@@ -19,8 +19,10 @@
 //!   `dst[i] = a[i] op b[i]`; `dst` may equal `a` or `b` exactly.
 //! * [`scale_div_name`]: `(T* x, u64 n, f64 divisor)`; `x[i] /= divisor`
 //!   (floating-point types only).
-//! * [`meshar_name`]: the mesh all-reduce, in its own per-type modules
-//!   ([`mesh_ptx`]); `PtrArray` is `struct { const void* p[8]; }` by value.
+//! * `cp_meshar_{op}_{ty}` (mesh all-reduce) and `cp_oneshot_{op}_{ty}`
+//!   (one-shot all-reduce), in per-type modules ([`mesh_ptx`]); `PtrArray`
+//!   is `struct { const void* p[8]; }` by value. Signatures and protocols
+//!   are documented in `kernels/reduce.cu`.
 //!
 //! Semantics: integer `sum`/`prod` wrap; floating-point `min`/`max` propagate
 //! NaN; `f16`/`bf16` are computed in `f32` and rounded back (nearest-even)
@@ -55,16 +57,25 @@ pub(crate) const MESH_MAX_BLOCKS: usize = 1024;
 /// Most ranks a mesh kernel serves (the length of `PtrArray`).
 pub(crate) const MESH_MAX_RANKS: usize = 8;
 
+/// Largest grid of a one-shot kernel (its flag area has a slot per block
+/// and source rank).
+pub(crate) const ONESHOT_MAX_BLOCKS: usize = 64;
+
+/// Bytes of flags at the start of a one-shot region: `u32 [rank][block]`.
+pub(crate) const ONESHOT_FLAG_BYTES: usize = MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4;
+
+/// The one-shot grid with slots in device memory (P2P): enough stores in
+/// flight to fill NVLink.
+pub(crate) const ONESHOT_DEVICE_BLOCKS: u32 = 64;
+
+/// The one-shot grid with slots in host memory: enough loads in flight to
+/// cover PCIe latency.
+pub(crate) const ONESHOT_HOST_BLOCKS: u32 = 32;
+
 /// `u32` words in one rank's mesh flag area: two barrier slots of
 /// `[block][source rank]` flags, then one counter per block.
 pub(crate) const MESH_FLAG_WORDS: usize = 2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS + MESH_MAX_BLOCKS;
 
-/// Name of the mesh all-reduce kernel for `op` and `ty`: `cp_meshar_{op}_{ty}`.
-/// Signature `(PtrArray ins, PtrArray outs, PtrArray flags, i32 nranks,
-/// i32 rank, u64 n, u64 seg, i32 vec)`; see `kernels/reduce.cu`.
-pub(crate) fn meshar_name(op: &str, ty: &str) -> String {
-    format!("cp_meshar_{op}_{ty}")
-}
 
 /// Reduction operations, as they appear in kernel names.
 #[cfg(test)]
@@ -162,11 +173,12 @@ mod tests {
     }
 
     #[test]
-    fn mesh_ptx_has_one_kernel_per_op_for_its_type() {
+    fn mesh_ptx_has_the_mesh_and_oneshot_kernels_per_op_for_its_type() {
         for ty in TYPES {
             let ptx = mesh_ptx(ty).expect("a mesh module per type");
             let found: BTreeSet<String> = ptx_entries(ptx).into_iter().collect();
-            let expected: BTreeSet<String> = OPS.iter().map(|op| meshar_name(op, ty)).collect();
+            let expected: BTreeSet<String> =
+                OPS.iter().flat_map(|op| [format!("cp_meshar_{op}_{ty}"), format!("cp_oneshot_{op}_{ty}")]).collect();
             assert_eq!(found, expected, "{ty}");
         }
         assert!(mesh_ptx("f8").is_none());
@@ -183,6 +195,9 @@ mod tests {
         assert!(src.contains(&format!("#define MESH_MAX_RANKS {MESH_MAX_RANKS}\n")));
         assert!(src.contains("#define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)"));
         assert!(src.contains("#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)"));
+        assert!(src.contains(&format!("#define ONESHOT_MAX_BLOCKS {ONESHOT_MAX_BLOCKS}\n")));
+        assert!(src.contains("#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)"));
+        assert!(ONESHOT_DEVICE_BLOCKS as usize <= ONESHOT_MAX_BLOCKS && ONESHOT_HOST_BLOCKS as usize <= ONESHOT_MAX_BLOCKS);
     }
 
     #[test]

@@ -586,6 +586,11 @@ pub struct DriverApi {
         bytesize: usize,
         Flags: ::std::os::raw::c_uint,
     ) -> CUresult,
+    pub cuMemHostGetDevicePointer_v2: unsafe extern "C" fn(
+        pdptr: *mut CUdeviceptr,
+        p: *mut ::std::os::raw::c_void,
+        Flags: ::std::os::raw::c_uint,
+    ) -> CUresult,
     pub cuDeviceGetPCIBusId: unsafe extern "C" fn(
         pciBusId: *mut ::std::os::raw::c_char,
         len: ::std::os::raw::c_int,
@@ -709,6 +714,9 @@ impl DriverApi {
         let cuMemGetInfo_v2 = __library.get(b"cuMemGetInfo_v2\0").map(|sym| *sym)?;
         let cuMemFreeHost = __library.get(b"cuMemFreeHost\0").map(|sym| *sym)?;
         let cuMemHostAlloc = __library.get(b"cuMemHostAlloc\0").map(|sym| *sym)?;
+        let cuMemHostGetDevicePointer_v2 = __library
+            .get(b"cuMemHostGetDevicePointer_v2\0")
+            .map(|sym| *sym)?;
         let cuDeviceGetPCIBusId = __library.get(b"cuDeviceGetPCIBusId\0").map(|sym| *sym)?;
         let cuMemcpyPeer = __library.get(b"cuMemcpyPeer\0").map(|sym| *sym)?;
         let cuMemcpyPeerAsync = __library.get(b"cuMemcpyPeerAsync\0").map(|sym| *sym)?;
@@ -755,6 +763,7 @@ impl DriverApi {
             cuMemGetInfo_v2,
             cuMemFreeHost,
             cuMemHostAlloc,
+            cuMemHostGetDevicePointer_v2,
             cuDeviceGetPCIBusId,
             cuMemcpyPeer,
             cuMemcpyPeerAsync,
@@ -865,6 +874,14 @@ impl DriverApi {
         Flags: ::std::os::raw::c_uint,
     ) -> CUresult {
         (self.cuMemHostAlloc)(pp, bytesize, Flags)
+    }
+    pub unsafe fn cuMemHostGetDevicePointer_v2(
+        &self,
+        pdptr: *mut CUdeviceptr,
+        p: *mut ::std::os::raw::c_void,
+        Flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self.cuMemHostGetDevicePointer_v2)(pdptr, p, Flags)
     }
     pub unsafe fn cuDeviceGetPCIBusId(
         &self,

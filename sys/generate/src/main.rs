@@ -32,6 +32,7 @@ const FUNCTIONS: &[&str] = &[
     "cuMemPoolGetAccess",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemHostGetDevicePointer_v2",
     "cuMemcpyPeer",
     "cuMemcpyPeerAsync",
     "cuMemcpyDtoHAsync_v2",
