@@ -31,7 +31,7 @@ struct Args {
     /// Link path policy.
     #[arg(long, default_value = "auto")]
     path: PathPolicy,
-    /// All-reduce algorithm: auto (mesh where every rank has its own P2P-linked GPU), ring or mesh.
+    /// All-reduce algorithm: auto (by size: one-shot, mesh or ring, where every rank has its own GPU), ring, mesh or oneshot.
     #[arg(long, default_value = "auto")]
     algorithm: Algorithm,
     /// Timed iterations (after 5 warm-up iterations).
@@ -184,8 +184,12 @@ fn main() {
             (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
         let opts = GroupOptions { algorithm: args.algorithm, ..GroupOptions::with_policy(args.path) };
         let group = Group::new(streams.clone(), &opts)?;
-        let mesh = group.uses_mesh() && (args.algorithm == Algorithm::Mesh || args.bytes < cuda_peer::MESH_AUTO_MAX_BYTES);
-        let algo = if mesh { "mesh" } else { "ring" };
+        let algo = match group.all_reduce_algorithm(args.bytes) {
+            Algorithm::OneShot if group.oneshot_on_host() == Some(true) => "one-shot through host memory",
+            Algorithm::OneShot => "one-shot",
+            Algorithm::Mesh => "mesh",
+            _ => "ring",
+        };
         println!("# ring_allreduce: {ranks} ranks on {gpus} GPU(s): {}; algorithm {algo}", ctx[0].name().unwrap_or_default());
         for r in 0..ranks {
             let st = group.link_status(r).expect("rank exists");

@@ -1,5 +1,12 @@
 //! The staging chunk planner: how a staged copy is cut into chunks and
 //! which pinned buffer each chunk passes through. Pure CPU logic.
+//!
+//! A staged copy is a two-stage pipeline (device to host on the source's
+//! PCIe link, host to device on the destination's), so the first chunk's
+//! first stage and the last chunk's second stage run alone. Chunks therefore
+//! start small and double up to the full chunk size, and shrink the same way
+//! at the end: the exposed ends cost two small chunks instead of two full
+//! ones (at 16 MiB with 4 MiB chunks: about 10 us instead of about 150 us).
 
 /// One chunk of a staged copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -12,17 +19,52 @@ pub struct Chunk {
     pub buffer: usize,
 }
 
-/// Cuts `bytes` into chunks of at most `chunk_bytes`, assigned round-robin
-/// to `buffers` staging buffers. Zero bytes give no chunks.
+/// The smallest chunk of the ramps: 1/16 of a full chunk, at least 4 KiB.
+fn first_chunk(chunk_bytes: usize) -> usize {
+    (chunk_bytes / 16).max(4096).min(chunk_bytes)
+}
+
+/// Chunk lengths for `bytes`: a doubling ramp from [`first_chunk`] up to
+/// `chunk_bytes`, full chunks, and the ramp reversed; copies too short for
+/// both ramps are cut into at most 8 equal chunks of at least the first
+/// chunk's size.
+fn lengths(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
+    let mut ramp = Vec::new();
+    let mut s = first_chunk(chunk_bytes);
+    while s < chunk_bytes {
+        ramp.push(s);
+        s *= 2;
+    }
+    let ramps: usize = 2 * ramp.iter().sum::<usize>();
+    let even = |total: usize, pieces: usize| -> Vec<usize> {
+        (0..pieces).map(|i| total / pieces + usize::from(i < total % pieces)).collect()
+    };
+    if bytes < ramps + chunk_bytes {
+        let pieces = bytes.div_ceil(first_chunk(chunk_bytes)).clamp(1, 8);
+        return even(bytes, pieces);
+    }
+    let middle = bytes - ramps;
+    let mut v = ramp.clone();
+    v.extend(even(middle, middle.div_ceil(chunk_bytes)));
+    v.extend(ramp.iter().rev());
+    v
+}
+
+/// Cuts `bytes` into chunks of at most `chunk_bytes` (see the module docs),
+/// assigned round-robin to `buffers` staging buffers. Zero bytes give no
+/// chunks.
 ///
 /// # Panics
 /// Never: a zero `chunk_bytes` or `buffers` is treated as 1.
 pub fn plan(bytes: usize, chunk_bytes: usize, buffers: usize) -> impl Iterator<Item = Chunk> {
     let chunk_bytes = chunk_bytes.max(1);
     let buffers = buffers.max(1);
-    (0..bytes.div_ceil(chunk_bytes)).map(move |i| {
-        let offset = i * chunk_bytes;
-        Chunk { offset, len: chunk_bytes.min(bytes - offset), buffer: i % buffers }
+    let lens = if bytes == 0 { Vec::new() } else { lengths(bytes, chunk_bytes) };
+    let mut offset = 0;
+    lens.into_iter().enumerate().map(move |(i, len)| {
+        let c = Chunk { offset, len, buffer: i % buffers };
+        offset += len;
+        c
     })
 }
 
@@ -32,22 +74,43 @@ mod tests {
 
     #[test]
     fn chunks_cover_every_byte_once_in_order() {
-        for bytes in [0usize, 1, 7, 4095, 4096, 4097, 1 << 20, (1 << 20) + 3] {
-            for chunk in [1usize, 3, 4096, 1 << 20] {
+        for bytes in [0usize, 1, 7, 4095, 4096, 4097, 1 << 20, (1 << 20) + 3, 16 << 20, (64 << 20) + 5] {
+            for chunk in [1usize, 3, 4096, 1 << 20, 4 << 20] {
+                if chunk < 4096 && bytes > 1 << 20 {
+                    continue;
+                }
                 for buffers in [1usize, 2, 3] {
                     let chunks: Vec<_> = plan(bytes, chunk, buffers).collect();
                     let mut next = 0;
                     for (i, c) in chunks.iter().enumerate() {
                         assert_eq!(c.offset, next, "{bytes} {chunk} {buffers}");
-                        assert!(c.len > 0 && c.len <= chunk);
+                        assert!(c.len > 0 && c.len <= chunk, "{bytes} {chunk}: chunk of {}", c.len);
                         assert_eq!(c.buffer, i % buffers);
                         next += c.len;
                     }
                     assert_eq!(next, bytes);
-                    assert_eq!(chunks.len(), bytes.div_ceil(chunk));
+                    // Never many more chunks than full-size ones would need.
+                    assert!(chunks.len() <= bytes.div_ceil(chunk) + 2 * 4 + 8, "{bytes} {chunk}: {} chunks", chunks.len());
                 }
             }
         }
+    }
+
+    #[test]
+    fn long_copies_ramp_up_and_down() {
+        let lens: Vec<usize> = plan(16 << 20, 4 << 20, 3).map(|c| c.len).collect();
+        let k = 256 << 10;
+        assert_eq!(&lens[..4], &[k, 2 * k, 4 * k, 8 * k]);
+        assert_eq!(&lens[lens.len() - 4..], &[8 * k, 4 * k, 2 * k, k]);
+        assert!(lens[4..lens.len() - 4].iter().all(|&l| l <= 4 << 20 && l > 2 << 20));
+    }
+
+    #[test]
+    fn short_copies_are_cut_in_a_few_equal_chunks() {
+        let lens: Vec<usize> = plan(1 << 20, 4 << 20, 3).map(|c| c.len).collect();
+        assert_eq!(lens, vec![256 << 10; 4]);
+        let lens: Vec<usize> = plan(100, 4 << 20, 3).map(|c| c.len).collect();
+        assert_eq!(lens, vec![100]);
     }
 
     #[test]
