@@ -19,16 +19,24 @@ pub struct Chunk {
     pub buffer: usize,
 }
 
-/// The smallest chunk of the ramps: 1/16 of a full chunk, at least 4 KiB.
+/// Chunk boundaries fall on multiples of this (for chunks of at least 4 KiB):
+/// a staged reduction launches a kernel per chunk on element pointers.
+const ALIGN: usize = 256;
+
+/// The smallest chunk of the ramps: 1/16 of a full chunk, at least 4 KiB,
+/// a multiple of [`ALIGN`].
 fn first_chunk(chunk_bytes: usize) -> usize {
-    (chunk_bytes / 16).max(4096).min(chunk_bytes)
+    ((chunk_bytes / 16) & !(ALIGN - 1)).max(4096).min(chunk_bytes)
 }
 
 /// Chunk lengths for `bytes`: a doubling ramp from [`first_chunk`] up to
 /// `chunk_bytes`, full chunks, and the ramp reversed; copies too short for
 /// both ramps are cut into at most 8 equal chunks of at least the first
-/// chunk's size.
+/// chunk's size. Every chunk but the last is a whole number of [`ALIGN`]
+/// bytes (for chunks of at least 4 KiB); the last takes the remainder.
 fn lengths(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
+    let unit = if chunk_bytes >= 4096 { ALIGN } else { 1 };
+    let (aligned, rest) = (bytes - bytes % unit, bytes % unit);
     let mut ramp = Vec::new();
     let mut s = first_chunk(chunk_bytes);
     while s < chunk_bytes {
@@ -36,17 +44,33 @@ fn lengths(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
         s *= 2;
     }
     let ramps: usize = 2 * ramp.iter().sum::<usize>();
-    let even = |total: usize, pieces: usize| -> Vec<usize> {
-        (0..pieces).map(|i| total / pieces + usize::from(i < total % pieces)).collect()
+    // `total` (a whole number of units) in at least `pieces` nearly equal
+    // chunks of whole units, each at most `chunk_bytes`.
+    let split = |total: usize, pieces: usize| -> Vec<usize> {
+        let units = total / unit;
+        let mut pieces = pieces.clamp(1, units.max(1));
+        loop {
+            let v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).collect();
+            if v.iter().all(|&l| l <= chunk_bytes) || pieces >= units {
+                return v.into_iter().filter(|&l| l > 0).collect();
+            }
+            pieces += 1;
+        }
     };
-    if bytes < ramps + chunk_bytes {
-        let pieces = bytes.div_ceil(first_chunk(chunk_bytes)).clamp(1, 8);
-        return even(bytes, pieces);
+    let mut v = if aligned < ramps + chunk_bytes {
+        split(aligned, aligned.div_ceil(first_chunk(chunk_bytes)).clamp(1, 8))
+    } else {
+        let middle = aligned - ramps;
+        let mut v = ramp.clone();
+        v.extend(split(middle, middle.div_ceil(chunk_bytes)));
+        v.extend(ramp.iter().rev());
+        v
+    };
+    match v.last_mut() {
+        Some(last) if *last + rest <= chunk_bytes => *last += rest,
+        _ if rest > 0 => v.push(rest),
+        _ => {}
     }
-    let middle = bytes - ramps;
-    let mut v = ramp.clone();
-    v.extend(even(middle, middle.div_ceil(chunk_bytes)));
-    v.extend(ramp.iter().rev());
     v
 }
 
@@ -74,8 +98,8 @@ mod tests {
 
     #[test]
     fn chunks_cover_every_byte_once_in_order() {
-        for bytes in [0usize, 1, 7, 4095, 4096, 4097, 1 << 20, (1 << 20) + 3, 16 << 20, (64 << 20) + 5] {
-            for chunk in [1usize, 3, 4096, 1 << 20, 4 << 20] {
+        for bytes in [0usize, 1, 7, 4095, 4096, 4097, 1 << 20, (1 << 20) + 3, 4_000_012, 16 << 20, (64 << 20) + 5, 100_000_007] {
+            for chunk in [1usize, 3, 4096, 5000, 100_000, 1 << 20, 4 << 20] {
                 if chunk < 4096 && bytes > 1 << 20 {
                     continue;
                 }
@@ -84,13 +108,17 @@ mod tests {
                     let mut next = 0;
                     for (i, c) in chunks.iter().enumerate() {
                         assert_eq!(c.offset, next, "{bytes} {chunk} {buffers}");
+                        if chunk >= 4096 {
+                            assert_eq!(c.offset % ALIGN, 0, "{bytes} {chunk}: chunk {i} at {}", c.offset);
+                        }
                         assert!(c.len > 0 && c.len <= chunk, "{bytes} {chunk}: chunk of {}", c.len);
                         assert_eq!(c.buffer, i % buffers);
                         next += c.len;
                     }
                     assert_eq!(next, bytes);
                     // Never many more chunks than full-size ones would need.
-                    assert!(chunks.len() <= bytes.div_ceil(chunk) + 2 * 4 + 8, "{bytes} {chunk}: {} chunks", chunks.len());
+                    let whole = if chunk >= 4096 { chunk & !(ALIGN - 1) } else { chunk };
+                    assert!(chunks.len() <= bytes.div_ceil(whole) + 2 * 4 + 9, "{bytes} {chunk}: {} chunks", chunks.len());
                 }
             }
         }
