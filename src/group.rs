@@ -55,8 +55,11 @@ pub const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
 /// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
 /// distinct devices, 2 to 8) uses the one-shot all-reduce through host
 /// memory while each rank reads at most this many bytes from it (message
-/// bytes times ranks - 1), the staged ring above.
-pub const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 64 << 20;
+/// bytes times ranks - 1), the staged ring above. On 2x H200 with P2P off
+/// the one-shot was ahead up to 16 MiB (549 against 571 us; 18 against 35
+/// us at 4 KiB) and behind from 64 MiB (35.2 against 38.0 GB/s), both
+/// forced, one run.
+pub const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
 
 /// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
 /// use the ring even where the mesh is possible: on 2x H200 (NVLink) the
