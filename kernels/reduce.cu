@@ -534,7 +534,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //   most ONESHOT_MAX_BLOCKS blocks, all resident at once; 1-D blocks of at
 //   least nranks threads. A wait of more than 10 s traps.
 // ---------------------------------------------------------------------------
-#define ONESHOT_MAX_BLOCKS 256
+#define ONESHOT_MAX_BLOCKS 64
 #define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)
 #define ONESHOT_UNROLL 4
 

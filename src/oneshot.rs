@@ -76,15 +76,13 @@ impl OneShot {
                 regions.push(r);
             }
             let push = (0..n).map(|r| PtrArray::from_slice(&(0..n).filter(|&k| k != r).map(|k| addrs[k]).collect::<Vec<_>>())).collect();
-            let sms = ranks.iter().map(|r| r.sms()).min().unwrap_or(1);
-            (Medium::Device(regions), push, n as i32 - 1, addrs, sms.clamp(1, kernels::ONESHOT_MAX_BLOCKS as u32))
+            (Medium::Device(regions), push, n as i32 - 1, addrs, kernels::ONESHOT_DEVICE_BLOCKS)
         } else {
             let host = PinnedBuffer::new_mapped(&ranks[0].ctx, bytes)?;
             let addrs = ranks.iter().map(|r| host.device_addr(&r.ctx)).collect::<Result<Vec<_>>>()?;
             let push = addrs.iter().map(|&a| PtrArray::from_slice(&[a])).collect();
             (Medium::Host(host), push, 1, addrs, kernels::ONESHOT_HOST_BLOCKS)
         };
-        let blocks = grid_override().unwrap_or(blocks);
         // The zeroed flags and counters must be in place before any peer's first kernel.
         for rank in ranks {
             rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
@@ -144,20 +142,6 @@ impl Group {
             unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         }
         Ok(())
-    }
-}
-
-/// `CUDA_PEER_ONESHOT_BLOCKS`: a grid for the one-shot kernels of groups
-/// created from then on (1 to 256), for tuning on a new machine; anything
-/// else is ignored with a warning.
-fn grid_override() -> Option<u32> {
-    let v = std::env::var("CUDA_PEER_ONESHOT_BLOCKS").ok()?;
-    match v.trim().parse::<u32>() {
-        Ok(b) if (1..=kernels::ONESHOT_MAX_BLOCKS as u32).contains(&b) => Some(b),
-        _ => {
-            log::warn!("CUDA_PEER_ONESHOT_BLOCKS={v:?} ignored: expected 1 to {}", kernels::ONESHOT_MAX_BLOCKS);
-            None
-        }
     }
 }
 

@@ -59,14 +59,14 @@ pub(crate) const MESH_MAX_RANKS: usize = 8;
 
 /// Largest grid of a one-shot kernel (its flag area has a slot per block
 /// and source rank).
-pub(crate) const ONESHOT_MAX_BLOCKS: usize = 256;
+pub(crate) const ONESHOT_MAX_BLOCKS: usize = 64;
 
 /// Bytes of flags at the start of a one-shot region: `u32 [rank][block]`.
 pub(crate) const ONESHOT_FLAG_BYTES: usize = MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4;
 
-// The one-shot grid with slots in device memory (P2P) is one block per SM
-// (of the device with the fewest), at most ONESHOT_MAX_BLOCKS: peer stores
-// leave at a rate per SM, so every SM pushes (src/oneshot.rs).
+/// The one-shot grid with slots in device memory (P2P): enough stores in
+/// flight to fill NVLink.
+pub(crate) const ONESHOT_DEVICE_BLOCKS: u32 = 64;
 
 /// The one-shot grid with slots in host memory: enough loads in flight to
 /// cover PCIe latency.
@@ -197,7 +197,7 @@ mod tests {
         assert!(src.contains("#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)"));
         assert!(src.contains(&format!("#define ONESHOT_MAX_BLOCKS {ONESHOT_MAX_BLOCKS}\n")));
         assert!(src.contains("#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)"));
-        assert!(ONESHOT_HOST_BLOCKS as usize <= ONESHOT_MAX_BLOCKS);
+        assert!(ONESHOT_DEVICE_BLOCKS as usize <= ONESHOT_MAX_BLOCKS && ONESHOT_HOST_BLOCKS as usize <= ONESHOT_MAX_BLOCKS);
     }
 
     #[test]
