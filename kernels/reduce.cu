@@ -389,6 +389,22 @@ static __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
+// Spins until *p reaches `value` (acquire, system scope); traps after 10 s.
+static __device__ __forceinline__ void wait_flag(const unsigned int* p, unsigned int value) {
+    u64 start = 0;
+    unsigned int spins = 0;
+    while ((int)(ld_acquire_sys(p) - value) < 0) {
+        if ((++spins & 1023u) == 0) {
+            const u64 now = global_timer_ns();
+            if (start == 0) {
+                start = now;
+            } else if (now - start > 10000000000ull) {
+                __trap();
+            }
+        }
+    }
+}
+
 // `flags` is a copy of the flag pointers in shared memory (a dynamic index
 // into the kernel parameter would put the array on the stack).
 static __device__ __forceinline__ void mesh_barrier(unsigned int* const* flags, int nranks, int rank,
@@ -401,18 +417,7 @@ static __device__ __forceinline__ void mesh_barrier(unsigned int* const* flags, 
         const unsigned int* mine = flags[rank] + cell + p;
         __threadfence_system();
         st_release_sys(theirs, value);
-        u64 start = 0;
-        unsigned int spins = 0;
-        while ((int)(ld_acquire_sys(mine) - value) < 0) {
-            if ((++spins & 1023u) == 0) {
-                const u64 now = global_timer_ns();
-                if (start == 0) {
-                    start = now;
-                } else if (now - start > 10000000000ull) {
-                    __trap();
-                }
-            }
-        }
+        wait_flag(mine, value);
     }
     __syncthreads();
 }
@@ -538,20 +543,6 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 #define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)
 #define ONESHOT_UNROLL 4
 
-static __device__ __forceinline__ void wait_flag(const unsigned int* p, unsigned int value) {
-    u64 start = 0;
-    unsigned int spins = 0;
-    while ((int)(ld_acquire_sys(p) - value) < 0) {
-        if ((++spins & 1023u) == 0) {
-            const u64 now = global_timer_ns();
-            if (start == 0) {
-                start = now;
-            } else if (now - start > 10000000000ull) {
-                __trap();
-            }
-        }
-    }
-}
 
 // The last, partial 16-byte unit of a round (elements [j*E, len)), as a
 // whole unit with the missing elements zero.
