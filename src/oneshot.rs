@@ -4,9 +4,9 @@
 //! the link, which makes it the lowest-latency algorithm for small messages.
 //!
 //! Where every pair of ranks has verified P2P, the slots live in each rank's
-//! device memory and a rank stores into every peer's region ([`Medium::Device`]).
+//! device memory and a rank stores into every peer's region (device medium).
 //! Where some link has no P2P, they live in one mapped pinned host buffer
-//! that every rank's kernels read and write directly ([`Medium::Host`]): the
+//! that every rank's kernels read and write directly (host medium): the
 //! zero-copy staged path, with no copy-engine round trip per step.
 //!
 //! Memory: [`ONESHOT_SCRATCH_BYTES`] per rank of device memory (P2P) or per
