@@ -463,18 +463,7 @@ impl Group {
     }
 
     fn pick(&self, bytes: usize, aligned: bool) -> Algorithm {
-        let pushed = bytes.saturating_mul(self.size().saturating_sub(1));
-        let auto = self.algorithm == Algorithm::Auto;
-        if let (Some(os), true) = (&self.oneshot, aligned) {
-            let max = if os.on_host() { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
-            if !auto || pushed <= max {
-                return Algorithm::OneShot;
-            }
-        }
-        if self.mesh.is_some() && (!auto || bytes < MESH_AUTO_MAX_BYTES) {
-            return Algorithm::Mesh;
-        }
-        Algorithm::Ring
+        choose(self.algorithm, self.size(), self.oneshot_on_host(), self.mesh.is_some(), bytes, aligned)
     }
 
     /// Launches the fused all-reduce (one-shot or mesh) the group picks for
@@ -647,6 +636,24 @@ impl Drop for Group {
     }
 }
 
+/// The all-reduce algorithm for a message of `bytes` per rank in a group
+/// of `n` ranks set up for `algorithm`, with a one-shot (`Some(on_host)`)
+/// and a mesh or not, for buffers all 16-byte `aligned` or not.
+fn choose(algorithm: Algorithm, n: usize, oneshot: Option<bool>, mesh: bool, bytes: usize, aligned: bool) -> Algorithm {
+    let pushed = bytes.saturating_mul(n.saturating_sub(1));
+    let auto = algorithm == Algorithm::Auto;
+    if let (Some(on_host), true) = (oneshot, aligned) {
+        let max = if on_host { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
+        if !auto || pushed <= max {
+            return Algorithm::OneShot;
+        }
+    }
+    if mesh && (!auto || bytes < MESH_AUTO_MAX_BYTES) {
+        return Algorithm::Mesh;
+    }
+    Algorithm::Ring
+}
+
 fn scratch_ptr(scratch: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
     use cudarc::driver::DevicePtr;
     let (p, _record) = scratch.device_ptr(stream);
@@ -667,8 +674,38 @@ mod tests {
         assert_eq!("auto".parse::<Algorithm>().unwrap(), Algorithm::Auto);
         assert_eq!("ring".parse::<Algorithm>().unwrap(), Algorithm::Ring);
         assert_eq!("mesh".parse::<Algorithm>().unwrap(), Algorithm::Mesh);
+        assert_eq!("oneshot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);
+        assert_eq!("one-shot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);
         assert!(matches!("tree".parse::<Algorithm>(), Err(Error::InvalidArgument(_))));
         assert_eq!(GroupOptions::default().algorithm, Algorithm::Auto);
+    }
+
+    #[test]
+    fn auto_picks_by_size_and_forced_algorithms_stick() {
+        use Algorithm::*;
+        let (mib, p2p, host) = (1usize << 20, Some(false), Some(true));
+        // P2P, two ranks: one-shot to 4 MiB, mesh below 256 MiB, ring above.
+        assert_eq!(choose(Auto, 2, p2p, true, 4096, true), OneShot);
+        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib, true), OneShot);
+        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib + 1, true), Mesh);
+        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib - 1, true), Mesh);
+        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib, true), Ring);
+        // Unaligned buffers never take the one-shot.
+        assert_eq!(choose(Auto, 2, p2p, true, 4096, false), Mesh);
+        // More ranks push more: the one-shot ends sooner.
+        assert_eq!(choose(Auto, 5, p2p, true, mib, true), OneShot);
+        assert_eq!(choose(Auto, 5, p2p, true, mib + 1, true), Mesh);
+        // Without P2P: one-shot through host memory to 16 MiB, then the ring.
+        assert_eq!(choose(Auto, 2, host, false, 16 * mib, true), OneShot);
+        assert_eq!(choose(Auto, 2, host, false, 16 * mib + 1, true), Ring);
+        assert_eq!(choose(Auto, 2, host, false, 4096, false), Ring);
+        // Groups with neither (shared devices, one rank): the ring.
+        assert_eq!(choose(Auto, 3, None, false, 4096, true), Ring);
+        // Forced algorithms hold at every size where the group has them.
+        assert_eq!(choose(OneShot, 2, p2p, false, 1 << 30, true), OneShot);
+        assert_eq!(choose(OneShot, 2, host, false, 1 << 30, false), Ring);
+        assert_eq!(choose(Mesh, 2, None, true, 1 << 30, true), Mesh);
+        assert_eq!(choose(Ring, 2, None, false, 4096, true), Ring);
     }
 
     #[test]
