@@ -18,7 +18,7 @@ use crate::kernels;
 use crate::peer::{raw_ctx, PeerAccess};
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use crate::oneshot::{self, OneShot};
+use crate::oneshot::OneShot;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -292,8 +292,8 @@ impl Group {
         if !matches!(opts.algorithm, Algorithm::Auto | Algorithm::OneShot) {
             return Ok(None);
         }
-        if let Some(why) = oneshot::refusal(ranks) {
-            return if opts.algorithm == Algorithm::OneShot { Err(oneshot::impossible("one-shot", &why)) } else { Ok(None) };
+        if let Some(why) = layout_refusal(ranks) {
+            return if opts.algorithm == Algorithm::OneShot { Err(impossible("one-shot", &why)) } else { Ok(None) };
         }
         let p2p = mesh_ok || (pulls.iter().all(|p| p.status.path == Path::P2p) && Self::all_pairs_p2p(ranks, opts, access)?.is_ok());
         OneShot::new(ranks, p2p).map(Some)
@@ -318,24 +318,12 @@ impl Group {
     /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
     fn open_mesh(ranks: &[Rank], pulls: &[Pull], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<Option<Mesh>> {
         let n = ranks.len();
-        let refuse = |why: &str| {
-            if opts.algorithm == Algorithm::Mesh {
-                Err(Error::InvalidArgument(format!("mesh all-reduce impossible: {why}")))
-            } else {
-                Ok(None)
-            }
-        };
+        let refuse = |why: &str| if opts.algorithm == Algorithm::Mesh { Err(impossible("mesh", why)) } else { Ok(None) };
         if matches!(opts.algorithm, Algorithm::Ring | Algorithm::OneShot) {
             return Ok(None);
         }
-        if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
-            return refuse("needs 2 to 8 ranks");
-        }
-        let mut devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
-        devices.sort();
-        devices.dedup();
-        if devices.len() != n {
-            return refuse("needs every rank on its own device");
+        if let Some(why) = layout_refusal(ranks) {
+            return refuse(&why);
         }
         if pulls.iter().any(|p| p.status.path != Path::P2p) {
             return refuse("needs every ring link on P2P");
@@ -473,17 +461,18 @@ impl Group {
         let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
         match (self.pick(count * dtype.size(), aligned), &self.oneshot, &self.mesh) {
             (Algorithm::OneShot, Some(os), _) => self.launch_oneshot(os, op, dtype, ins, outs, count).map(|()| true),
-            (Algorithm::Mesh, _, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count).map(|()| true),
+            (Algorithm::Mesh, _, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true),
             _ => Ok(false),
         }
     }
 
-    /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`.
-    fn launch_mesh(&self, mesh: &Mesh, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
+    /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
+    /// `aligned`: every pointer is 16-byte aligned (the vector path).
+    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
+    fn launch_mesh(&self, mesh: &Mesh, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize, aligned: bool) -> Result<()> {
         let n = self.size();
         let e = 16 / dtype.size();
         let seg = count.div_ceil(n).div_ceil(e) * e;
-        let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
         let max_blocks = (self.ranks.iter().map(|r| r.max_blocks).min().unwrap_or(1) / 2).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
         let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, max_blocks as usize) as u32;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
@@ -634,6 +623,24 @@ impl Drop for Group {
             log::warn!("synchronising a group on drop: {e}");
         }
     }
+}
+
+/// Why `ranks` cannot run a fused all-reduce (mesh or one-shot), if they
+/// cannot: both need 2 to 8 ranks, each on its own device.
+fn layout_refusal(ranks: &[Rank]) -> Option<String> {
+    let n = ranks.len();
+    if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
+        return Some("needs 2 to 8 ranks".into());
+    }
+    let mut devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
+    devices.sort();
+    devices.dedup();
+    (devices.len() != n).then(|| "needs every rank on its own device".into())
+}
+
+/// The error for an all-reduce algorithm (`what`) the group cannot run.
+fn impossible(what: &str, why: &str) -> Error {
+    Error::InvalidArgument(format!("{what} all-reduce impossible: {why}"))
 }
 
 /// The all-reduce algorithm for a message of `bytes` per rank in a group

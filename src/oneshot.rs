@@ -17,7 +17,7 @@
 
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::DType;
-use crate::error::{cudarc_err, Error, Result};
+use crate::error::{cudarc_err, Result};
 use crate::group::{FnTable, Group, PtrArray, Rank};
 use crate::kernels;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
@@ -143,21 +143,4 @@ impl Group {
         }
         Ok(())
     }
-}
-
-/// Why a group cannot have a one-shot all-reduce, if it cannot.
-pub(crate) fn refusal(ranks: &[Rank]) -> Option<String> {
-    let n = ranks.len();
-    if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
-        return Some("needs 2 to 8 ranks".into());
-    }
-    let mut devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
-    devices.sort();
-    devices.dedup();
-    (devices.len() != n).then(|| "needs every rank on its own device".into())
-}
-
-/// The error for an algorithm the group cannot run.
-pub(crate) fn impossible(what: &str, why: &str) -> Error {
-    Error::InvalidArgument(format!("{what} all-reduce impossible: {why}"))
 }
