@@ -96,6 +96,11 @@ def plot_collectives(rows, machine, out):
         ax_t.set_title(f"{coll} {dtype}: latency")
         ax_bw.legend(fontsize=8)
     fig.suptitle(f"{machine}: collectives, {ranks} ranks")
+    save(fig, out)
+
+
+def save(fig, out):
+    """Lays out `fig` under its title, writes it to `out` and says so."""
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -129,10 +134,7 @@ def plot_copies(rows, machine, out):
         ax.set_title(f"copy, {titles.get(d, d)}")
         ax.legend(fontsize=8)
     fig.suptitle(f"{machine}: copies between GPUs (mean over pairs, band: min..max)")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    print(out)
+    save(fig, out)
 
 
 def main(argv):
