@@ -24,7 +24,7 @@
 
 use clap::{Parser, ValueEnum};
 use cuda_peer::copy::{Link, LinkOptions, PathPolicy};
-use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cuda_peer::{driver, Algorithm, Element, Group, GroupOptions, ReduceOp};
 use half::bf16;
 use rand::Rng;
@@ -93,6 +93,13 @@ struct Args {
     /// all_reduce only, sizes quadrupling (keeps --dtypes, --min-bytes, --max-bytes).
     #[arg(long)]
     quick: bool,
+    /// Time calls replayed from CUDA graphs, as a framework that captures its
+    /// step does: per point, one graph of up to GRAPH_CALLS calls (every rank's
+    /// stream joined into one capture), launched until --iters calls have run;
+    /// #wrong also covers a one-call graph replayed on fresh inputs. Turns off
+    /// cudarc's event tracking (a capture may not wait for outside events).
+    #[arg(long)]
+    graph: bool,
     /// NCCL library to use when `libnccl.so` is not on the loader path (e.g. /usr/lib/x86_64-linux-gnu/libnccl.so.2).
     #[arg(long)]
     nccl_lib: Option<PathBuf>,
@@ -729,8 +736,63 @@ fn measure<T: BenchElem>(backend: &Backend, args: &Args, op: Op, dt: Dt, shape: 
     sync_all(&backend.streams)?;
     let (wrong, sampled) = check(&backend.streams, op, &shape, &inputs, &bufs.recv)?;
     let (warmup, iters) = (warmup_for(args, shape.bytes), iters_for(args, shape.bytes));
-    let time_us = time_calls(&backend.streams, warmup, iters, || backend.call(op, &mut bufs))?;
-    Ok(Row { imp: backend.imp.name(), op, dt, ranks: n, shape, time_us, wrong, sampled })
+    if !args.graph {
+        let time_us = time_calls(&backend.streams, warmup, iters, || backend.call(op, &mut bufs))?;
+        return Ok(Row { imp: backend.imp.name(), op, dt, ranks: n, shape, time_us, wrong, sampled });
+    }
+    // One call from a graph, on fresh buffers, checked like the eager call.
+    let mut bufs = prepare::<T>(&backend.streams, op, &shape, &inputs)?;
+    let once = capture(&backend.streams, 1, || backend.call(op, &mut bufs))?;
+    once.launch()?;
+    sync_all(&backend.streams)?;
+    let (wrong_graph, _) = check(&backend.streams, op, &shape, &inputs, &bufs.recv)?;
+    // Then a graph of k calls, launched back to back.
+    let k = iters.min(GRAPH_CALLS);
+    let graph = capture(&backend.streams, k, || backend.call(op, &mut bufs))?;
+    let time_us = time_calls(&backend.streams, warmup.div_ceil(k), iters.div_ceil(k), || Ok(graph.launch()?))? / k as f64;
+    Ok(Row { imp: backend.imp.name(), op, dt, ranks: n, shape, time_us, wrong: wrong + wrong_graph, sampled })
+}
+
+/// Calls per graph in `--graph` mode (fewer where a point times fewer calls).
+const GRAPH_CALLS: usize = 20;
+
+/// `calls` calls of `call` captured into one graph launched on `streams[0]`:
+/// the other streams join the capture through an event recorded there, and
+/// it joins them back at the end.
+fn capture(streams: &[Arc<CudaStream>], calls: usize, mut call: impl FnMut() -> Res<()>) -> Res<CudaGraph> {
+    let s0 = &streams[0];
+    s0.begin_capture(cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let mut res: Res<()> = s0.record_event(None).map_err(Into::into).and_then(|fork| {
+        for s in &streams[1..] {
+            s.wait(&fork)?;
+        }
+        Ok(())
+    });
+    for _ in 0..calls {
+        res = res.and_then(|()| call());
+    }
+    for s in &streams[1..] {
+        res = res.and_then(|()| Ok(s0.join(s)?));
+    }
+    // The capture is ended whatever happened, so the stream is usable again.
+    let graph = s0.end_capture(cu::CUgraphInstantiate_flags(0));
+    res.map_err(|e| format!("under graph capture: {e}"))?;
+    Ok(graph?.ok_or("the capture recorded nothing")?)
+}
+
+/// Every device's context; in `--graph` mode with cudarc's event tracking
+/// turned off before any buffer exists.
+fn contexts(args: &Args) -> Res<Vec<Arc<CudaContext>>> {
+    let ctxs = driver::all_contexts()?;
+    if args.graph {
+        for c in &ctxs {
+            // SAFETY: no buffer of these contexts exists yet; the benchmark
+            // orders its own work (joins and synchronisations around every
+            // timed run and every check).
+            unsafe { c.disable_event_tracking() };
+        }
+    }
+    Ok(ctxs)
 }
 
 /// Runs every point of the plan on `backend`, printing and appending each row.
@@ -845,7 +907,7 @@ mod nccl {
             std::process::exit(EXIT_NO_NCCL);
         }
         let v = result::get_nccl_version().map_err(|e| err("ncclGetVersion", e))?;
-        let ctxs = driver::all_contexts()?;
+        let ctxs = contexts(args)?;
         let streams = ctxs.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
         let comms = Comm::from_devices(streams.clone()).map_err(|e| err("ncclCommInitAll", e))?;
         println!("#");
@@ -939,6 +1001,9 @@ fn child_args(args: &Args, imp: Impl, progress: &Progress, report: &Path) -> Vec
     v.extend(args.iters.map(|i| format!("--iters={i}").into()));
     if args.quick {
         v.push("--quick".into());
+    }
+    if args.graph {
+        v.push("--graph".into());
     }
     v
 }
@@ -1252,7 +1317,7 @@ fn print_summary(args: &Args, enqueue: &[(Impl, f64)]) -> Res<()> {
 
 /// The parent: copies (optional), then every implementation, then the summary.
 fn run(args: &Args) -> Res<()> {
-    let ctxs = driver::all_contexts()?;
+    let ctxs = contexts(args)?;
     let n = ctxs.len();
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
     println!(
@@ -1265,6 +1330,9 @@ fn run(args: &Args) -> Res<()> {
         "# #wrong: every element of every rank's output checked up to {} MiB per buffer; larger outputs: {WINDOWS} evenly spaced windows of {WINDOW} elements per rank (~1M, first and last included) ('sampled')",
         FULL_CHECK_BYTES / MIB
     );
+    if args.graph {
+        println!("# --graph: time per call replayed from one CUDA graph of up to {GRAPH_CALLS} calls (all ranks in one capture); cudarc's event tracking off; enqueue times below are still eager calls");
+    }
     if args.copy {
         copy_sweep(args, &ctxs)?;
     }

@@ -15,7 +15,7 @@ use crate::driver::{api, bind};
 use crate::dtype::DType;
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::kernels;
-use crate::peer::{raw_ctx, PeerAccess};
+use crate::peer::PeerAccess;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use crate::oneshot::OneShot;
@@ -524,7 +524,6 @@ impl Group {
 
     /// Runs one rank's pull from its predecessor on its stream, over the link's path.
     fn pull(&self, r: usize, op: &str, dtype: DType, what: PullOp) -> Result<()> {
-        let pred = (r + self.size() - 1) % self.size();
         let pull = &self.pulls[r];
         let stream = &self.ranks[r].stream;
         match (pull.status.path, what) {
@@ -537,12 +536,14 @@ impl Group {
                     return Ok(());
                 }
                 bind(&self.ranks[r].ctx)?;
-                let (dctx, sctx) = (raw_ctx(&self.ranks[r].ctx), raw_ctx(&self.ranks[pred].ctx));
+                // A unified-addressing copy rather than cuMemcpyPeerAsync:
+                // the same copy-engine transfer with peer access enabled, and
+                // it may be captured into a CUDA graph (cuMemcpyPeerAsync
+                // fails under capture with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED).
                 // SAFETY: `p` holds `bytes` bytes on the predecessor's device,
-                // `dst` on ours; both contexts are alive (held by the group).
-                check("cuMemcpyPeerAsync", unsafe {
-                    api()?.cuMemcpyPeerAsync(dst, dctx, p, sctx, bytes, stream.cu_stream() as sys::CUstream)
-                })
+                // `dst` on ours; peer access between them is enabled and held
+                // by the group, as are both contexts.
+                check("cuMemcpyAsync", unsafe { api()?.cuMemcpyAsync(dst, p, bytes, stream.cu_stream() as sys::CUstream) })
             }
             (Path::Staged, what) => {
                 let (Some(staging), Some(scratch)) = (&pull.staging, &pull.scratch) else {

@@ -87,6 +87,8 @@ pub(crate) struct Staging {
     pub(crate) d2h_done: Vec<CudaEvent>,
     /// `h2d_done[b]`: buffer b is free again (destination context).
     pub(crate) h2d_done: Vec<CudaEvent>,
+    /// Recorded on the destination stream when a transfer starts (destination context).
+    start: CudaEvent,
 }
 
 impl Staging {
@@ -99,7 +101,8 @@ impl Staging {
         let buffers = buffers.max(2);
         let chunk_bytes = chunk_bytes.max(4096);
         let d2h = src.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
-        let mut s = Staging { buffers: Vec::new(), chunk_bytes, d2h, d2h_done: Vec::new(), h2d_done: Vec::new() };
+        let start = dst.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
+        let mut s = Staging { buffers: Vec::new(), chunk_bytes, d2h, d2h_done: Vec::new(), h2d_done: Vec::new(), start };
         for _ in 0..buffers {
             s.buffers.push(PinnedBuffer::new(src, chunk_bytes)?);
             s.d2h_done.push(src.new_event(None).map_err(cudarc_err("cuEventCreate"))?);
@@ -141,11 +144,21 @@ impl Staging {
     ) -> Result<()> {
         let api = api()?;
         let d2h_raw = self.d2h.cu_stream() as sys::CUstream;
+        // Every consumer of the buffers from earlier transfers is on `stream`
+        // already: the staging stream waits for it once here, then for each
+        // buffer's consumer within this transfer. (Waiting on h2d_done from
+        // an earlier transfer instead would cross the boundary of a CUDA
+        // graph capture, which the driver refuses.)
+        self.start.record(stream).map_err(cudarc_err("cuEventRecord"))?;
+        self.d2h.wait(&self.start).map_err(cudarc_err("cuStreamWaitEvent"))?;
+        let mut used = vec![false; self.buffers.len()];
         for c in super::plan::plan(bytes, self.chunk_bytes, self.buffers.len()) {
             let buf = &self.buffers[c.buffer];
             debug_assert!(c.len <= buf.len());
             // The buffer is free once its previous consumer on `stream` is done.
-            self.d2h.wait(&self.h2d_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
+            if std::mem::replace(&mut used[c.buffer], true) {
+                self.d2h.wait(&self.h2d_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
+            }
             bind(self.d2h.context())?;
             // SAFETY: `src + offset .. + len` lies in the source allocation
             // (the caller checked lengths); the pinned buffer holds `len`
@@ -170,7 +183,14 @@ impl Drop for Staging {
             log::warn!("staging stream sync on drop: {e:?}");
         }
         for e in &self.h2d_done {
-            if let Err(err) = e.synchronize() {
+            // An event last recorded under a CUDA graph capture cannot be
+            // waited on (a graph replaying this transfer may still run):
+            // wait for the whole destination context instead.
+            let r = e.synchronize().or_else(|err| match err.0 {
+                cudarc::driver::sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => e.context().synchronize(),
+                _ => Err(err),
+            });
+            if let Err(err) = r {
                 log::warn!("staging event sync on drop: {err:?}");
             }
         }

@@ -603,6 +603,12 @@ pub struct DriverApi {
         srcContext: CUcontext,
         ByteCount: usize,
     ) -> CUresult,
+    pub cuMemcpyAsync: unsafe extern "C" fn(
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        ByteCount: usize,
+        hStream: CUstream,
+    ) -> CUresult,
     pub cuMemcpyPeerAsync: unsafe extern "C" fn(
         dstDevice: CUdeviceptr,
         dstContext: CUcontext,
@@ -719,6 +725,7 @@ impl DriverApi {
             .map(|sym| *sym)?;
         let cuDeviceGetPCIBusId = __library.get(b"cuDeviceGetPCIBusId\0").map(|sym| *sym)?;
         let cuMemcpyPeer = __library.get(b"cuMemcpyPeer\0").map(|sym| *sym)?;
+        let cuMemcpyAsync = __library.get(b"cuMemcpyAsync\0").map(|sym| *sym)?;
         let cuMemcpyPeerAsync = __library.get(b"cuMemcpyPeerAsync\0").map(|sym| *sym)?;
         let cuMemcpyHtoDAsync_v2 = __library.get(b"cuMemcpyHtoDAsync_v2\0").map(|sym| *sym)?;
         let cuMemcpyDtoHAsync_v2 = __library.get(b"cuMemcpyDtoHAsync_v2\0").map(|sym| *sym)?;
@@ -766,6 +773,7 @@ impl DriverApi {
             cuMemHostGetDevicePointer_v2,
             cuDeviceGetPCIBusId,
             cuMemcpyPeer,
+            cuMemcpyAsync,
             cuMemcpyPeerAsync,
             cuMemcpyHtoDAsync_v2,
             cuMemcpyDtoHAsync_v2,
@@ -900,6 +908,15 @@ impl DriverApi {
         ByteCount: usize,
     ) -> CUresult {
         (self.cuMemcpyPeer)(dstDevice, dstContext, srcDevice, srcContext, ByteCount)
+    }
+    pub unsafe fn cuMemcpyAsync(
+        &self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        ByteCount: usize,
+        hStream: CUstream,
+    ) -> CUresult {
+        (self.cuMemcpyAsync)(dst, src, ByteCount, hStream)
     }
     pub unsafe fn cuMemcpyPeerAsync(
         &self,

@@ -38,6 +38,7 @@ const FUNCTIONS: &[&str] = &[
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyAsync",
     "cuPointerGetAttribute",
     "cuStreamCreate",
     "cuStreamDestroy_v2",

@@ -1,0 +1,165 @@
+//! GPU tests of all-reduces captured in one CUDA graph (every rank's stream
+//! joined into one capture, as a framework that replays its step would do)
+//! and replayed several times on fresh inputs, against a CPU reference.
+//!
+//! cudarc's event tracking is turned off on these contexts: a captured
+//! stream may not wait for events recorded outside the capture, and the
+//! caller orders work itself under capture anyway. Every collective runs
+//! once eagerly before it is captured (its first use loads kernels).
+//! Skips without GPUs; fails with CUDA_PEER_REQUIRE_GPU=1.
+
+mod common;
+
+use common::gpus;
+use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
+use cuda_peer::{Algorithm, Group, GroupOptions, PathPolicy, ReduceOp};
+use rand::Rng;
+use std::sync::Arc;
+
+/// Captures `call` (which enqueues on every stream) into one graph: the
+/// other streams join `streams[0]`'s capture through an event, and it joins
+/// theirs at the end.
+fn capture(streams: &[Arc<CudaStream>], call: impl FnOnce() -> cuda_peer::Result<()>) -> CudaGraph {
+    let s0 = &streams[0];
+    s0.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("begin capture");
+    let mut res: Result<(), String> = s0.record_event(None).map_err(|e| format!("fork event: {e:?}")).and_then(|fork| {
+        streams[1..].iter().try_for_each(|s| s.wait(&fork).map_err(|e| format!("joining the capture: {e:?}")))
+    });
+    res = res.and_then(|()| call().map_err(|e| format!("collective under capture: {e}")));
+    for s in &streams[1..] {
+        res = res.and_then(|()| s0.join(s).map_err(|e| format!("joining back: {e:?}")));
+    }
+    // Ended whatever happened, so that a failure reports its first cause.
+    let graph = s0.end_capture(CUgraphInstantiate_flags(0));
+    if let Err(e) = res {
+        panic!("{e}");
+    }
+    graph.expect("end capture / instantiate").expect("a non-empty graph")
+}
+
+fn sync(streams: &[Arc<CudaStream>]) {
+    for s in streams {
+        s.synchronize().unwrap();
+    }
+}
+
+/// Wrapping u32 sums are exact, so every rank must match the reference
+/// bit for bit whatever the order of reduction.
+fn reference(inputs: &[Vec<u32>]) -> Vec<u32> {
+    (0..inputs[0].len()).map(|i| inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect()
+}
+
+fn random(n: usize, count: usize) -> Vec<Vec<u32>> {
+    let mut rng = rand::rng();
+    (0..n).map(|_| (0..count).map(|_| rng.random()).collect()).collect()
+}
+
+/// Fills every rank's buffer from the host on its own stream, then makes
+/// `streams[0]` (where the graph launches) wait for all of them.
+fn fill(streams: &[Arc<CudaStream>], bufs: &mut [CudaSlice<u32>], data: &[Vec<u32>]) {
+    for ((s, b), d) in streams.iter().zip(bufs.iter_mut()).zip(data) {
+        s.memcpy_htod(d, b).unwrap();
+    }
+    for s in &streams[1..] {
+        streams[0].join(s).unwrap();
+    }
+}
+
+fn check(what: &str, streams: &[Arc<CudaStream>], bufs: &[CudaSlice<u32>], want: &[u32]) {
+    for (r, (s, b)) in streams.iter().zip(bufs).enumerate() {
+        let got = s.clone_dtoh(b).unwrap();
+        if let Some((first, wrong)) = common::diff(&got, want) {
+            panic!("{what}: rank {r}: {wrong} wrong elements, first at {first}: {} instead of {}", got[first], want[first]);
+        }
+    }
+}
+
+/// One group: for each count, an out-of-place and an in-place all-reduce are
+/// captured (after an eager run of each), then each graph is replayed three
+/// times on fresh inputs with poisoned outputs.
+fn capture_and_replay(ctxs: &[Arc<CudaContext>], n: usize, tag: &str, policy: PathPolicy, algorithm: Algorithm, counts: &[usize]) {
+    use std::io::Write;
+    let streams: Vec<_> = (0..n).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
+    let group = Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::with_policy(policy) }).expect("group");
+    for &count in counts {
+        let algo = group.all_reduce_algorithm(count * 4);
+        let what = format!("{tag} n={n} count={count} ({algo:?})");
+        let _ = writeln!(std::io::stderr(), "  graph {what}");
+        let mut send: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
+        let mut recv: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
+
+        // Eager first (loads the kernels), and checked.
+        let inputs = random(n, count);
+        fill(&streams, &mut send, &inputs);
+        group.all_reduce(&send, &mut recv, ReduceOp::Sum).expect("eager all_reduce");
+        sync(&streams);
+        check(&format!("eager {what}"), &streams, &recv, &reference(&inputs));
+
+        let out_of_place = capture(&streams, || group.all_reduce(&send, &mut recv, ReduceOp::Sum));
+        let in_place = capture(&streams, || group.all_reduce_in_place(&mut recv, ReduceOp::Sum));
+        for replay in 0..3 {
+            let inputs = random(n, count);
+            fill(&streams, &mut send, &inputs);
+            let poison = vec![vec![0xDEAD_BEEFu32; count]; n];
+            fill(&streams, &mut recv, &poison);
+            out_of_place.launch().expect("graph launch");
+            sync(&streams);
+            check(&format!("replay {replay} out of place {what}"), &streams, &recv, &reference(&inputs));
+            for (r, (s, b)) in streams.iter().zip(&send).enumerate() {
+                assert!(s.clone_dtoh(b).unwrap() == inputs[r], "{what}: rank {r}'s send buffer changed");
+            }
+
+            let inputs = random(n, count);
+            fill(&streams, &mut recv, &inputs);
+            in_place.launch().expect("graph launch");
+            sync(&streams);
+            check(&format!("replay {replay} in place {what}"), &streams, &recv, &reference(&inputs));
+        }
+        // The group still works eagerly after its calls were captured.
+        let inputs = random(n, count);
+        fill(&streams, &mut recv, &inputs);
+        group.all_reduce_in_place(&mut recv, ReduceOp::Sum).expect("eager after capture");
+        sync(&streams);
+        check(&format!("eager after capture {what}"), &streams, &recv, &reference(&inputs));
+    }
+}
+
+/// Contexts with event tracking off, for the first `min` devices or more.
+fn untracked(test: &str, min: usize) -> Option<Vec<Arc<CudaContext>>> {
+    let ctxs = gpus(test, min)?;
+    for c in &ctxs {
+        // SAFETY: these contexts are this test's own handles; every buffer
+        // below is created after this, and the test orders all work itself
+        // (joins and synchronisations).
+        unsafe { c.disable_event_tracking() };
+    }
+    Some(ctxs)
+}
+
+/// Sizes that take the one-shot, the mesh and the ring under Auto with P2P
+/// (4 KiB, 2 MiB, 8 MiB per rank and a count that is no multiple of 4).
+const COUNTS: [usize; 4] = [1024, 4093, 1 << 19, 1 << 21];
+
+#[test]
+fn fused_all_reduces_replay_from_a_graph() {
+    let Some(ctxs) = untracked("fused_all_reduces_replay_from_a_graph", 1) else { return };
+    if ctxs.len() < 2 {
+        eprintln!("  (one GPU: fused all-reduces need a device per rank; only the ring test runs)");
+        return;
+    }
+    let n = ctxs.len().min(8);
+    capture_and_replay(&ctxs, n, "p2p-auto", PathPolicy::P2pOnly, Algorithm::Auto, &COUNTS);
+    capture_and_replay(&ctxs, n, "p2p-mesh", PathPolicy::P2pOnly, Algorithm::Mesh, &COUNTS[..2]);
+    capture_and_replay(&ctxs, n, "host-oneshot", PathPolicy::StagedOnly, Algorithm::OneShot, &COUNTS);
+}
+
+#[test]
+fn ring_all_reduces_replay_from_a_graph() {
+    let Some(ctxs) = untracked("ring_all_reduces_replay_from_a_graph", 1) else { return };
+    // Two ranks per device where there is one GPU; one per device otherwise.
+    let n = if ctxs.len() == 1 { 2 } else { ctxs.len().min(8) };
+    capture_and_replay(&ctxs, n, "p2p-ring", PathPolicy::P2pOnly, Algorithm::Ring, &COUNTS);
+    capture_and_replay(&ctxs, 3, "p2p-ring-3", PathPolicy::P2pOnly, Algorithm::Ring, &COUNTS[..2]);
+    capture_and_replay(&ctxs, n, "staged-ring", PathPolicy::StagedOnly, Algorithm::Ring, &COUNTS[..2]);
+}
