@@ -137,8 +137,9 @@ fn untracked(test: &str, min: usize) -> Option<Vec<Arc<CudaContext>>> {
     Some(ctxs)
 }
 
-/// Sizes that take the one-shot, the mesh and the ring under Auto with P2P
-/// (4 KiB, 2 MiB, 8 MiB per rank and a count that is no multiple of 4).
+/// Counts (u32): under Auto with P2P, 1024, 4093 and 1 << 19 (4 KiB to 2 MiB)
+/// take the one-shot and 1 << 21 (8 MiB) the mesh; 4093 ends in a partial
+/// 16-byte unit. The ring takes them all in the ring test.
 const COUNTS: [usize; 4] = [1024, 4093, 1 << 19, 1 << 21];
 
 #[test]
