@@ -1,0 +1,185 @@
+//! What the host pays per driver call while enqueueing a collective: each
+//! call of a small all-reduce's enqueue path timed on its own, on the first
+//! two GPUs (mean of many calls, the streams drained between batches so no
+//! queue fills). Then a 4 KiB all-reduce enqueue with cudarc's event tracking
+//! on and off (each checked once after its timed calls). The first group's
+//! first call JIT-compiles its kernels unless the driver's cache has them;
+//! a warm-up call keeps that out of the timing. A diagnostic for
+//! `bench/NOTES.md`, not a test.
+//!
+//!     cargo run --release --example enqueue_costs -- [--calls N]
+
+use clap::Parser;
+use cuda_peer::cudarc::driver::{result, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use cuda_peer::{driver, Group, GroupOptions, ReduceOp};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(about = "Host cost of each driver call on a small collective's enqueue path")]
+struct Args {
+    /// Calls per measurement (in batches of 100, drained between batches).
+    #[arg(long, default_value_t = 5000)]
+    calls: usize,
+}
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// An empty kernel, as PTX any GPU from sm_70 on can JIT.
+const NOOP_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry noop(.param .u64 p)\n{\n\tret;\n}\n";
+
+const BATCH: usize = 100;
+
+/// Mean microseconds of `f()` over `calls` calls; `drain` runs untimed after every batch.
+fn time(calls: usize, mut f: impl FnMut() -> Res<()>, mut drain: impl FnMut() -> Res<()>) -> Res<f64> {
+    let mut total = 0.0;
+    let mut done = 0;
+    while done < calls {
+        let n = BATCH.min(calls - done);
+        let t = Instant::now();
+        for _ in 0..n {
+            f()?;
+        }
+        total += t.elapsed().as_secs_f64();
+        drain()?;
+        done += n;
+    }
+    Ok(total * 1e6 / calls as f64)
+}
+
+fn main() {
+    let args = Args::parse();
+    match driver::device_count() {
+        Ok(n) if n >= 2 => {}
+        Ok(n) => {
+            eprintln!("enqueue_costs: needs two CUDA devices, found {n}");
+            std::process::exit(2);
+        }
+        Err(e) => {
+            eprintln!("enqueue_costs: no usable CUDA device: {e}");
+            std::process::exit(2);
+        }
+    }
+    if let Err(e) = run(&args) {
+        eprintln!("enqueue_costs: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Res<()> {
+    let ctxs: Vec<Arc<CudaContext>> = (0..2).map(driver::context).collect::<Result<_, _>>()?;
+    let streams: Vec<Arc<CudaStream>> = ctxs.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
+    let funcs = ctxs
+        .iter()
+        .map(|c| Ok(c.load_module(cuda_peer::cudarc::nvrtc::Ptx::from_src(NOOP_PTX))?.load_function("noop")?))
+        .collect::<Res<Vec<_>>>()?;
+    let events = ctxs.iter().map(|c| c.new_event(None)).collect::<Result<Vec<_>, _>>()?;
+    let drain = || -> Res<()> {
+        for s in &streams {
+            s.synchronize()?;
+        }
+        Ok(())
+    };
+    let raw = |c: &Arc<CudaContext>| c.cu_ctx();
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+    let arg = 0u64;
+    let launch = |r: usize| -> Res<()> {
+        let mut l = streams[r].launch_builder(&funcs[r]);
+        l.arg(&arg);
+        // SAFETY: `noop` takes one u64 and touches no memory.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    };
+    let n = args.calls;
+    let mut rows: Vec<(&str, f64)> = Vec::new();
+    ctxs[0].bind_to_thread()?;
+    rows.push(("cuCtxGetCurrent", time(n, || Ok(result::ctx::get_current().map(|_| ())?), || Ok(()))?));
+    let mut k = 0usize;
+    rows.push((
+        "cuCtxSetCurrent, alternating GPUs",
+        time(
+            n,
+            || {
+                k += 1;
+                // SAFETY: both contexts are alive (held in `ctxs`).
+                Ok(unsafe { result::ctx::set_current(raw(&ctxs[k % 2])) }?)
+            },
+            || Ok(()),
+        )?,
+    ));
+    ctxs[0].bind_to_thread()?;
+    rows.push(("cuStreamIsCapturing", time(n, || Ok(streams[0].capture_status().map(|_| ())?), || Ok(()))?));
+    rows.push(("cuEventRecord", time(n, || Ok(events[0].record(&streams[0])?), drain)?));
+    rows.push(("cuStreamWaitEvent, same GPU", time(n, || Ok(streams[0].wait(&events[0])?), drain)?));
+    events[1].record(&streams[1])?;
+    ctxs[0].bind_to_thread()?;
+    rows.push(("cuStreamWaitEvent, other GPU's event", time(n, || Ok(streams[0].wait(&events[1])?), drain)?));
+    rows.push(("cuLaunchKernel (cudarc builder), one GPU", time(n, || launch(0), drain)?));
+    rows.push(("cuLaunchKernel, both GPUs (per pair)", time(n, || { launch(1)?; launch(0) }, drain)?));
+    let raw_launch = |r: usize| -> Res<()> {
+        let mut p = [&arg as *const u64 as *mut std::ffi::c_void];
+        // SAFETY: `noop` takes one u64 (p points at `arg`, alive here) and
+        // touches no memory; the function belongs to rank r's context.
+        unsafe {
+            result::launch_kernel(funcs[r].cu_function(), (1, 1, 1), (32, 1, 1), 0, streams[r].cu_stream(), &mut p)?;
+        }
+        Ok(())
+    };
+    ctxs[0].bind_to_thread()?;
+    rows.push(("cuLaunchKernel (raw), one GPU", time(n, || raw_launch(0), drain)?));
+    rows.push((
+        "cuLaunchKernel (raw) + cuCtxSetCurrent, both GPUs (per pair)",
+        time(
+            n,
+            || {
+                for r in [1, 0] {
+                    // SAFETY: the context is alive (held in `ctxs`).
+                    unsafe { result::ctx::set_current(raw(&ctxs[r])) }?;
+                    raw_launch(r)?;
+                }
+                Ok(())
+            },
+            drain,
+        )?,
+    ));
+
+    // A 4 KiB all-reduce (Auto: the one-shot) with event tracking on, then off.
+    for tracking in [true, false] {
+        for c in &ctxs {
+            // SAFETY: no slice of these contexts is alive across the switch:
+            // the buffers below are made after it and dropped before the next.
+            unsafe {
+                if tracking {
+                    c.enable_event_tracking();
+                } else {
+                    c.disable_event_tracking();
+                }
+            }
+        }
+        let group = Group::new(streams.clone(), &GroupOptions::default())?;
+        let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?; // warm-up: loads the kernels
+        group.synchronize()?;
+        let label = if tracking { "4 KiB all_reduce_in_place, event tracking on" } else { "4 KiB all_reduce_in_place, event tracking off" };
+        rows.push((label, time(n, || Ok(group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?), || Ok(group.synchronize()?))?));
+        // One more call on fresh values, checked, so a broken enqueue path
+        // cannot pass for a fast one.
+        let vals = |r: usize| (0..1024).map(|i| ((i * 7 + r * 3) % 101) as f32).collect::<Vec<f32>>();
+        for (r, b) in bufs.iter_mut().enumerate() {
+            streams[r].memcpy_htod(&vals(r), b)?;
+        }
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?;
+        let got = streams[0].clone_dtoh(&bufs[0])?;
+        let want: Vec<f32> = vals(0).iter().zip(vals(1)).map(|(a, b)| a + b).collect();
+        drop(bufs);
+        group.synchronize()?;
+        if got != want {
+            return Err(format!("{label}: wrong result after the timed calls").into());
+        }
+    }
+    println!("# host microseconds per call, mean of {n} calls (batches of {BATCH}, drained between), GPUs 0 and 1");
+    for (what, us) in rows {
+        println!("{us:8.3}  {what}");
+    }
+    Ok(())
+}
