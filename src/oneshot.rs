@@ -9,9 +9,15 @@
 //! that every rank's kernels read and write directly (host medium): the
 //! zero-copy staged path, with no copy-engine round trip per step.
 //!
+//! Messages take one of a few lanes by size: each lane has its own slots,
+//! flags and counters and a fixed grid, few blocks for small messages (fewer
+//! flags to raise and poll), many for large ones.
+//!
 //! Memory: [`ONESHOT_SCRATCH_BYTES`] per rank of device memory (P2P) or per
-//! group of pinned host memory (host), plus a few KiB of flags and counters.
-//! Longer messages run in rounds of one slot each.
+//! group of pinned host memory (host) for the large-message lane, plus the
+//! small lanes' slots (two parities of one slot per rank: 128 KiB times the
+//! ranks with P2P, 544 KiB times the ranks without) and a few KiB of flags
+//! and counters. Longer messages run in rounds of one slot each.
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
@@ -23,8 +29,23 @@ use crate::kernels;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Bytes of slots per rank (P2P: device memory on every rank) or per group
-/// (host: one pinned buffer): two parities of one slot per rank.
+/// (host: one pinned buffer) of the large-message lane: two parities of one
+/// slot per rank.
 pub const ONESHOT_SCRATCH_BYTES: usize = 16 << 20;
+
+/// The lanes of a one-shot with slots in device memory (P2P), as (largest
+/// message in bytes per rank, blocks): each lane has its own slots, flags
+/// and counters and one grid, so a small message does not pay for dozens of
+/// blocks raising and polling flags. On 2x H200 (graph-replayed, one run)
+/// 4 blocks took 5.2-5.6 us at 4-64 KiB against 5.3-5.7 with 64, and
+/// 9.8 against 6.2 at 256 KiB.
+const DEVICE_LANES: [(usize, u32); 2] = [(64 << 10, 4), (usize::MAX, kernels::ONESHOT_DEVICE_BLOCKS)];
+
+/// The lanes of a one-shot with slots in host memory (no P2P), as for
+/// [`DEVICE_LANES`]. Polling host memory over PCIe costs more per block: on
+/// 2x H200 with P2P off (eager, one run) 2 blocks took 9.2 us at 4-16 KiB,
+/// 4 blocks 12.3 at 64 KiB and 22.0 at 256 KiB, against 18.1-25.2 with 32.
+const HOST_LANES: [(usize, u32); 3] = [(16 << 10, 2), (256 << 10, 4), (usize::MAX, kernels::ONESHOT_HOST_BLOCKS)];
 
 /// Where the slots live.
 pub(crate) enum Medium {
@@ -34,21 +55,32 @@ pub(crate) enum Medium {
     Host(#[allow(dead_code)] PinnedBuffer),
 }
 
+/// One independent one-shot: slots, flags and counters used only by it, and
+/// one grid for all its launches. The kernel's slot-reuse rule holds per
+/// lane, so consecutive calls may take different lanes.
+struct Lane {
+    /// Largest message in bytes per rank (one round of `cap`, or any for the last lane).
+    max_bytes: usize,
+    /// Per rank: the regions it stores into.
+    push: Vec<PtrArray>,
+    /// Per rank: the region it reads from.
+    pull: Vec<u64>,
+    /// Per rank: its block counters (ONESHOT_MAX_BLOCKS words).
+    counters: Vec<u64>,
+    /// Slot bytes (a multiple of 256).
+    cap: usize,
+    blocks: u32,
+}
+
 /// A group's one-shot state: slots, flags, counters and kernels.
 pub(crate) struct OneShot {
     pub(crate) medium: Medium,
-    /// Each rank's block counters (device memory, zeroed once).
+    /// Each rank's block counters, every lane's (device memory, zeroed once).
     _counters: Vec<CudaSlice<u32>>,
-    counter_ptrs: Vec<u64>,
-    /// Per rank: the regions it stores into, and how many.
-    push: Vec<PtrArray>,
+    /// By message size, smallest first.
+    lanes: Vec<Lane>,
+    /// How many regions each rank stores into.
     npush: i32,
-    /// Per rank: the region it reads from.
-    pull: Vec<u64>,
-    /// Slot bytes (a multiple of 16).
-    cap: usize,
-    /// The grid, the same on every launch (the kernel's reuse rule).
-    blocks: u32,
     funcs: Vec<FnTable>,
 }
 
@@ -57,16 +89,27 @@ impl OneShot {
     /// memory when `p2p` (every pair verified), else in mapped host memory.
     pub(crate) fn new(ranks: &[Rank], p2p: bool) -> Result<OneShot> {
         let n = ranks.len();
-        let cap = (ONESHOT_SCRATCH_BYTES / (2 * n)) & !255;
-        let bytes = kernels::ONESHOT_FLAG_BYTES + 2 * n * cap;
+        let spec: &[(usize, u32)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
+        let last_cap = (ONESHOT_SCRATCH_BYTES / (2 * n)) & !255;
+        let caps: Vec<usize> = spec.iter().map(|&(max, _)| if max == usize::MAX { last_cap } else { max.div_ceil(256) * 256 }).collect();
+        // Byte offset of each lane in a region: its flags, then its slots.
+        let mut offsets = Vec::with_capacity(caps.len());
+        let mut bytes = 0;
+        for cap in &caps {
+            offsets.push(bytes as u64);
+            bytes += kernels::ONESHOT_FLAG_BYTES + 2 * n * cap;
+        }
         let mut counters = Vec::with_capacity(n);
         let mut counter_ptrs = Vec::with_capacity(n);
         for rank in ranks {
-            let c = rank.stream.alloc_zeros::<u32>(kernels::ONESHOT_MAX_BLOCKS).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
+            let words = spec.len() * kernels::ONESHOT_MAX_BLOCKS;
+            let c = rank.stream.alloc_zeros::<u32>(words).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
             counter_ptrs.push(c.device_ptr(&rank.stream).0);
             counters.push(c);
         }
-        let (medium, push, npush, pull, blocks) = if p2p {
+        // Per rank: the regions it stores into and the one it reads from
+        // (each region holds every lane).
+        let (medium, push, npush, pull) = if p2p {
             let mut regions = Vec::with_capacity(n);
             let mut addrs = Vec::with_capacity(n);
             for rank in ranks {
@@ -75,34 +118,45 @@ impl OneShot {
                 addrs.push(r.device_ptr(&rank.stream).0);
                 regions.push(r);
             }
-            let push = (0..n).map(|r| PtrArray::from_slice(&(0..n).filter(|&k| k != r).map(|k| addrs[k]).collect::<Vec<_>>())).collect();
-            (Medium::Device(regions), push, n as i32 - 1, addrs, kernels::ONESHOT_DEVICE_BLOCKS)
+            let push: Vec<Vec<u64>> = (0..n).map(|r| (0..n).filter(|&k| k != r).map(|k| addrs[k]).collect()).collect();
+            (Medium::Device(regions), push, n as i32 - 1, addrs)
         } else {
             let host = PinnedBuffer::new_mapped(&ranks[0].ctx, bytes)?;
             let addrs = ranks.iter().map(|r| host.device_addr(&r.ctx)).collect::<Result<Vec<_>>>()?;
-            let push = addrs.iter().map(|&a| PtrArray::from_slice(&[a])).collect();
-            (Medium::Host(host), push, 1, addrs, kernels::ONESHOT_HOST_BLOCKS)
+            let push = addrs.iter().map(|&a| vec![a]).collect();
+            (Medium::Host(host), push, 1, addrs)
         };
+        let lanes = spec
+            .iter()
+            .enumerate()
+            .map(|(l, &(max_bytes, blocks))| {
+                let off = offsets[l];
+                Lane {
+                    max_bytes,
+                    push: push.iter().map(|p| PtrArray::from_slice(&p.iter().map(|a| a + off).collect::<Vec<_>>())).collect(),
+                    pull: pull.iter().map(|a| a + off).collect(),
+                    counters: counter_ptrs.iter().map(|c| c + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64).collect(),
+                    cap: caps[l],
+                    blocks,
+                }
+            })
+            .collect();
         // The zeroed flags and counters must be in place before any peer's first kernel.
         for rank in ranks {
             rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         }
-        Ok(OneShot {
-            medium,
-            _counters: counters,
-            counter_ptrs,
-            push,
-            npush,
-            pull,
-            cap,
-            blocks,
-            funcs: (0..n).map(|_| FnTable::default()).collect(),
-        })
+        Ok(OneShot { medium, _counters: counters, lanes, npush, funcs: (0..n).map(|_| FnTable::default()).collect() })
     }
 
     /// Whether the slots are in host memory (the group has no P2P mesh).
     pub(crate) fn on_host(&self) -> bool {
         matches!(self.medium, Medium::Host(_))
+    }
+
+    /// The lane for a message of `bytes` per rank.
+    fn lane(&self, bytes: usize) -> &Lane {
+        let last = self.lanes.len() - 1;
+        &self.lanes[self.lanes.iter().position(|l| bytes <= l.max_bytes).unwrap_or(last)]
     }
 }
 
@@ -111,8 +165,9 @@ impl Group {
     /// reduce(ins)`. Every pointer must be 16-byte aligned (the caller checks).
     pub(crate) fn launch_oneshot(&self, os: &OneShot, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
         let n = self.size();
-        let cfg = LaunchConfig { grid_dim: (os.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (nranks, cnt, cap) = (n as i32, count as u64, os.cap as u64);
+        let lane = os.lane(count * dtype.size());
+        let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+        let (nranks, cnt, cap) = (n as i32, count as u64, lane.cap as u64);
         // Last rank first: the callers' buffer guards then record their events
         // from rank 0 on without switching contexts back and forth.
         for r in (0..n).rev() {
@@ -120,27 +175,42 @@ impl Group {
             let rank = r as i32;
             let mut launch = self.ranks[r].stream.launch_builder(f);
             launch
-                .arg(&os.push[r])
+                .arg(&lane.push[r])
                 .arg(&os.npush)
-                .arg(&os.pull[r])
+                .arg(&lane.pull[r])
                 .arg(&ins[r])
                 .arg(&outs[r])
-                .arg(&os.counter_ptrs[r])
+                .arg(&lane.counters[r])
                 .arg(&nranks)
                 .arg(&rank)
                 .arg(&cnt)
                 .arg(&cap);
             // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
             // u32*, i32, i32, u64, u64). `ins[r]`/`outs[r]` hold `count`
-            // elements on rank r's device, 16-byte aligned; the push regions and
-            // the pull region hold ONESHOT_FLAG_BYTES + 2 * n * cap bytes and are
+            // elements on rank r's device, 16-byte aligned; the lane's push
+            // regions and pull region hold ONESHOT_FLAG_BYTES + 2 * n * cap bytes and are
             // reachable from rank r's device (peer access enabled and verified
             // for every pair, or mapped portable host memory); the counters hold
-            // ONESHOT_MAX_BLOCKS words of rank r. Every rank runs the same grid
-            // on every call, as the kernel's slot-reuse rule requires, and each
+            // ONESHOT_MAX_BLOCKS words of rank r. Every rank runs the lane's grid
+            // on every call of the lane, as the kernel's slot-reuse rule requires, and each
             // rank is on its own device, so all ranks' blocks can be resident.
             unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         }
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_grow_by_size_and_end_with_every_size() {
+        for spec in [&DEVICE_LANES[..], &HOST_LANES[..]] {
+            assert!(spec.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1), "{spec:?}");
+            assert_eq!(spec.last().map(|l| l.0), Some(usize::MAX));
+            assert!(spec.iter().all(|&(_, b)| b >= 1 && b as usize <= kernels::ONESHOT_MAX_BLOCKS));
+        }
+    }
+}
+

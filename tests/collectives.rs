@@ -409,6 +409,49 @@ fn hundred_back_to_back_all_reduces() {
     }
 }
 
+/// Calls of different sizes interleaved with no host synchronisation, so
+/// that consecutive calls take different one-shot lanes (and algorithms
+/// under Auto): wrapping u32 sums make any race between them exact.
+#[test]
+fn interleaved_sizes_back_to_back() {
+    let Some(ctx) = gpus("interleaved_sizes", 2) else { return };
+    let n = 2;
+    // 4 KB, 40 KB, 240 KB, 4 MB and 40 MB per rank.
+    let sizes = [1_000, 10_000, 60_000, 1_000_003, 10_000_000];
+    let sets = [
+        ("p2p-oneshot", Vec::new(), Algorithm::OneShot),
+        ("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot),
+        ("p2p-auto", Vec::new(), Algorithm::Auto),
+        ("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto),
+    ];
+    for set in sets {
+        let tag = set.0;
+        let s = setup(&ctx, n, set);
+        let inputs: Vec<Vec<Vec<u32>>> = sizes.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
+        let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
+        let mut calls = vec![0u32; sizes.len()];
+        // 40 calls, 8 of each size, each size followed by every other one.
+        for k in 0..40 {
+            let which = (k * 7 + k / 5) % sizes.len();
+            s.group.all_reduce_in_place(&mut bufs[which], ReduceOp::Sum).unwrap();
+            calls[which] += 1;
+        }
+        for (w, &c) in sizes.iter().enumerate() {
+            // After the first call every rank holds the sum; each later call multiplies it by n.
+            let mut want: Vec<u32> = (0..c).map(|i| inputs[w].iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
+            for _ in 1..calls[w] {
+                for x in want.iter_mut() {
+                    *x = x.wrapping_mul(n as u32);
+                }
+            }
+            for (r, o) in download(&s, &bufs[w]).iter().enumerate() {
+                let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
+                assert_eq!(bad, 0, "{tag}: size {c}, rank {r}: {bad} wrong elements after {} calls", calls[w]);
+            }
+        }
+    }
+}
+
 /// Bad input is a typed error, never a panic.
 #[test]
 fn bad_input_is_refused() {

@@ -137,10 +137,12 @@ fn untracked(test: &str, min: usize) -> Option<Vec<Arc<CudaContext>>> {
     Some(ctxs)
 }
 
-/// Counts (u32): under Auto with P2P, 1024, 4093 and 1 << 19 (4 KiB to 2 MiB)
-/// take the one-shot and 1 << 21 (8 MiB) the mesh; 4093 ends in a partial
-/// 16-byte unit. The ring takes them all in the ring test.
-const COUNTS: [usize; 4] = [1024, 4093, 1 << 19, 1 << 21];
+/// Counts (u32): under Auto with P2P, 1024 to 1 << 19 (4 KiB to 2 MiB) take
+/// the one-shot and 1 << 21 (8 MiB) the mesh; 4093 ends in a partial 16-byte
+/// unit. They span every one-shot lane: 4 and 16 KiB the smallest, 64 KiB
+/// the small one (the second without P2P), 2 and 8 MiB the large one. The
+/// ring takes them all in the ring test.
+const COUNTS: [usize; 5] = [1024, 4093, 1 << 14, 1 << 19, 1 << 21];
 
 #[test]
 fn fused_all_reduces_replay_from_a_graph() {
