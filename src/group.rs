@@ -48,23 +48,25 @@ pub enum Algorithm {
 /// Under [`Algorithm::Auto`], a group whose every pair has P2P uses the
 /// one-shot all-reduce while each rank stores at most this many bytes into
 /// its peers (message bytes times ranks - 1), the mesh above. On 2x H200
-/// (NVLink) the one-shot beat the mesh up to 4 MiB (21.8 against 24.7 us)
-/// and lost at 16 MiB (76.9 against 59.8 us), both forced, one run.
+/// (NVLink) the one-shot beat the mesh up to 4 MiB (21.0 against 21.3 us)
+/// and lost from 8 MiB (38.3 against 33.0 us), both forced, one run
+/// (`bench/results/h200x2-algos-allreduce.csv`).
 pub const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
 
 /// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
 /// distinct devices, 2 to 8) uses the one-shot all-reduce through host
 /// memory while each rank reads at most this many bytes from it (message
 /// bytes times ranks - 1), the staged ring above. On 2x H200 with P2P off
-/// the one-shot was ahead up to 16 MiB (549 against 571 us; 18 against 35
-/// us at 4 KiB) and behind from 64 MiB (35.2 against 38.0 GB/s), both
-/// forced, one run.
+/// the one-shot was ahead up to 16 MiB (521 against 583 us; 12.8 against
+/// 71.4 us at 4 KiB), level with the ring from 64 to 256 MiB (within 4%)
+/// and behind at 1 GiB (39.6 against 42.3 GB/s), both forced, one run.
 pub const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
 
 /// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
 /// use the ring even where the mesh is possible: on 2x H200 (NVLink) the
 /// ring's copy-engine all-gather overtook the mesh kernel from 256 MiB on
-/// (345 against 332 GB/s busbw at 256 MiB, one run each, ring_allreduce).
+/// (344 against 337 GB/s busbw at 256 MiB, level at 128 MiB; both forced,
+/// one run).
 pub const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
 
 impl std::str::FromStr for Algorithm {
