@@ -13,11 +13,12 @@
 //! flags and counters and a fixed grid, few blocks for small messages (fewer
 //! flags to raise and poll), many for large ones.
 //!
-//! Memory: [`ONESHOT_SCRATCH_BYTES`] per rank of device memory (P2P) or per
-//! group of pinned host memory (host) for the large-message lane, plus the
-//! small lanes' slots (two parities of one slot per rank: 128 KiB times the
-//! ranks with P2P, 544 KiB times the ranks without) and a few KiB of flags
-//! and counters. Longer messages run in rounds of one slot each.
+//! Memory, for the large-message lane: [`ONESHOT_SCRATCH_BYTES`] per rank
+//! of device memory (P2P), or two [`HOST_ROUND_BYTES`] slots per rank in
+//! the group's pinned host buffer (no P2P). Plus the small lanes' slots (two
+//! parities of one slot per rank: 128 KiB times the ranks with P2P, 544 KiB
+//! times the ranks without) and a few KiB of flags and counters. Longer
+//! messages run in rounds of one slot each.
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
@@ -28,10 +29,18 @@ use crate::group::{FnTable, Group, PtrArray, Rank};
 use crate::kernels;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
-/// Bytes of slots per rank (P2P: device memory on every rank) or per group
-/// (host: one pinned buffer) of the large-message lane: two parities of one
-/// slot per rank.
+/// Bytes of slots per rank in device memory (P2P) of the large-message
+/// lane: two parities of one slot per rank.
 pub const ONESHOT_SCRATCH_BYTES: usize = 16 << 20;
+
+/// Slot bytes of the large-message lane through host memory (no P2P): a
+/// message runs in rounds of this many bytes, so that while some blocks
+/// still write a round into host memory, others already read the one
+/// before, and both PCIe directions carry data at once. On 2x H200 with
+/// P2P off (one run, `bench/results/h200x2-host-round-experiment-allreduce.csv`)
+/// 1 MiB rounds took 141 us at 4 MiB and 255 at 8 MiB, against 170 and
+/// 295 with 4 MiB rounds; 512 KiB and 256 KiB rounds were slower.
+pub const HOST_ROUND_BYTES: usize = 1 << 20;
 
 /// The lanes of a one-shot with slots in device memory (P2P), as (largest
 /// message in bytes per rank, blocks): each lane has its own slots, flags
@@ -90,7 +99,7 @@ impl OneShot {
     pub(crate) fn new(ranks: &[Rank], p2p: bool) -> Result<OneShot> {
         let n = ranks.len();
         let spec: &[(usize, u32)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
-        let last_cap = (ONESHOT_SCRATCH_BYTES / (2 * n)) & !255;
+        let last_cap = if p2p { (ONESHOT_SCRATCH_BYTES / (2 * n)) & !255 } else { HOST_ROUND_BYTES };
         let caps: Vec<usize> = spec.iter().map(|&(max, _)| if max == usize::MAX { last_cap } else { max.div_ceil(256) * 256 }).collect();
         // Byte offset of each lane in a region: its flags, then its slots.
         let mut offsets = Vec::with_capacity(caps.len());
