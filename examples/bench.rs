@@ -203,6 +203,12 @@ enum Impl {
     /// cuda-peer without P2P, staged ring forced.
     #[value(name = "cuda-peer-staged-ring")]
     PeerStagedRing,
+    /// cuda-peer-p2p without launcher threads (every rank launched from the calling thread).
+    #[value(name = "cuda-peer-p2p-serial")]
+    PeerP2pSerial,
+    /// cuda-peer-staged without launcher threads.
+    #[value(name = "cuda-peer-staged-serial")]
+    PeerStagedSerial,
     #[value(name = "nccl")]
     Nccl,
     #[value(name = "nccl-no-p2p")]
@@ -219,6 +225,8 @@ impl Impl {
             Impl::PeerOneShot => "cuda-peer-oneshot",
             Impl::PeerHostOneShot => "cuda-peer-host-oneshot",
             Impl::PeerStagedRing => "cuda-peer-staged-ring",
+            Impl::PeerP2pSerial => "cuda-peer-p2p-serial",
+            Impl::PeerStagedSerial => "cuda-peer-staged-serial",
             Impl::Nccl => "nccl",
             Impl::NcclNoP2p => "nccl-no-p2p",
         }
@@ -569,7 +577,8 @@ impl Backend {
 /// A cuda-peer group over every GPU with `policy` on every link; prints
 /// which path each rank pulls from its predecessor over.
 fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>]) -> Res<Backend> {
-    let staged = matches!(imp, Impl::PeerStaged | Impl::PeerHostOneShot | Impl::PeerStagedRing);
+    let staged = matches!(imp, Impl::PeerStaged | Impl::PeerHostOneShot | Impl::PeerStagedRing | Impl::PeerStagedSerial);
+    let serial = matches!(imp, Impl::PeerP2pSerial | Impl::PeerStagedSerial);
     let policy = if staged { PathPolicy::StagedOnly } else { PathPolicy::P2pOnly };
     let algorithm = match imp {
         Impl::PeerRing | Impl::PeerStagedRing => Algorithm::Ring,
@@ -578,7 +587,11 @@ fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>]) -> Res<Backend> {
         _ => Algorithm::Auto,
     };
     let streams = ctxs.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let group = Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::with_policy(policy) })?;
+    let mut opts = GroupOptions { algorithm, ..GroupOptions::with_policy(policy) };
+    if serial {
+        opts.launch_spin = None;
+    }
+    let group = Group::new(streams.clone(), &opts)?;
     let n = group.size();
     println!("#");
     println!("# {}: {n} ranks", imp.name());

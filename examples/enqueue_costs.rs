@@ -1,8 +1,10 @@
 //! What the host pays per driver call while enqueueing a collective: each
 //! call of a small all-reduce's enqueue path timed on its own, on the first
 //! two GPUs (mean of many calls, the streams drained between batches so no
-//! queue fills). Then a 4 KiB all-reduce enqueue with cudarc's event tracking
-//! on and off (each checked once after its timed calls). The first group's
+//! queue fills); the pair of launches also from two host threads, one per
+//! GPU. Then a 4 KiB all-reduce enqueue with cudarc's event tracking on and
+//! off, and without the group's launcher threads (each checked once after
+//! its timed calls). The first group's
 //! first call JIT-compiles its kernels unless the driver's cache has them;
 //! a warm-up call keeps that out of the timing. A diagnostic for
 //! `bench/NOTES.md`, not a test.
@@ -143,8 +145,63 @@ fn run(args: &Args) -> Res<()> {
         )?,
     ));
 
-    // A 4 KiB all-reduce (Auto: the one-shot) with event tracking on, then off.
-    for tracking in [true, false] {
+    // The same pair with rank 1's launch on a second host thread that spins
+    // on a counter: whether the driver runs launches on two GPUs in parallel.
+    {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let (go, done, stop) = (AtomicUsize::new(0), AtomicUsize::new(0), AtomicBool::new(false));
+        let worker_err = std::thread::scope(|s| -> Res<Option<String>> {
+            let h = s.spawn(|| -> Option<String> {
+                if let Err(e) = ctxs[1].bind_to_thread() {
+                    return Some(e.to_string());
+                }
+                let mut seen = 0;
+                while !stop.load(Ordering::Acquire) {
+                    let g = go.load(Ordering::Acquire);
+                    if g == seen {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    seen = g;
+                    if let Err(e) = launch(1) {
+                        done.store(usize::MAX, Ordering::Release);
+                        return Some(e.to_string());
+                    }
+                    done.store(g, Ordering::Release);
+                }
+                None
+            });
+            ctxs[0].bind_to_thread()?;
+            let mut k = 0usize;
+            let t = time(
+                n,
+                || {
+                    k += 1;
+                    go.store(k, Ordering::Release);
+                    launch(0)?;
+                    loop {
+                        match done.load(Ordering::Acquire) {
+                            d if d == k => return Ok(()),
+                            usize::MAX => return Err("worker failed".into()),
+                            _ => std::hint::spin_loop(),
+                        }
+                    }
+                },
+                drain,
+            );
+            stop.store(true, Ordering::Release);
+            let e = h.join().map_err(|_| "worker panicked")?;
+            rows.push(("cuLaunchKernel, both GPUs, one host thread each (per pair)", t?));
+            Ok(e)
+        })?;
+        if let Some(e) = worker_err {
+            return Err(e.into());
+        }
+    }
+
+    // A 4 KiB all-reduce (Auto: the one-shot) with event tracking on, then
+    // off, with launcher threads; then on, without them.
+    for (tracking, launchers) in [(true, true), (false, true), (true, false)] {
         for c in &ctxs {
             // SAFETY: no slice of these contexts is alive across the switch:
             // the buffers below are made after it and dropped before the next.
@@ -156,11 +213,16 @@ fn run(args: &Args) -> Res<()> {
                 }
             }
         }
-        let group = Group::new(streams.clone(), &GroupOptions::default())?;
+        let opts = GroupOptions { launch_spin: if launchers { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() };
+        let group = Group::new(streams.clone(), &opts)?;
         let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
         group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?; // warm-up: loads the kernels
         group.synchronize()?;
-        let label = if tracking { "4 KiB all_reduce_in_place, event tracking on" } else { "4 KiB all_reduce_in_place, event tracking off" };
+        let label = match (tracking, launchers) {
+            (true, true) => "4 KiB all_reduce_in_place, event tracking on",
+            (false, true) => "4 KiB all_reduce_in_place, event tracking off",
+            _ => "4 KiB all_reduce_in_place, event tracking on, no launcher threads",
+        };
         rows.push((label, time(n, || Ok(group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?), || Ok(group.synchronize()?))?));
         // One more call on fresh values, checked, so a broken enqueue path
         // cannot pass for a fast one.
@@ -176,6 +238,40 @@ fn run(args: &Args) -> Res<()> {
         if got != want {
             return Err(format!("{label}: wrong result after the timed calls").into());
         }
+    }
+    // Steady state: 4 KiB all-reduces back to back with the GPUs running,
+    // with and without launcher threads, alternating (this host's speed
+    // drifts within a process): host time of the loop, and wall time until
+    // both GPUs are done, per call.
+    for c in &ctxs {
+        // SAFETY: no slice of these contexts is alive here (the last loop's dropped).
+        unsafe { c.enable_event_tracking() };
+    }
+    let groups = [true, false]
+        .iter()
+        .map(|&l| Group::new(streams.clone(), &GroupOptions { launch_spin: if l { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() }))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
+    let mut steady = Vec::new();
+    for rep in 0..5 {
+        for (g, group) in groups.iter().enumerate() {
+            for _ in 0..20 {
+                group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?;
+            }
+            group.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..2000 {
+                group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?;
+            }
+            let host = t.elapsed().as_secs_f64();
+            group.synchronize()?;
+            let wall = t.elapsed().as_secs_f64();
+            steady.push(format!("{:8.3} {:8.3}  rep {rep}, {}", host * 1e6 / 2000.0, wall * 1e6 / 2000.0, if g == 0 { "launcher threads" } else { "no launcher threads" }));
+        }
+    }
+    println!("# 4 KiB all_reduce_in_place, 2000 back to back: host us per call, wall us per call (until both GPUs finish)");
+    for l in steady {
+        println!("{l}");
     }
     println!("# host microseconds per call, mean of {n} calls (batches of {BATCH}, drained between), GPUs 0 and 1");
     for (what, us) in rows {

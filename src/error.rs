@@ -117,6 +117,10 @@ pub enum Error {
         /// How long it was given.
         after: Duration,
     },
+    /// A failure inside cuda-peer that should not happen (a bug; please
+    /// report it), e.g. a panic caught on a launcher thread.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// Any other argument that is out of its range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -15,6 +15,7 @@ use crate::driver::{api, bind};
 use crate::dtype::DType;
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::kernels;
+use crate::launch::{Job, Launchers};
 use crate::peer::{raw_ctx, PeerAccess};
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
@@ -22,6 +23,7 @@ use crate::oneshot::OneShot;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 /// Which algorithm a group's all-reduce uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -82,8 +84,13 @@ impl std::str::FromStr for Algorithm {
     }
 }
 
+/// How long a group's launcher threads spin for the next call after each
+/// collective before they park (the default of
+/// [`GroupOptions::launch_spin`]).
+pub const DEFAULT_LAUNCH_SPIN: Duration = Duration::from_micros(200);
+
 /// Settings for a group.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupOptions {
     /// All-reduce algorithm (see [`Algorithm`]).
     pub algorithm: Algorithm,
@@ -92,6 +99,22 @@ pub struct GroupOptions {
     /// Per-rank override of `link.policy` for the link from rank r-1 to rank
     /// r (empty: `link.policy` everywhere). Lets a group mix paths on purpose.
     pub pull_policies: Vec<crate::copy::PathPolicy>,
+    /// Launcher threads for the fused all-reduces (one-shot and mesh):
+    /// `Some(spin)` starts one thread per rank after the first, which
+    /// launches its rank's kernel while the calling thread launches rank
+    /// 0's, and spins for `spin` after each call before it parks; `None`
+    /// launches every rank from the calling thread. Saves 2.5-3.5 us of
+    /// host time per call on 2x H200 (see `crate::launch` in the source).
+    /// A call that finds a launcher parked launches that rank itself, so
+    /// only calls less than `spin` apart run in parallel, and an idle group
+    /// uses no CPU. Default: `Some(`[`DEFAULT_LAUNCH_SPIN`]`)`.
+    pub launch_spin: Option<Duration>,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        GroupOptions { algorithm: Algorithm::default(), link: LinkOptions::default(), pull_policies: Vec::new(), launch_spin: Some(DEFAULT_LAUNCH_SPIN) }
+    }
 }
 
 impl GroupOptions {
@@ -199,6 +222,8 @@ impl PtrArray {
 
 /// A communicator of ranks in one process. See the module docs.
 pub struct Group {
+    /// Launcher threads for ranks 1.. (fused all-reduces only).
+    launchers: Option<Launchers>,
     /// The mesh all-reduce, when the group uses it.
     pub(crate) mesh: Option<Mesh>,
     /// The one-shot all-reduce, when the group uses it.
@@ -284,7 +309,11 @@ impl Group {
         }
         let mesh = Self::open_mesh(&ranks, &pulls, opts, &mut access)?;
         let oneshot = Self::open_oneshot(&ranks, &pulls, opts, mesh.is_some(), &mut access)?;
-        Ok(Group { mesh, oneshot, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
+        let launchers = match opts.launch_spin {
+            Some(spin) if mesh.is_some() || oneshot.is_some() => Launchers::start(n, spin),
+            _ => None,
+        };
+        Ok(Group { launchers, mesh, oneshot, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
     }
 
     /// Sets up the one-shot all-reduce where `opts` asks for it and the
@@ -468,6 +497,27 @@ impl Group {
         }
     }
 
+    /// Runs `launch(r)` for every rank r: at once on the launcher threads
+    /// where the group has them and no rank's stream is being captured into
+    /// a graph (a replayed graph costs no launches), else one after another
+    /// from this thread, last rank first (so this thread ends on rank 0's
+    /// context, where the callers' buffer guards record their events).
+    pub(crate) fn launch_each(&self, launch: &Job<'_>) -> Result<()> {
+        if let Some(l) = &self.launchers {
+            let mut capturing = false;
+            for r in &self.ranks {
+                capturing |= r.stream.capture_status().map_err(cudarc_err("cuStreamIsCapturing"))? != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            }
+            if !capturing {
+                return l.run(launch);
+            }
+        }
+        for r in (0..self.size()).rev() {
+            launch(r)?;
+        }
+        Ok(())
+    }
+
     /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
     /// `aligned`: every pointer is 16-byte aligned (the vector path).
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
@@ -480,9 +530,7 @@ impl Group {
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
         let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
-        // Last rank first: the callers' buffer guards then record their events
-        // from rank 0 on without switching contexts back and forth.
-        for r in (0..n).rev() {
+        self.launch_each(&|r| {
             let f = mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
             let rank = r as i32;
             let mut launch = self.ranks[r].stream.launch_builder(f);
@@ -494,8 +542,8 @@ impl Group {
             // and the same grid is launched on every rank, as the kernel's
             // per-block barrier requires.
             unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (mesh all-reduce)"))?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.

@@ -177,9 +177,7 @@ impl Group {
         let lane = os.lane(count * dtype.size());
         let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, cnt, cap) = (n as i32, count as u64, lane.cap as u64);
-        // Last rank first: the callers' buffer guards then record their events
-        // from rank 0 on without switching contexts back and forth.
-        for r in (0..n).rev() {
+        self.launch_each(&|r| {
             let f = os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
             let rank = r as i32;
             let mut launch = self.ranks[r].stream.launch_builder(f);
@@ -204,8 +202,8 @@ impl Group {
             // on every call of the lane, as the kernel's slot-reuse rule requires, and each
             // rank is on its own device, so all ranks' blocks can be resident.
             unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }
 

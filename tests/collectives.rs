@@ -12,6 +12,7 @@ use cuda_peer::{Algorithm, DType, Element, Group, GroupOptions, PathPolicy, Redu
 use half::{bf16, f16};
 use rand::Rng;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Element types under test: conversions, random draws and exact integer ops.
 trait TestElem: Element + PartialEq + std::fmt::Debug + Sync {
@@ -160,10 +161,15 @@ struct Setup {
 }
 
 /// `n` ranks round-robin over the GPUs, with a path policy per link.
-fn setup(ctx: &[Arc<CudaContext>], n: usize, (tag, policies, algorithm): PathSet) -> Setup {
+fn setup(ctx: &[Arc<CudaContext>], n: usize, set: PathSet) -> Setup {
+    setup_with(ctx, n, set, GroupOptions::default().launch_spin)
+}
+
+/// [`setup`] with the given launcher-thread spin (`None`: no launchers).
+fn setup_with(ctx: &[Arc<CudaContext>], n: usize, (tag, policies, algorithm): PathSet, launch_spin: Option<Duration>) -> Setup {
     use std::io::Write;
     let streams: Vec<_> = (0..n).map(|r| ctx[r % ctx.len()].new_stream().unwrap()).collect();
-    let opts = GroupOptions { pull_policies: policies.clone(), algorithm, ..GroupOptions::default() };
+    let opts = GroupOptions { pull_policies: policies.clone(), algorithm, launch_spin, ..GroupOptions::default() };
     let group = Group::new(streams.clone(), &opts).expect("group");
     let paths: Vec<String> = (0..n).map(|r| group.link_status(r).unwrap().path.to_string()).collect();
     let _ = writeln!(std::io::stderr(), "  group n={n} {tag}: mesh={} oneshot_on_host={:?} pulls={paths:?}", group.uses_mesh(), group.oneshot_on_host());
@@ -411,7 +417,9 @@ fn hundred_back_to_back_all_reduces() {
 
 /// Calls of different sizes interleaved with no host synchronisation, so
 /// that consecutive calls take different one-shot lanes (and algorithms
-/// under Auto): wrapping u32 sums make any race between them exact.
+/// under Auto): wrapping u32 sums make any race between them exact. Each
+/// set runs with launcher threads spinning, without them, and with them
+/// parked at every call.
 #[test]
 fn interleaved_sizes_back_to_back() {
     let Some(ctx) = gpus("interleaved_sizes", 2) else { return };
@@ -424,9 +432,12 @@ fn interleaved_sizes_back_to_back() {
         ("p2p-auto", Vec::new(), Algorithm::Auto),
         ("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto),
     ];
-    for set in sets {
-        let tag = set.0;
-        let s = setup(&ctx, n, set);
+    // Launcher threads as by default, none, and parked before every call
+    // (spin 0: the calling thread launches every rank and wakes them).
+    let spins = [GroupOptions::default().launch_spin, None, Some(Duration::ZERO)];
+    for (set, spin) in sets.into_iter().flat_map(|set| spins.map(|spin| (set.clone(), spin))) {
+        let tag = format!("{} launch_spin {spin:?}", set.0);
+        let s = setup_with(&ctx, n, set, spin);
         let inputs: Vec<Vec<Vec<u32>>> = sizes.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
         let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
         let mut calls = vec![0u32; sizes.len()];
