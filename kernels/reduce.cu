@@ -534,7 +534,8 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //                    int nranks, int rank, u64 n, u64 cap)
 //     push:  the regions this rank stores its slot and flags into (npush);
 //     pull:  the region this rank reads slots and polls flags from;
-//     in/out: 16-byte aligned (out may equal in);
+//     in/out: element-aligned (out may equal in); 16-byte vector loads
+//            and stores where both are 16-byte aligned;
 //     counters: this rank's own block counters (ONESHOT_MAX_BLOCKS words,
 //            zeroed at creation);
 //     cap:   slot bytes, a multiple of 16.
@@ -561,6 +562,32 @@ static __device__ __forceinline__ V16 load_partial(const T* src, u64 j, u64 len)
     return x.v;
 }
 
+// Unit j (16 bytes) of src, by one vector load when `vec`, else element by
+// element (src is then only element-aligned).
+template <class T>
+static __device__ __forceinline__ V16 load_unit(const T* src, u64 j, bool vec) {
+    if (vec) return ((const V16*)src)[j];
+    const u64 E = 16 / sizeof(T);
+    VecView<T> x;
+#pragma unroll
+    for (int e = 0; e < (int)E; ++e) x.e[e] = src[j * E + e];
+    return x.v;
+}
+
+// Stores unit j of dst, as load_unit reads it.
+template <class T>
+static __device__ __forceinline__ void store_unit(T* dst, u64 j, V16 v, bool vec) {
+    if (vec) {
+        ((V16*)dst)[j] = v;
+        return;
+    }
+    const u64 E = 16 / sizeof(T);
+    VecView<T> x;
+    x.v = v;
+#pragma unroll
+    for (int e = 0; e < (int)E; ++e) dst[j * E + e] = x.e[e];
+}
+
 template <class Op>
 static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int npush, const void* pull,
                                     const typename Op::T* in, typename Op::T* out,
@@ -578,6 +605,8 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     }
     __syncthreads();
     const u64 E = 16 / sizeof(T);
+    // in/out need only be element-aligned: 16-byte vectors where both are.
+    const bool vec = (((u64)in | (u64)out) & 15u) == 0;
     const u64 per_round = cap / sizeof(T);
     const u64 rounds = (n + per_round - 1) / per_round;
     const u64 tid = global_tid();
@@ -599,7 +628,7 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
 #pragma unroll
             for (int u = 0; u < ONESHOT_UNROLL; ++u) {
                 const u64 j = j0 + (u64)u * stride;
-                if (j < full) x[u] = ((const V16*)src)[j];
+                if (j < full) x[u] = load_unit<T>(src, j, vec);
             }
             for (int k = 0; k < npush; ++k) {
                 V16* slot = (V16*)(spush[k] + ONESHOT_FLAG_BYTES + (slot0 + (u64)rank) * cap);
@@ -632,12 +661,12 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
 #pragma unroll 1
             for (int k = 0; k < MESH_MAX_RANKS; ++k) {
                 if (k < nranks) {
-                    const V16* from = k == rank ? (const V16*)src : (const V16*)(pdata + (slot0 + (u64)k) * cap);
+                    const V16* from = (const V16*)(pdata + (slot0 + (u64)k) * cap);
                     VecView<T> x[ONESHOT_UNROLL];
 #pragma unroll
                     for (int u = 0; u < ONESHOT_UNROLL; ++u) {
                         const u64 j = j0 + (u64)u * stride;
-                        if (j < full) x[u].v = from[j];
+                        if (j < full) x[u].v = k == rank ? load_unit<T>(src, j, vec) : from[j];
                     }
 #pragma unroll
                     for (int u = 0; u < ONESHOT_UNROLL; ++u) {
@@ -653,7 +682,7 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
 #pragma unroll
             for (int u = 0; u < ONESHOT_UNROLL; ++u) {
                 const u64 j = j0 + (u64)u * stride;
-                if (j < full) ((V16*)dst)[j] = acc[u].v;
+                if (j < full) store_unit<T>(dst, j, acc[u].v, vec);
             }
         }
         if (full < units && tid == full % stride) {

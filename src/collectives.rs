@@ -73,11 +73,14 @@ impl Group {
     /// stores, between two device-side barriers. Otherwise it is the ring:
     /// reduce-scatter then all-gather, where over P2P links each step is one
     /// fused kernel that reads the predecessor's memory.
-    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], op: ReduceOp) -> Result<()> {
+    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T> + Send>(&self, bufs: &mut [D], op: ReduceOp) -> Result<()> {
         let _serial = self.serial();
         op.check(T::DTYPE)?;
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
+        if let Some(os) = self.oneshot_for(count * T::DTYPE.size()).filter(|_| count > 0) {
+            return self.oneshot_in_place(os, op, bufs, count);
+        }
         let b = self.write_ptrs(bufs);
         if count > 0 && self.launch_fused(op.kernel_op(), T::DTYPE, &b.ptrs, &b.ptrs, count)? {
             return self.divide::<T>(op, &b.ptrs, count, 0..self.size());

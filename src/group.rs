@@ -475,14 +475,9 @@ impl Group {
     }
 
     /// The algorithm an all-reduce of `bytes` bytes per rank runs with
-    /// ([`Algorithm::Ring`], [`Algorithm::Mesh`] or [`Algorithm::OneShot`]),
-    /// for buffers aligned to 16 bytes (others never take the one-shot).
+    /// ([`Algorithm::Ring`], [`Algorithm::Mesh`] or [`Algorithm::OneShot`]).
     pub fn all_reduce_algorithm(&self, bytes: usize) -> Algorithm {
-        self.pick(bytes, true)
-    }
-
-    fn pick(&self, bytes: usize, aligned: bool) -> Algorithm {
-        choose(self.algorithm, self.size(), self.oneshot_on_host(), self.mesh.is_some(), bytes, aligned)
+        choose(self.algorithm, self.size(), self.oneshot_on_host(), self.mesh.is_some(), bytes)
     }
 
     /// Launches the fused all-reduce (one-shot or mesh) the group picks for
@@ -490,7 +485,7 @@ impl Group {
     /// (and does nothing) when the ring should run instead.
     pub(crate) fn launch_fused(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
         let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
-        match (self.pick(count * dtype.size(), aligned), &self.oneshot, &self.mesh) {
+        match (self.all_reduce_algorithm(count * dtype.size()), &self.oneshot, &self.mesh) {
             (Algorithm::OneShot, Some(os), _) => self.launch_oneshot(os, op, dtype, ins, outs, count).map(|()| true),
             (Algorithm::Mesh, _, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true),
             _ => Ok(false),
@@ -516,6 +511,11 @@ impl Group {
             launch(r)?;
         }
         Ok(())
+    }
+
+    /// The one-shot state, when an all-reduce of `bytes` per rank takes it.
+    pub(crate) fn oneshot_for(&self, bytes: usize) -> Option<&OneShot> {
+        self.oneshot.as_ref().filter(|_| self.all_reduce_algorithm(bytes) == Algorithm::OneShot)
     }
 
     /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
@@ -705,11 +705,11 @@ fn impossible(what: &str, why: &str) -> Error {
 
 /// The all-reduce algorithm for a message of `bytes` per rank in a group
 /// of `n` ranks set up for `algorithm`, with a one-shot (`Some(on_host)`)
-/// and a mesh or not, for buffers all 16-byte `aligned` or not.
-fn choose(algorithm: Algorithm, n: usize, oneshot: Option<bool>, mesh: bool, bytes: usize, aligned: bool) -> Algorithm {
+/// and a mesh or not.
+fn choose(algorithm: Algorithm, n: usize, oneshot: Option<bool>, mesh: bool, bytes: usize) -> Algorithm {
     let pushed = bytes.saturating_mul(n.saturating_sub(1));
     let auto = algorithm == Algorithm::Auto;
-    if let (Some(on_host), true) = (oneshot, aligned) {
+    if let Some(on_host) = oneshot {
         let max = if on_host { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
         if !auto || pushed <= max {
             return Algorithm::OneShot;
@@ -752,27 +752,24 @@ mod tests {
         use Algorithm::*;
         let (mib, p2p, host) = (1usize << 20, Some(false), Some(true));
         // P2P, two ranks: one-shot to 4 MiB, mesh below 256 MiB, ring above.
-        assert_eq!(choose(Auto, 2, p2p, true, 4096, true), OneShot);
-        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib, true), OneShot);
-        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib + 1, true), Mesh);
-        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib - 1, true), Mesh);
-        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib, true), Ring);
-        // Unaligned buffers never take the one-shot.
-        assert_eq!(choose(Auto, 2, p2p, true, 4096, false), Mesh);
+        assert_eq!(choose(Auto, 2, p2p, true, 4096), OneShot);
+        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib), OneShot);
+        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib + 1), Mesh);
+        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib - 1), Mesh);
+        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib), Ring);
         // More ranks push more: the one-shot ends sooner.
-        assert_eq!(choose(Auto, 5, p2p, true, mib, true), OneShot);
-        assert_eq!(choose(Auto, 5, p2p, true, mib + 1, true), Mesh);
+        assert_eq!(choose(Auto, 5, p2p, true, mib), OneShot);
+        assert_eq!(choose(Auto, 5, p2p, true, mib + 1), Mesh);
         // Without P2P: one-shot through host memory to 16 MiB, then the ring.
-        assert_eq!(choose(Auto, 2, host, false, 16 * mib, true), OneShot);
-        assert_eq!(choose(Auto, 2, host, false, 16 * mib + 1, true), Ring);
-        assert_eq!(choose(Auto, 2, host, false, 4096, false), Ring);
+        assert_eq!(choose(Auto, 2, host, false, 16 * mib), OneShot);
+        assert_eq!(choose(Auto, 2, host, false, 16 * mib + 1), Ring);
         // Groups with neither (shared devices, one rank): the ring.
-        assert_eq!(choose(Auto, 3, None, false, 4096, true), Ring);
+        assert_eq!(choose(Auto, 3, None, false, 4096), Ring);
         // Forced algorithms hold at every size where the group has them.
-        assert_eq!(choose(OneShot, 2, p2p, false, 1 << 30, true), OneShot);
-        assert_eq!(choose(OneShot, 2, host, false, 1 << 30, false), Ring);
-        assert_eq!(choose(Mesh, 2, None, true, 1 << 30, true), Mesh);
-        assert_eq!(choose(Ring, 2, None, false, 4096, true), Ring);
+        assert_eq!(choose(OneShot, 2, p2p, false, 1 << 30), OneShot);
+        assert_eq!(choose(OneShot, 2, host, false, 1 << 30), OneShot);
+        assert_eq!(choose(Mesh, 2, None, true, 1 << 30), Mesh);
+        assert_eq!(choose(Ring, 2, None, false, 4096), Ring);
     }
 
     #[test]

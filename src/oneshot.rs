@@ -23,11 +23,12 @@
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
 use crate::copy::staged::PinnedBuffer;
-use crate::dtype::DType;
-use crate::error::{cudarc_err, Result};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{cudarc_err, Error, Result};
 use crate::group::{FnTable, Group, PtrArray, Rank};
 use crate::kernels;
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use std::sync::Mutex;
 
 /// Bytes of slots per rank in device memory (P2P) of the large-message
 /// lane: two parities of one slot per rank.
@@ -171,39 +172,66 @@ impl OneShot {
 
 impl Group {
     /// Launches the one-shot all-reduce on every rank: `outs[r] =
-    /// reduce(ins)`. Every pointer must be 16-byte aligned (the caller checks).
+    /// reduce(ins)`. Every pointer must be element-aligned (16-byte aligned
+    /// ones take vector loads).
     pub(crate) fn launch_oneshot(&self, os: &OneShot, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
+        self.launch_each(&|r| self.launch_oneshot_rank(os, op, dtype, r, ins[r], outs[r], count))
+    }
+
+    /// The in-place one-shot all-reduce of `bufs` (then the division of
+    /// [`ReduceOp::Avg`]), where each rank's launcher (or the calling
+    /// thread, for rank 0) takes its own buffer's pointer, launches, and
+    /// records the buffer's event: cudarc's event tracking of the buffers
+    /// then runs in parallel too.
+    pub(crate) fn oneshot_in_place<T: Element, D: DevicePtrMut<T> + Send>(&self, os: &OneShot, op: ReduceOp, bufs: &mut [D], count: usize) -> Result<()> {
         let n = self.size();
-        let lane = os.lane(count * dtype.size());
-        let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (nranks, cnt, cap) = (n as i32, count as u64, lane.cap as u64);
+        let cells: Vec<Mutex<Option<&mut D>>> = bufs.iter_mut().map(|b| Mutex::new(Some(b))).collect();
         self.launch_each(&|r| {
-            let f = os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
-            let rank = r as i32;
-            let mut launch = self.ranks[r].stream.launch_builder(f);
-            launch
-                .arg(&lane.push[r])
-                .arg(&os.npush)
-                .arg(&lane.pull[r])
-                .arg(&ins[r])
-                .arg(&outs[r])
-                .arg(&lane.counters[r])
-                .arg(&nranks)
-                .arg(&rank)
-                .arg(&cnt)
-                .arg(&cap);
-            // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
-            // u32*, i32, i32, u64, u64). `ins[r]`/`outs[r]` hold `count`
-            // elements on rank r's device, 16-byte aligned; the lane's push
-            // regions and pull region hold ONESHOT_FLAG_BYTES + 2 * n * cap bytes and are
-            // reachable from rank r's device (peer access enabled and verified
-            // for every pair, or mapped portable host memory); the counters hold
-            // ONESHOT_MAX_BLOCKS words of rank r. Every rank runs the lane's grid
-            // on every call of the lane, as the kernel's slot-reuse rule requires, and each
-            // rank is on its own device, so all ranks' blocks can be resident.
-            unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
+            let taken = cells.get(r).and_then(|c| c.lock().unwrap_or_else(|p| p.into_inner()).take());
+            let buf = taken.ok_or_else(|| Error::Internal(format!("one-shot: rank {r}'s buffer taken twice")))?;
+            // The guard records the buffer's event on rank r's stream when
+            // it drops, after this rank's kernels are enqueued.
+            let (ptr, _guard) = buf.device_ptr_mut(&self.ranks[r].stream);
+            self.launch_oneshot_rank(os, op.kernel_op(), T::DTYPE, r, ptr, ptr, count)?;
+            if op == ReduceOp::Avg && n > 1 {
+                self.launch_scale_div(r, T::DTYPE, ptr, count, n as f64)?;
+            }
             Ok(())
         })
+    }
+
+    /// Launches rank r's one-shot kernel: `out = reduce(every rank's in)`.
+    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
+    fn launch_oneshot_rank(&self, os: &OneShot, op: &'static str, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
+        let lane = os.lane(count * dtype.size());
+        let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+        let (nranks, rank, cnt, cap) = (self.size() as i32, r as i32, count as u64, lane.cap as u64);
+        let f = os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
+        let mut launch = self.ranks[r].stream.launch_builder(f);
+        launch
+            .arg(&lane.push[r])
+            .arg(&os.npush)
+            .arg(&lane.pull[r])
+            .arg(&input)
+            .arg(&output)
+            .arg(&lane.counters[r])
+            .arg(&nranks)
+            .arg(&rank)
+            .arg(&cnt)
+            .arg(&cap);
+        // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
+        // u32*, i32, i32, u64, u64). `input`/`output` hold `count` elements
+        // of `dtype` on rank r's device (element-aligned: the kernel checks
+        // for 16 bytes itself); the lane's push regions and pull region hold
+        // ONESHOT_FLAG_BYTES + 2 * n * cap bytes and are reachable from rank
+        // r's device (peer access enabled and verified for every pair, or
+        // mapped portable host memory); the counters hold ONESHOT_MAX_BLOCKS
+        // words of rank r. Every rank runs the lane's grid on every call of
+        // the lane (callers launch every rank), as the kernel's slot-reuse
+        // rule requires, and each rank is on its own device, so all ranks'
+        // blocks can be resident.
+        unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
+        Ok(())
     }
 }
 

@@ -502,8 +502,8 @@ fn single_rank_group_is_identity() {
     }
 }
 
-/// All-reduces of several sizes (one-shot, mesh and ring under Auto) and an
-/// unaligned view, interleaved back to back with no host synchronisation:
+/// All-reduces of several sizes (one-shot, mesh and ring under Auto) and
+/// unaligned views, interleaved back to back with no host synchronisation:
 /// wrapping u32 sums show any slot reused too early or any race between
 /// algorithms exactly.
 #[test]
@@ -517,16 +517,19 @@ fn interleaved_sizes_and_algorithms() {
         let counts = [1000usize, 300_001, 5_000_003];
         let algos: Vec<Algorithm> = counts.iter().map(|c| s.group.all_reduce_algorithm(c * 4)).collect();
         eprintln!("  {tag}: algorithms {algos:?}");
+        assert_eq!(algos[0], Algorithm::OneShot, "{tag}: the smallest buffer (and its unaligned view) must take the one-shot");
         let inputs: Vec<Vec<Vec<u32>>> = counts.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
         let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
-        let mut rounds = [0u32; 4];
-        for step in 0..40 {
-            let k = (step * 7 + step / 3) % 4;
+        let mut rounds = [0u32; 5];
+        for step in 0..50 {
+            let k = (step * 7 + step / 3) % 5;
             if k < 3 {
                 s.group.all_reduce_in_place(&mut bufs[k], ReduceOp::Sum).unwrap();
             } else {
-                // An unaligned view of the largest buffer: never the one-shot.
-                let mut views: Vec<_> = bufs[2].iter_mut().map(|b| b.slice_mut(1..)).collect();
+                // Unaligned views (4 bytes in) of the largest buffer (mesh
+                // or ring) and of the smallest (the one-shot's element path).
+                let b = if k == 3 { 2 } else { 0 };
+                let mut views: Vec<_> = bufs[b].iter_mut().map(|b| b.slice_mut(1..)).collect();
                 s.group.all_reduce_in_place(&mut views, ReduceOp::Sum).unwrap();
             }
             rounds[k] += 1;
@@ -541,17 +544,20 @@ fn interleaved_sizes_and_algorithms() {
                 }
             };
             mul(&mut want, rounds[k]);
-            if k == 2 {
-                // The view's elements were reduced rounds[3] more times.
-                for x in want[1..].iter_mut() {
-                    for _ in 0..rounds[3] {
-                        *x = x.wrapping_mul(n as u32);
-                    }
+            // The view's elements were reduced rounds[3] or rounds[4] more times.
+            let extra = match k {
+                2 => rounds[3],
+                0 => rounds[4],
+                _ => 0,
+            };
+            for x in want[1..].iter_mut() {
+                for _ in 0..extra {
+                    *x = x.wrapping_mul(n as u32);
                 }
             }
             for (r, o) in download(&s, &bufs[k]).iter().enumerate() {
                 let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
-                assert_eq!(bad, 0, "{tag}: buffer of {c} elements, rank {r}: {bad} wrong after {} + {} all-reduces", rounds[k], rounds[3]);
+                assert_eq!(bad, 0, "{tag}: buffer of {c} elements, rank {r}: {bad} wrong after {} + {extra} all-reduces", rounds[k]);
             }
         }
     }
