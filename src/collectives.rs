@@ -72,7 +72,10 @@ impl Group {
     /// peer loads and writes it back into every rank's buffer by peer
     /// stores, between two device-side barriers. Otherwise it is the ring:
     /// reduce-scatter then all-gather, where over P2P links each step is one
-    /// fused kernel that reads the predecessor's memory.
+    /// fused kernel that reads the predecessor's memory. Buffers are `Send`
+    /// (cudarc's slices and views are): with launcher threads
+    /// ([`crate::GroupOptions::launch_spin`]) each rank's buffer is taken
+    /// and its event recorded on that rank's launcher.
     pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T> + Send>(&self, bufs: &mut [D], op: ReduceOp) -> Result<()> {
         let _serial = self.serial();
         op.check(T::DTYPE)?;

@@ -103,11 +103,16 @@ pub struct GroupOptions {
     /// `Some(spin)` starts one thread per rank after the first, which
     /// launches its rank's kernel while the calling thread launches rank
     /// 0's, and spins for `spin` after each call before it parks; `None`
-    /// launches every rank from the calling thread. Saves 2.5-3.5 us of
-    /// host time per call on 2x H200 (see `crate::launch` in the source).
-    /// A call that finds a launcher parked launches that rank itself, so
+    /// launches every rank from the calling thread. In an in-place one-shot
+    /// all-reduce each launcher also takes its own rank's buffer (cudarc's
+    /// event tracking). On 2x H200, 4 KiB back to back: 6.1-7.4 us per call
+    /// against 8.0-8.6 without launchers, in one process
+    /// (`bench/results/h200x2-launchers-enqueue-costs.txt`). A call that
+    /// finds a launcher parked launches that rank itself (and wakes it), so
     /// only calls less than `spin` apart run in parallel, and an idle group
-    /// uses no CPU. Default: `Some(`[`DEFAULT_LAUNCH_SPIN`]`)`.
+    /// uses no CPU; a busy one keeps up to one core per rank after the first
+    /// spinning. Under graph capture every rank is launched from the calling
+    /// thread. Default: `Some(`[`DEFAULT_LAUNCH_SPIN`]`)`.
     pub launch_spin: Option<Duration>,
 }
 
