@@ -105,8 +105,8 @@ pub struct GroupOptions {
     /// 0's, and spins for `spin` after each call before it parks; `None`
     /// launches every rank from the calling thread. In an in-place one-shot
     /// all-reduce each launcher also takes its own rank's buffer (cudarc's
-    /// event tracking). On 2x H200, 4 KiB back to back: 6.1-7.4 us per call
-    /// against 8.0-8.6 without launchers, in one process
+    /// event tracking). On 2x H200, 4 KiB back to back: 5.9-7.4 us per call
+    /// against 7.2-8.6 without launchers, alternating in one process
     /// (`bench/results/h200x2-launchers-enqueue-costs.txt`). A call that
     /// finds a launcher parked launches that rank itself (and wakes it), so
     /// only calls less than `spin` apart run in parallel, and an idle group

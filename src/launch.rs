@@ -7,9 +7,11 @@
 //! messages that host time is the whole cost of a call, so a group keeps one
 //! launcher thread per rank after the first. Rank 0's kernel is launched by
 //! the calling thread; the others by their launchers, at the same time.
-//! 4 KiB all-reduces back to back then took 6.1-7.4 us per call, against
-//! 8.0-8.6 us launched from one thread, in the same process
-//! (`bench/results/h200x2-launchers-enqueue-costs.txt`).
+//! 4 KiB all-reduces back to back then took 5.9-7.4 us per call, against
+//! 7.2-8.6 us launched from one thread, alternating in one process (three
+//! processes: `bench/results/h200x2-launchers-enqueue-costs.txt` run c and
+//! `h200x2-enqueue-costs.txt`), with each launcher also taking its rank's
+//! buffer in an in-place one-shot (`Group::oneshot_in_place`).
 //!
 //! A launcher spins for [`GroupOptions::launch_spin`] after each job, then
 //! parks. A call that finds a launcher parked does not wait for it to wake:
