@@ -119,13 +119,19 @@ impl Group {
     }
 
     /// Out-of-place all-reduce: `recv[r]` becomes the reduction of every
-    /// `send`; `send` is unchanged.
-    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
+    /// `send`; `send` is unchanged. The bounds are those of
+    /// [`Self::all_reduce_in_place`]'s (cudarc's slices and views meet
+    /// them): with launcher threads each rank's buffers are taken on its
+    /// launcher.
+    pub fn all_reduce<T: Element, S: DevicePtr<T> + Sync, D: DevicePtrMut<T> + Send>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
         let _serial = self.serial();
         op.check(T::DTYPE)?;
         let count = send.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "send", send, count)?;
         self.check_bufs("all_reduce", "recv", recv, count)?;
+        if let Some(os) = self.oneshot_for(count * T::DTYPE.size()).filter(|_| count > 0) {
+            return self.oneshot_out_of_place(os, op, send, recv, count);
+        }
         let s = self.read_ptrs(send);
         let d = self.write_ptrs(recv);
         if count > 0 && self.launch_fused(op.kernel_op(), T::DTYPE, &s.ptrs, &d.ptrs, count)? {

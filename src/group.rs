@@ -485,14 +485,14 @@ impl Group {
         choose(self.algorithm, self.size(), self.oneshot_on_host(), self.mesh.is_some(), bytes)
     }
 
-    /// Launches the fused all-reduce (one-shot or mesh) the group picks for
-    /// this message on every rank: `outs[r] = reduce(ins)`. Returns false
-    /// (and does nothing) when the ring should run instead.
+    /// Launches the mesh all-reduce on every rank, `outs[r] = reduce(ins)`,
+    /// where the group picks it for this message. Returns false (and does
+    /// nothing) when the ring should run instead. (The one-shot is taken
+    /// before, by [`Self::oneshot_for`].)
     pub(crate) fn launch_fused(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
         let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
-        match (self.all_reduce_algorithm(count * dtype.size()), &self.oneshot, &self.mesh) {
-            (Algorithm::OneShot, Some(os), _) => self.launch_oneshot(os, op, dtype, ins, outs, count).map(|()| true),
-            (Algorithm::Mesh, _, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true),
+        match (self.all_reduce_algorithm(count * dtype.size()), &self.mesh) {
+            (Algorithm::Mesh, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true),
             _ => Ok(false),
         }
     }

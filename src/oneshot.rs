@@ -171,33 +171,51 @@ impl OneShot {
 }
 
 impl Group {
-    /// Launches the one-shot all-reduce on every rank: `outs[r] =
-    /// reduce(ins)`. Every pointer must be element-aligned (16-byte aligned
-    /// ones take vector loads).
-    pub(crate) fn launch_oneshot(&self, os: &OneShot, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
-        self.launch_each(&|r| self.launch_oneshot_rank(os, op, dtype, r, ins[r], outs[r], count))
-    }
-
     /// The in-place one-shot all-reduce of `bufs` (then the division of
     /// [`ReduceOp::Avg`]), where each rank's launcher (or the calling
     /// thread, for rank 0) takes its own buffer's pointer, launches, and
     /// records the buffer's event: cudarc's event tracking of the buffers
     /// then runs in parallel too.
     pub(crate) fn oneshot_in_place<T: Element, D: DevicePtrMut<T> + Send>(&self, os: &OneShot, op: ReduceOp, bufs: &mut [D], count: usize) -> Result<()> {
-        let n = self.size();
-        let cells: Vec<Mutex<Option<&mut D>>> = bufs.iter_mut().map(|b| Mutex::new(Some(b))).collect();
+        let cells = cells(bufs);
         self.launch_each(&|r| {
-            let taken = cells.get(r).and_then(|c| c.lock().unwrap_or_else(|p| p.into_inner()).take());
-            let buf = taken.ok_or_else(|| Error::Internal(format!("one-shot: rank {r}'s buffer taken twice")))?;
+            let buf = take(&cells, r)?;
             // The guard records the buffer's event on rank r's stream when
             // it drops, after this rank's kernels are enqueued.
             let (ptr, _guard) = buf.device_ptr_mut(&self.ranks[r].stream);
-            self.launch_oneshot_rank(os, op.kernel_op(), T::DTYPE, r, ptr, ptr, count)?;
-            if op == ReduceOp::Avg && n > 1 {
-                self.launch_scale_div(r, T::DTYPE, ptr, count, n as f64)?;
-            }
-            Ok(())
+            self.oneshot_rank::<T>(os, op, r, ptr, ptr, count)
         })
+    }
+
+    /// The out-of-place one-shot all-reduce, `recv[r] = reduce(send)`, each
+    /// rank's buffers taken on its own launcher as in [`Self::oneshot_in_place`].
+    pub(crate) fn oneshot_out_of_place<T: Element, S: DevicePtr<T> + Sync, D: DevicePtrMut<T> + Send>(
+        &self,
+        os: &OneShot,
+        op: ReduceOp,
+        send: &[S],
+        recv: &mut [D],
+        count: usize,
+    ) -> Result<()> {
+        let cells = cells(recv);
+        self.launch_each(&|r| {
+            let out = take(&cells, r)?;
+            let input = send.get(r).ok_or_else(|| Error::Internal(format!("one-shot: no send buffer for rank {r}")))?;
+            let stream = &self.ranks[r].stream;
+            let (src, _read) = input.device_ptr(stream);
+            let (dst, _write) = out.device_ptr_mut(stream);
+            self.oneshot_rank::<T>(os, op, r, src, dst, count)
+        })
+    }
+
+    /// Rank r's one-shot kernel, then the division of [`ReduceOp::Avg`].
+    fn oneshot_rank<T: Element>(&self, os: &OneShot, op: ReduceOp, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
+        self.launch_oneshot_rank(os, op.kernel_op(), T::DTYPE, r, input, output, count)?;
+        let n = self.size();
+        if op == ReduceOp::Avg && n > 1 {
+            self.launch_scale_div(r, T::DTYPE, output, count, n as f64)?;
+        }
+        Ok(())
     }
 
     /// Launches rank r's one-shot kernel: `out = reduce(every rank's in)`.
@@ -233,6 +251,17 @@ impl Group {
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         Ok(())
     }
+}
+
+/// One cell per rank's buffer, so that each rank's launcher can take its own.
+fn cells<D>(bufs: &mut [D]) -> Vec<Mutex<Option<&mut D>>> {
+    bufs.iter_mut().map(|b| Mutex::new(Some(b))).collect()
+}
+
+/// Rank r's buffer out of its cell (once per call).
+fn take<'a, D>(cells: &[Mutex<Option<&'a mut D>>], r: usize) -> Result<&'a mut D> {
+    let taken = cells.get(r).and_then(|c| c.lock().unwrap_or_else(|p| p.into_inner()).take());
+    taken.ok_or_else(|| Error::Internal(format!("one-shot: rank {r}'s buffer missing or taken twice")))
 }
 
 #[cfg(test)]

@@ -417,9 +417,9 @@ fn hundred_back_to_back_all_reduces() {
 
 /// Calls of different sizes interleaved with no host synchronisation, so
 /// that consecutive calls take different one-shot lanes (and algorithms
-/// under Auto): wrapping u32 sums make any race between them exact. Each
-/// set runs with launcher threads spinning, without them, and with them
-/// parked at every call.
+/// under Auto), with out-of-place calls between them: wrapping u32 sums make
+/// any race between them exact. Each set runs with launcher threads
+/// spinning, without them, and with them parked at every call.
 #[test]
 fn interleaved_sizes_back_to_back() {
     let Some(ctx) = gpus("interleaved_sizes", 2) else { return };
@@ -441,11 +441,34 @@ fn interleaved_sizes_back_to_back() {
         let inputs: Vec<Vec<Vec<u32>>> = sizes.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
         let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
         let mut calls = vec![0u32; sizes.len()];
+        // Out of place too: a pair of 40 KB buffers, each call reducing one
+        // into the other (ping-pong), between the in-place calls.
+        let pp_count = 10_000;
+        let pp_inputs = random_inputs::<u32>(n, pp_count, ReduceOp::Sum);
+        let mut pp = [upload(&s, &pp_inputs), upload(&s, &vec![vec![u32::MAX; pp_count]; n])];
+        let mut pp_calls = 0u32;
         // 40 calls, 8 of each size, each size followed by every other one.
         for k in 0..40 {
             let which = (k * 7 + k / 5) % sizes.len();
             s.group.all_reduce_in_place(&mut bufs[which], ReduceOp::Sum).unwrap();
             calls[which] += 1;
+            if k % 3 == 0 {
+                let [a, b] = &mut pp;
+                let (from, to) = if pp_calls % 2 == 0 { (&*a, b) } else { (&*b, a) };
+                s.group.all_reduce(from, to, ReduceOp::Sum).unwrap();
+                pp_calls += 1;
+            }
+        }
+        // The last call wrote pp[pp_calls % 2]: the sum times n^(pp_calls - 1).
+        let mut want: Vec<u32> = (0..pp_count).map(|i| pp_inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
+        for x in want.iter_mut() {
+            for _ in 1..pp_calls {
+                *x = x.wrapping_mul(n as u32);
+            }
+        }
+        for (r, o) in download(&s, &pp[(pp_calls % 2) as usize]).iter().enumerate() {
+            let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert_eq!(bad, 0, "{tag}: out-of-place ping-pong, rank {r}: {bad} wrong elements after {pp_calls} calls");
         }
         for (w, &c) in sizes.iter().enumerate() {
             // After the first call every rank holds the sum; each later call multiplies it by n.
