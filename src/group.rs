@@ -9,7 +9,7 @@
 //!
 //! The collectives themselves are in [`crate::collectives`].
 
-use crate::copy::staged::Staging;
+use crate::copy::staged::{Staging, Start};
 use crate::copy::{decide, LinkOptions, LinkStatus, Path};
 use crate::driver::{api, bind};
 use crate::dtype::DType;
@@ -614,12 +614,12 @@ impl Group {
                     return Err(Error::InvalidArgument("staged pull without staging buffers".into()));
                 };
                 match what {
-                    PullOp::Copy { dst, pred: p, bytes } => staging.copy(dst, p, bytes, stream),
+                    PullOp::Copy { dst, pred: p, bytes } => staging.copy(dst, p, bytes, stream, Start::Ordered),
                     PullOp::Reduce { dst, pred: p, own, count } => {
                         let esz = dtype.size() as u64;
                         let sp = scratch_ptr(scratch, stream);
                         let h2d = stream.cu_stream() as sys::CUstream;
-                        staging.transfer(p, count * dtype.size(), stream, |host, off, len| {
+                        staging.transfer(p, count * dtype.size(), stream, Start::Ordered, |host, off, len| {
                             // SAFETY: the scratch holds one chunk (>= len bytes)
                             // and is consumed by the kernel below, in stream order.
                             check("cuMemcpyHtoDAsync", unsafe { api()?.cuMemcpyHtoDAsync_v2(sp, host.cast(), len, h2d) })?;

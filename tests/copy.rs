@@ -51,6 +51,44 @@ fn staged_copies_with_many_small_chunks() {
 }
 
 #[test]
+fn staged_copies_back_to_back_on_several_streams() {
+    // Copies enqueued without host synchronisation overlap: the next one
+    // leaves the source while the last chunks of the previous one still
+    // arrive, its pinned buffers handed on by per-buffer events. Mixed sizes
+    // (so the buffers' rotation lands everywhere), three destination
+    // streams, and sources rewritten between the copies that read them:
+    // each destination must hold exactly the data its source held when its
+    // copy was enqueued.
+    let Some(ctx) = gpus("staged_back_to_back", 2) else { return };
+    const SIZES: &[usize] = &[(4 << 20) + 13, 1 << 20, (16 << 20) + 256, 300 << 10, 12 << 20, 5, (2 << 20) + 1];
+    for (a, b) in [(0, 1), (1, 0)] {
+        for buffers in [2, 3] {
+            let opts = LinkOptions { staging_buffers: buffers, ..LinkOptions::with_policy(PathPolicy::StagedOnly) };
+            let mut link = Link::open(&ctx[a], &ctx[b], &opts).expect("open link");
+            let sa = ctx[a].new_stream().unwrap();
+            let streams: Vec<_> = (0..3).map(|_| ctx[b].new_stream().unwrap()).collect();
+            let mut srcs: Vec<_> = SIZES.iter().map(|&n| sa.alloc_zeros::<u8>(n).unwrap()).collect();
+            let (mut wants, mut dsts) = (Vec::new(), Vec::new());
+            for i in 0..3 * SIZES.len() + 1 {
+                let k = i % SIZES.len();
+                let data = random_bytes(SIZES[k]);
+                sa.memcpy_htod(&data, &mut srcs[k]).unwrap();
+                let s = &streams[i % streams.len()];
+                let poison: Vec<u8> = data.iter().map(|x| !x).collect();
+                let mut dst = s.clone_htod(&poison).unwrap();
+                link.copy(&srcs[k], &mut dst, s).expect("copy");
+                wants.push(data);
+                dsts.push((dst, s.clone()));
+            }
+            for (i, ((dst, s), want)) in dsts.iter().zip(&wants).enumerate() {
+                let got = s.clone_dtoh(dst).unwrap();
+                assert!(diff(want, &got).is_none(), "{a}->{b}, {buffers} buffers, copy {i} of {} bytes: {:?}", want.len(), diff(want, &got));
+            }
+        }
+    }
+}
+
+#[test]
 fn auto_verifies_and_picks_p2p_on_nvlink() {
     let Some(ctx) = gpus("auto_verifies", 2) else { return };
     let link = Link::open(&ctx[0], &ctx[1], &LinkOptions::default()).unwrap();

@@ -27,7 +27,7 @@ use crate::sync::{with_read, with_write, Crossing};
 use crate::topology::link_info;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
-use staged::Staging;
+use staged::{Staging, Start};
 use std::sync::Arc;
 use std::time::Duration;
 pub use verify::Verdict;
@@ -240,6 +240,14 @@ impl Link {
     /// device): it starts after the buffers' pending writers and the work
     /// already on `stream`, and work enqueued on `stream` afterwards sees the
     /// data. No host synchronisation.
+    ///
+    /// One exception on a staged link: where `src`'s context tracks events
+    /// (cudarc's default), the staged copy reads `src` as soon as its tracked
+    /// writers are done, without waiting for the rest of `stream` (only its
+    /// writes into `dst` wait for that). So back-to-back staged copies
+    /// overlap, the next one leaving the source while the last chunks of the
+    /// previous one still arrive. Without event tracking, the whole copy
+    /// waits for `stream`, so order `src`'s writers through it.
     pub fn copy<T, S, D>(&mut self, src: &S, dst: &mut D, stream: &Arc<CudaStream>) -> Result<()>
     where
         S: DevicePtr<T>,
@@ -280,8 +288,12 @@ impl Link {
                 let Some(staging) = self.staging.as_ref() else {
                     return Err(Error::InvalidArgument("staged link without staging buffers".into()));
                 };
+                // With event tracking, reading `src` on the staging stream
+                // waited for its writers' events; without, the caller orders
+                // them through `stream`.
+                let start = if src.stream().context().is_event_tracking() { Start::Ordered } else { Start::AfterStream };
                 with_read(src, &staging.d2h, &self.crossing, |s| {
-                    with_write(dst, stream, &self.crossing, |d| staging.copy(d, s, bytes, stream))
+                    with_write(dst, stream, &self.crossing, |d| staging.copy(d, s, bytes, stream, start))
                 })
             }
         }

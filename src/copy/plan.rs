@@ -3,10 +3,15 @@
 //!
 //! A staged copy is a two-stage pipeline (device to host on the source's
 //! PCIe link, host to device on the destination's), so the first chunk's
-//! first stage and the last chunk's second stage run alone. Chunks therefore
-//! start small and double up to the full chunk size, and shrink the same way
-//! at the end: the exposed ends cost two small chunks instead of two full
-//! ones (at 16 MiB with 4 MiB chunks: about 10 us instead of about 150 us).
+//! first stage and the last chunk's second stage run alone. Every chunk also
+//! costs a fixed amount: about 2.6 us of copy-engine time each way and a
+//! cross-device event wait (2x H200, `bench/NOTES.md` item 24). A copy is
+//! therefore cut into nearly equal chunks of at most the chunk size, and
+//! into at least [`MIN_CHUNKS`] where each can be [`MIN_SPLIT`] bytes or
+//! more, so that a copy of a few chunks still overlaps its two stages. (An
+//! earlier plan ramped from 1/16 of the chunk size up and back down; its
+//! small chunks cost more than the ends they shortened, and measured 1.09x
+//! the driver's copy at 16 MiB against 1.14-1.43x for equal chunks.)
 
 /// One chunk of a staged copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,7 +20,8 @@ pub struct Chunk {
     pub offset: usize,
     /// Bytes in this chunk (never 0).
     pub len: usize,
-    /// Which staging buffer carries it.
+    /// Which staging buffer carries it, counted from the transfer's first
+    /// buffer (the caller rotates that start from transfer to transfer).
     pub buffer: usize,
 }
 
@@ -23,48 +29,28 @@ pub struct Chunk {
 /// a staged reduction launches a kernel per chunk on element pointers.
 const ALIGN: usize = 256;
 
-/// The smallest chunk of the ramps: 1/16 of a full chunk, at least 4 KiB,
-/// a multiple of [`ALIGN`].
-fn first_chunk(chunk_bytes: usize) -> usize {
-    ((chunk_bytes / 16) & !(ALIGN - 1)).max(4096).min(chunk_bytes)
-}
+/// A copy is cut into at least this many chunks, where each can be at least
+/// [`MIN_SPLIT`] bytes.
+pub const MIN_CHUNKS: usize = 4;
 
-/// Chunk lengths for `bytes`: a doubling ramp from [`first_chunk`] up to
-/// `chunk_bytes`, full chunks, and the ramp reversed; copies too short for
-/// both ramps are cut into at most 8 equal chunks of at least the first
-/// chunk's size. Every chunk but the last is a whole number of [`ALIGN`]
-/// bytes (for chunks of at least 4 KiB); the last takes the remainder.
+/// No copy is cut into chunks smaller than this on purpose: the host needs
+/// about 10 us to enqueue a chunk (two copies, two events, two waits).
+pub const MIN_SPLIT: usize = 256 << 10;
+
+/// Chunk lengths for `bytes`: nearly equal chunks of whole [`ALIGN`] units
+/// (for chunks of at least 4 KiB), each at most `chunk_bytes`, at least
+/// [`MIN_CHUNKS`] of them where each can be [`MIN_SPLIT`] bytes; the last
+/// takes the remainder below one unit.
 fn lengths(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
     let unit = if chunk_bytes >= 4096 { ALIGN } else { 1 };
-    let (aligned, rest) = (bytes - bytes % unit, bytes % unit);
-    let mut ramp = Vec::new();
-    let mut s = first_chunk(chunk_bytes);
-    while s < chunk_bytes {
-        ramp.push(s);
-        s *= 2;
-    }
-    let ramps: usize = 2 * ramp.iter().sum::<usize>();
-    // `total` (a whole number of units) in at least `pieces` nearly equal
-    // chunks of whole units, each at most `chunk_bytes`.
-    let split = |total: usize, pieces: usize| -> Vec<usize> {
-        let units = total / unit;
-        let mut pieces = pieces.clamp(1, units.max(1));
-        loop {
-            let v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).collect();
-            if v.iter().all(|&l| l <= chunk_bytes) || pieces >= units {
-                return v.into_iter().filter(|&l| l > 0).collect();
-            }
-            pieces += 1;
+    let (units, rest) = (bytes / unit, bytes % unit);
+    let mut pieces = bytes.div_ceil(chunk_bytes).max((bytes / MIN_SPLIT).min(MIN_CHUNKS)).clamp(1, units.max(1));
+    let mut v = loop {
+        let v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).collect();
+        if v.iter().all(|&l| l <= chunk_bytes) || pieces >= units {
+            break v.into_iter().filter(|&l| l > 0).collect::<Vec<_>>();
         }
-    };
-    let mut v = if aligned < ramps + chunk_bytes {
-        split(aligned, aligned.div_ceil(first_chunk(chunk_bytes)).clamp(1, 8))
-    } else {
-        let middle = aligned - ramps;
-        let mut v = ramp.clone();
-        v.extend(split(middle, middle.div_ceil(chunk_bytes)));
-        v.extend(ramp.iter().rev());
-        v
+        pieces += 1;
     };
     match v.last_mut() {
         Some(last) if *last + rest <= chunk_bytes => *last += rest,
@@ -75,8 +61,8 @@ fn lengths(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
 }
 
 /// Cuts `bytes` into chunks of at most `chunk_bytes` (see the module docs),
-/// assigned round-robin to `buffers` staging buffers. Zero bytes give no
-/// chunks.
+/// assigned round-robin to `buffers` staging buffers from buffer 0. Zero
+/// bytes give no chunks.
 ///
 /// # Panics
 /// Never: a zero `chunk_bytes` or `buffers` is treated as 1.
@@ -116,29 +102,35 @@ mod tests {
                         next += c.len;
                     }
                     assert_eq!(next, bytes);
-                    // Never many more chunks than full-size ones would need.
+                    // Never more chunks than full-size ones would need, or
+                    // MIN_CHUNKS, plus one for a remainder below 256 bytes.
                     let whole = if chunk >= 4096 { chunk & !(ALIGN - 1) } else { chunk };
-                    assert!(chunks.len() <= bytes.div_ceil(whole) + 2 * 4 + 9, "{bytes} {chunk}: {} chunks", chunks.len());
+                    assert!(chunks.len() <= bytes.div_ceil(whole).max(MIN_CHUNKS) + 1, "{bytes} {chunk}: {} chunks", chunks.len());
                 }
             }
         }
     }
 
     #[test]
-    fn long_copies_ramp_up_and_down() {
-        let lens: Vec<usize> = plan(16 << 20, 4 << 20, 3).map(|c| c.len).collect();
-        let k = 256 << 10;
-        assert_eq!(&lens[..4], &[k, 2 * k, 4 * k, 8 * k]);
-        assert_eq!(&lens[lens.len() - 4..], &[8 * k, 4 * k, 2 * k, k]);
-        assert!(lens[4..lens.len() - 4].iter().all(|&l| l <= 4 << 20 && l > 2 << 20));
+    fn copies_are_cut_in_nearly_equal_chunks() {
+        let lens = |bytes: usize| plan(bytes, 4 << 20, 3).map(|c| c.len).collect::<Vec<_>>();
+        assert_eq!(lens(16 << 20), vec![4 << 20; 4]);
+        assert_eq!(lens(64 << 20), vec![4 << 20; 16]);
+        // 17 chunks of whole 256-byte units, the remainder in the last.
+        let v = lens((64 << 20) + 5);
+        assert_eq!(v.len(), 17);
+        assert!(v.iter().all(|&l| l <= 4 << 20 && l >= (64 << 20) / 17 - 256), "{v:?}");
+        assert_eq!(v.iter().sum::<usize>(), (64 << 20) + 5);
     }
 
     #[test]
     fn short_copies_are_cut_in_a_few_equal_chunks() {
-        let lens: Vec<usize> = plan(1 << 20, 4 << 20, 3).map(|c| c.len).collect();
-        assert_eq!(lens, vec![256 << 10; 4]);
-        let lens: Vec<usize> = plan(100, 4 << 20, 3).map(|c| c.len).collect();
-        assert_eq!(lens, vec![100]);
+        let lens = |bytes: usize| plan(bytes, 4 << 20, 3).map(|c| c.len).collect::<Vec<_>>();
+        assert_eq!(lens(4 << 20), vec![1 << 20; 4]);
+        assert_eq!(lens(1 << 20), vec![MIN_SPLIT; 4]);
+        assert_eq!(lens(512 << 10), vec![MIN_SPLIT; 2]);
+        assert_eq!(lens(100), vec![100]);
+        assert_eq!(lens(300 << 10), vec![300 << 10]);
     }
 
     #[test]

@@ -4,7 +4,7 @@ use crate::driver::{api, bind};
 use crate::error::{check, cudarc_err, Result};
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// One page-locked host buffer, portable to every context; freed on drop.
 #[derive(Debug)]
@@ -75,6 +75,38 @@ impl Drop for PinnedBuffer {
     }
 }
 
+/// How a pinned buffer was last filled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LastUse {
+    /// Never: nothing to wait for.
+    Never,
+    /// By an eager transfer: its consumer recorded `h2d_done`, which a later
+    /// eager transfer may wait for.
+    Eager,
+    /// Under a CUDA graph capture: its `h2d_done` record belongs to a graph,
+    /// and an eager stream may not wait for it.
+    Captured,
+}
+
+/// Which buffer the next transfer starts with, and how each was last used.
+#[derive(Debug)]
+struct Rotation {
+    next: usize,
+    last: Vec<LastUse>,
+}
+
+/// Whether the staging stream must wait for all earlier work on the
+/// destination stream before a transfer's first device-to-host copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// The caller has ordered the staging stream after the source's writers
+    /// itself; the transfer waits only for each buffer's last consumer.
+    Ordered,
+    /// The source's writers are ordered through the destination stream
+    /// (no event tracking): wait for everything on it first.
+    AfterStream,
+}
+
 /// The staging resources of one directed link: pinned buffers, the source
 /// side's stream, and the events that hand each buffer back and forth.
 #[derive(Debug)]
@@ -87,8 +119,11 @@ pub(crate) struct Staging {
     pub(crate) d2h_done: Vec<CudaEvent>,
     /// `h2d_done[b]`: buffer b is free again (destination context).
     pub(crate) h2d_done: Vec<CudaEvent>,
-    /// Recorded on the destination stream when a transfer starts (destination context).
+    /// Recorded on the destination stream when a transfer must wait for it (destination context).
     start: CudaEvent,
+    /// Buffers go round-robin across transfers too, so a transfer's first
+    /// chunks take the buffers its predecessor freed first.
+    rotation: Mutex<Rotation>,
 }
 
 impl Staging {
@@ -102,7 +137,8 @@ impl Staging {
         let chunk_bytes = chunk_bytes.max(4096);
         let d2h = src.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
         let start = dst.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
-        let mut s = Staging { buffers: Vec::new(), chunk_bytes, d2h, d2h_done: Vec::new(), h2d_done: Vec::new(), start };
+        let rotation = Mutex::new(Rotation { next: 0, last: vec![LastUse::Never; buffers] });
+        let mut s = Staging { buffers: Vec::new(), chunk_bytes, d2h, d2h_done: Vec::new(), h2d_done: Vec::new(), start, rotation };
         for _ in 0..buffers {
             s.buffers.push(PinnedBuffer::new(src, chunk_bytes)?);
             s.d2h_done.push(src.new_event(None).map_err(cudarc_err("cuEventCreate"))?);
@@ -116,11 +152,12 @@ impl Staging {
     /// copies run on the staging stream, host-to-device copies on `stream`;
     /// chunk k+1 leaves the source while chunk k enters the destination.
     ///
-    /// The caller has ordered the staging stream after the source's writers
-    /// and `stream` after the destination's users.
-    pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+    /// The caller has ordered `stream` after the destination's users, and
+    /// the staging stream after the source's writers or, with
+    /// [`Start::AfterStream`], `stream` after them.
+    pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &CudaStream, start: Start) -> Result<()> {
         let h2d_raw = stream.cu_stream() as sys::CUstream;
-        self.transfer(src, bytes, stream, |host, offset, len| {
+        self.transfer(src, bytes, stream, start, |host, offset, len| {
             // SAFETY: `dst + offset .. + len` lies in the destination (the
             // caller checked lengths); the pinned chunk holds `len` bytes
             // filled by the copy that `stream` now waits for.
@@ -134,31 +171,51 @@ impl Staging {
     /// the pinned buffers chunk by chunk; for each chunk, `on_chunk(host,
     /// offset, len)` enqueues on `stream` (destination context) whatever
     /// consumes it (a host-to-device copy, then perhaps a kernel). The
-    /// device-to-host copy of chunk k+1 overlaps `on_chunk`'s work for chunk k.
+    /// device-to-host copy of chunk k+1 overlaps `on_chunk`'s work for chunk k,
+    /// and a transfer's first chunks overlap the previous transfer's last.
     pub(crate) fn transfer(
         &self,
         src: u64,
         bytes: usize,
         stream: &CudaStream,
+        start: Start,
         mut on_chunk: impl FnMut(*const u8, usize, usize) -> Result<()>,
     ) -> Result<()> {
         let api = api()?;
         let d2h_raw = self.d2h.cu_stream() as sys::CUstream;
-        // Every consumer of the buffers from earlier transfers is on `stream`
-        // already: the staging stream waits for it once here, then for each
-        // buffer's consumer within this transfer. (Waiting on h2d_done from
-        // an earlier transfer instead would cross the boundary of a CUDA
-        // graph capture, which the driver refuses.)
-        self.start.record(stream).map_err(cudarc_err("cuEventRecord"))?;
-        self.d2h.wait(&self.start).map_err(cudarc_err("cuStreamWaitEvent"))?;
-        let mut used = vec![false; self.buffers.len()];
-        for c in super::plan::plan(bytes, self.chunk_bytes, self.buffers.len()) {
-            let buf = &self.buffers[c.buffer];
+        let capturing = stream.capture_status().map_err(cudarc_err("cuStreamIsCapturing"))?
+            != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut rot = self.rotation.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = self.buffers.len();
+        // A buffer is free once the consumer of its last chunk is done, and
+        // that consumer recorded the buffer's h2d_done, on whichever stream it
+        // ran. An eager transfer waits for exactly that, so it needs nothing
+        // else from the destination stream and its first chunks leave the
+        // source while the previous transfer's last ones still arrive.
+        // Under a capture, waiting for an event recorded outside it crosses
+        // the capture's boundary (the driver refuses); and an eager stream
+        // may not wait for an event recorded under one. Then the staging
+        // stream waits for the whole destination stream instead, as it does
+        // when the caller orders the source's writers through that stream.
+        let whole_stream = capturing || start == Start::AfterStream || rot.last.contains(&LastUse::Captured);
+        if whole_stream {
+            self.start.record(stream).map_err(cudarc_err("cuEventRecord"))?;
+            self.d2h.wait(&self.start).map_err(cudarc_err("cuStreamWaitEvent"))?;
+        }
+        let mut ordered = vec![false; n];
+        let first = rot.next;
+        let mut chunks = 0;
+        for c in super::plan::plan(bytes, self.chunk_bytes, n) {
+            let b = (first + c.buffer) % n;
+            let buf = &self.buffers[b];
             debug_assert!(c.len <= buf.len());
-            // The buffer is free once its previous consumer on `stream` is done.
-            if std::mem::replace(&mut used[c.buffer], true) {
-                self.d2h.wait(&self.h2d_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
+            // Within a transfer, a buffer's earlier consumer is always
+            // waited for; across transfers only eagerly (see above).
+            let wait = if std::mem::replace(&mut ordered[b], true) { true } else { !capturing && rot.last[b] == LastUse::Eager };
+            if wait {
+                self.d2h.wait(&self.h2d_done[b]).map_err(cudarc_err("cuStreamWaitEvent"))?;
             }
+            rot.last[b] = if capturing { LastUse::Captured } else { LastUse::Eager };
             bind(self.d2h.context())?;
             // SAFETY: `src + offset .. + len` lies in the source allocation
             // (the caller checked lengths); the pinned buffer holds `len`
@@ -166,12 +223,14 @@ impl Staging {
             check("cuMemcpyDtoHAsync", unsafe {
                 api.cuMemcpyDtoHAsync_v2(buf.addr().cast(), src + c.offset as u64, c.len, d2h_raw)
             })?;
-            self.d2h_done[c.buffer].record(&self.d2h).map_err(cudarc_err("cuEventRecord"))?;
-            stream.wait(&self.d2h_done[c.buffer]).map_err(cudarc_err("cuStreamWaitEvent"))?;
+            self.d2h_done[b].record(&self.d2h).map_err(cudarc_err("cuEventRecord"))?;
+            stream.wait(&self.d2h_done[b]).map_err(cudarc_err("cuStreamWaitEvent"))?;
             bind(stream.context())?;
             on_chunk(buf.addr(), c.offset, c.len)?;
-            self.h2d_done[c.buffer].record(stream).map_err(cudarc_err("cuEventRecord"))?;
+            self.h2d_done[b].record(stream).map_err(cudarc_err("cuEventRecord"))?;
+            chunks += 1;
         }
+        rot.next = (first + chunks) % n;
         Ok(())
     }
 }
