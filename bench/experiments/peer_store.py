@@ -70,7 +70,7 @@ extern "C" __global__ void tma_push(float4* dst, const float4* a, u64 n, unsigne
 BYTES = int(sys.argv[1]) if len(sys.argv) > 1 else 512 << 20  # written into the peer, per GPU
 n4 = BYTES // 16
 
-mods, bufs, streams = [], [], []
+mods, bufs, streams, side = [], [], [], []
 for d in range(2):
     with cp.cuda.Device(d):
         cp.cuda.runtime.deviceEnablePeerAccess(1 - d)
@@ -79,6 +79,7 @@ for d in range(2):
         dst = cp.empty(BYTES // 4, dtype=cp.float32)
         bufs.append((a, dst))
         streams.append(cp.cuda.Stream(non_blocking=True))
+        side.append(cp.cuda.Stream(non_blocking=True))
 
 
 def run(label, launch, pull=False, gpus=(0, 1), reps=6):
@@ -97,6 +98,7 @@ def run(label, launch, pull=False, gpus=(0, 1), reps=6):
         for d in gpus:
             with cp.cuda.Device(d):
                 streams[d].synchronize()
+                side[d].synchronize()
         best = min(best, time.perf_counter() - t)
     bad = 0
     for d in gpus:
@@ -143,4 +145,20 @@ for blocks, tile, stages in [(132, 16384, 4), (264, 16384, 4), (132, 32768, 4), 
         run(f"TMA stores blocks={blocks} tile={tile} stages={stages}", tma(blocks, tile, stages))
     except Exception as e:  # noqa: BLE001
         print(f"TMA stores blocks={blocks} tile={tile} stages={stages}: {e}", flush=True)
+
+
+def mixed(frac, blocks=528, threads=256):
+    """The copy engine pushes the first `frac` of the buffer (side stream)
+    while SM stores push the rest, both at once."""
+    def go(d):
+        ce_bytes = int(BYTES * frac) // 16 * 16
+        cp.cuda.runtime.memcpyPeerAsync(bufs[1 - d][1].data.ptr, 1 - d, bufs[d][0].data.ptr, d, ce_bytes, side[d].ptr)
+        f = mods[d].get_function("push4")
+        off = ce_bytes // 4
+        f((blocks,), (threads,), (bufs[1 - d][1][off:], bufs[d][0][off:], cp.uint64((BYTES - ce_bytes) // 16)), stream=streams[d])
+    return go
+
+
+for frac in (0.5, 0.6, 0.7, 0.8):
+    run(f"copy engine {frac:.0%} + SM stores {1 - frac:.0%} at once", mixed(frac))
 run("copy-engine push (again)", ce_push)
