@@ -34,8 +34,10 @@ const ALIGN: usize = 256;
 pub const MIN_CHUNKS: usize = 4;
 
 /// No copy is cut into chunks smaller than this on purpose: the host needs
-/// about 10 us to enqueue a chunk (two copies, two events, two waits).
-pub const MIN_SPLIT: usize = 256 << 10;
+/// about 8-10 us to enqueue a chunk (two copies, two events, two waits), and
+/// 256 KiB chunks left a 1 MiB copy bound by the host (2x H200: both ways
+/// from one thread took 70 us, the driver's own copies 58).
+pub const MIN_SPLIT: usize = 512 << 10;
 
 /// Chunk lengths for `bytes`: nearly equal chunks of whole [`ALIGN`] units
 /// (for chunks of at least 4 KiB), each at most `chunk_bytes`, at least
@@ -127,10 +129,11 @@ mod tests {
     fn short_copies_are_cut_in_a_few_equal_chunks() {
         let lens = |bytes: usize| plan(bytes, 4 << 20, 3).map(|c| c.len).collect::<Vec<_>>();
         assert_eq!(lens(4 << 20), vec![1 << 20; 4]);
-        assert_eq!(lens(1 << 20), vec![MIN_SPLIT; 4]);
-        assert_eq!(lens(512 << 10), vec![MIN_SPLIT; 2]);
+        assert_eq!(lens(2 << 20), vec![MIN_SPLIT; 4]);
+        assert_eq!(lens(1 << 20), vec![MIN_SPLIT; 2]);
+        assert_eq!(lens(MIN_SPLIT), vec![MIN_SPLIT]);
         assert_eq!(lens(100), vec![100]);
-        assert_eq!(lens(300 << 10), vec![300 << 10]);
+        assert_eq!(lens(900 << 10), vec![900 << 10]);
     }
 
     #[test]
