@@ -121,7 +121,7 @@ mod tests {
         // 17 chunks of whole 256-byte units, the remainder in the last.
         let v = lens((64 << 20) + 5);
         assert_eq!(v.len(), 17);
-        assert!(v.iter().all(|&l| l <= 4 << 20 && l >= (64 << 20) / 17 - 256), "{v:?}");
+        assert!(v.iter().all(|l| ((64 << 20) / 17 - 256..=4 << 20).contains(l)), "{v:?}");
         assert_eq!(v.iter().sum::<usize>(), (64 << 20) + 5);
     }
 
