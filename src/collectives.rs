@@ -14,7 +14,8 @@
 
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
-use crate::group::{Group, PullOp};
+use crate::group::Group;
+use crate::ring::PullOp;
 use crate::schedule::{self, Action};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, SyncOnDrop};
 use std::ops::Range;

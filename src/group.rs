@@ -1,5 +1,6 @@
-//! A group of ranks (a communicator) in one process, and the lockstep
-//! engine that runs ring schedules on it.
+//! A group of ranks (a communicator) in one process: its ranks, links and
+//! options, which all-reduce algorithm a message takes, and how a call
+//! launches one kernel per rank (from launcher threads where it can).
 //!
 //! Each rank is a device with its stream. Several ranks may share a device
 //! (useful for testing rings of 3-8 ranks on one or two GPUs). Each rank
@@ -7,16 +8,19 @@
 //! peer loads and peer copies where P2P is verified (or both ranks share a
 //! device), the staged-host path where not. A group may mix them.
 //!
-//! The collectives themselves are in [`crate::collectives`].
+//! The collectives themselves are in [`crate::collectives`]; the ring
+//! engine, the mesh and the one-shot all-reduce each have their own module
+//! (`ring`, `mesh`, [`crate::oneshot`]).
 
-use crate::copy::staged::{Staging, Start};
 use crate::copy::{decide, LinkOptions, LinkStatus, Path};
 use crate::driver::{api, bind};
 use crate::dtype::DType;
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::kernels;
 use crate::launch::{Job, Launchers};
-use crate::peer::{raw_ctx, PeerAccess};
+use crate::mesh::Mesh;
+use crate::peer::PeerAccess;
+use crate::ring::Pull;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use crate::oneshot::OneShot;
@@ -188,24 +192,7 @@ pub(crate) struct Rank {
     funcs: FnTable,
     /// Recorded on `stream` after each step.
     pub(crate) done: CudaEvent,
-    max_blocks: u32,
-}
-
-/// How a rank pulls from its ring predecessor.
-pub(crate) struct Pull {
-    pub(crate) status: LinkStatus,
-    staging: Option<Staging>,
-    /// Device scratch of one staging chunk on the receiving rank (staged reductions).
-    scratch: Option<CudaSlice<u8>>,
-}
-
-/// The mesh all-reduce's per-rank state: kernels and flag areas.
-pub(crate) struct Mesh {
-    /// Each rank's kernels, loaded on first use.
-    funcs: Vec<FnTable>,
-    /// Each rank's flag area (zeroed once), kept alive with the group.
-    _flags: Vec<CudaSlice<u32>>,
-    flag_ptrs: [u64; kernels::MESH_MAX_RANKS],
+    pub(crate) max_blocks: u32,
 }
 
 /// Kernel argument: up to 8 device pointers by value (`struct { void* p[8]; }`).
@@ -254,15 +241,6 @@ impl std::fmt::Debug for Group {
     }
 }
 
-/// One rank's work in one step, on raw device addresses.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum PullOp {
-    /// `dst[i] = pred[i] op own[i]` for `count` elements of `dtype`.
-    Reduce { dst: u64, pred: u64, own: u64, count: usize },
-    /// `dst[..bytes] = pred[..bytes]`.
-    Copy { dst: u64, pred: u64, bytes: usize },
-}
-
 impl Group {
     /// A group with one rank per stream, in ring order. Several streams may
     /// belong to one device. Opens every ring link `r-1 -> r` under
@@ -299,20 +277,9 @@ impl Group {
             if let Some(&p) = opts.pull_policies.get(r) {
                 link.policy = p;
             }
-            let (guards, status) = decide(src, dst, &link)?;
-            access.extend(guards);
-            let (staging, scratch) = if status.path == Path::Staged {
-                let st = Staging::new(src, dst, opts.link.staging_chunk_bytes, opts.link.staging_buffers)?;
-                // SAFETY (of reading it later): scratch is always written by a
-                // host-to-device copy before a kernel reads it.
-                let scratch = unsafe { ranks[r].stream.alloc::<u8>(st.chunk_bytes) }.map_err(cudarc_err("cuMemAlloc"))?;
-                (Some(st), Some(scratch))
-            } else {
-                (None, None)
-            };
-            pulls.push(Pull { status, staging, scratch });
+            pulls.push(Pull::open(src, dst, &ranks[r].stream, &link, &mut access)?);
         }
-        let mesh = Self::open_mesh(&ranks, &pulls, opts, &mut access)?;
+        let mesh = Mesh::open(&ranks, &pulls, opts, &mut access)?;
         let oneshot = Self::open_oneshot(&ranks, &pulls, opts, mesh.is_some(), &mut access)?;
         let launchers = match opts.launch_spin {
             Some(spin) if mesh.is_some() || oneshot.is_some() => Launchers::start(n, spin),
@@ -337,7 +304,7 @@ impl Group {
 
     /// Enables and verifies P2P between every pair of ranks under
     /// `opts.link`; `Err(why)` for the first pair without it.
-    fn all_pairs_p2p(ranks: &[Rank], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<std::result::Result<(), String>> {
+    pub(crate) fn all_pairs_p2p(ranks: &[Rank], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<std::result::Result<(), String>> {
         let n = ranks.len();
         for i in 0..n {
             for j in i + 1..n {
@@ -349,39 +316,6 @@ impl Group {
             }
         }
         Ok(Ok(()))
-    }
-
-    /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
-    fn open_mesh(ranks: &[Rank], pulls: &[Pull], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<Option<Mesh>> {
-        let n = ranks.len();
-        let refuse = |why: &str| if opts.algorithm == Algorithm::Mesh { Err(impossible("mesh", why)) } else { Ok(None) };
-        if matches!(opts.algorithm, Algorithm::Ring | Algorithm::OneShot) {
-            return Ok(None);
-        }
-        if let Some(why) = layout_refusal(ranks) {
-            return refuse(&why);
-        }
-        if pulls.iter().any(|p| p.status.path != Path::P2p) {
-            return refuse("needs every ring link on P2P");
-        }
-        if let Err(why) = Self::all_pairs_p2p(ranks, opts, access)? {
-            return refuse(&why);
-        }
-        let mut flags = Vec::with_capacity(n);
-        let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
-        for (r, rank) in ranks.iter().enumerate() {
-            let f = rank.stream.alloc_zeros::<u32>(kernels::MESH_FLAG_WORDS).map_err(cudarc_err("cuMemAlloc (mesh flags)"))?;
-            flag_ptrs[r] = {
-                use cudarc::driver::DevicePtr;
-                f.device_ptr(&rank.stream).0
-            };
-            flags.push(f);
-        }
-        // The zeroed flags must be in place before any peer's first kernel reads them.
-        for rank in ranks {
-            rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
-        }
-        Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs }))
     }
 
     /// A group with one rank per device in `ordinals` (each on a new stream).
@@ -485,18 +419,6 @@ impl Group {
         choose(self.algorithm, self.size(), self.oneshot_on_host(), self.mesh.is_some(), bytes)
     }
 
-    /// Launches the mesh all-reduce on every rank, `outs[r] = reduce(ins)`,
-    /// where the group picks it for this message. Returns false (and does
-    /// nothing) when the ring should run instead. (The one-shot is taken
-    /// before, by [`Self::oneshot_for`].)
-    pub(crate) fn launch_fused(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
-        let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
-        match (self.all_reduce_algorithm(count * dtype.size()), &self.mesh) {
-            (Algorithm::Mesh, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true),
-            _ => Ok(false),
-        }
-    }
-
     /// Runs `launch(r)` for every rank r: at once on the launcher threads
     /// where the group has them and no rank's stream is being captured into
     /// a graph (a replayed graph costs no launches), else one after another
@@ -521,34 +443,6 @@ impl Group {
     /// The one-shot state, when an all-reduce of `bytes` per rank takes it.
     pub(crate) fn oneshot_for(&self, bytes: usize) -> Option<&OneShot> {
         self.oneshot.as_ref().filter(|_| self.all_reduce_algorithm(bytes) == Algorithm::OneShot)
-    }
-
-    /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
-    /// `aligned`: every pointer is 16-byte aligned (the vector path).
-    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
-    fn launch_mesh(&self, mesh: &Mesh, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize, aligned: bool) -> Result<()> {
-        let n = self.size();
-        let e = 16 / dtype.size();
-        let seg = count.div_ceil(n).div_ceil(e) * e;
-        let max_blocks = (self.ranks.iter().map(|r| r.max_blocks).min().unwrap_or(1) / 2).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
-        let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, max_blocks as usize) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
-        let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
-        self.launch_each(&|r| {
-            let f = mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
-            let rank = r as i32;
-            let mut launch = self.ranks[r].stream.launch_builder(f);
-            launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec);
-            // SAFETY: the signature is (PtrArray, PtrArray, PtrArray, i32, i32,
-            // u64, u64, i32); every pointer holds `count` elements (flags:
-            // MESH_FLAG_WORDS words) on a device that every rank's device has
-            // P2P access to (enabled and verified when the mesh was set up),
-            // and the same grid is launched on every rank, as the kernel's
-            // per-block barrier requires.
-            unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (mesh all-reduce)"))?;
-            Ok(())
-        })
     }
 
     /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.
@@ -577,107 +471,6 @@ impl Group {
         })
     }
 
-    /// Runs one rank's pull from its predecessor on its stream, over the link's path.
-    fn pull(&self, r: usize, op: &str, dtype: DType, what: PullOp) -> Result<()> {
-        let pull = &self.pulls[r];
-        let stream = &self.ranks[r].stream;
-        match (pull.status.path, what) {
-            (Path::Local | Path::P2p, PullOp::Reduce { dst, pred: p, own, count }) => {
-                self.launch_reduce2(r, op, dtype, dst, p, own, count)
-            }
-            (Path::Local, PullOp::Copy { dst, pred: p, bytes }) => self.local_copy(r, dst, p, bytes),
-            (Path::P2p, PullOp::Copy { dst, pred: p, bytes }) => {
-                if bytes == 0 {
-                    return Ok(());
-                }
-                bind(&self.ranks[r].ctx)?;
-                let raw = stream.cu_stream() as sys::CUstream;
-                // cuMemcpyPeerAsync cannot be captured into a CUDA graph
-                // (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); the unified-
-                // addressing copy can, but ran 2% slower on 2x H200 at
-                // 256 MiB-1 GiB (ring all-reduce, A/B twice in one run).
-                let capturing = stream.capture_status().map_err(cudarc_err("cuStreamIsCapturing"))?
-                    != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-                if capturing {
-                    // SAFETY: `p` holds `bytes` bytes on the predecessor's
-                    // device, `dst` on ours; peer access between them is
-                    // enabled and held by the group, as are both contexts.
-                    return check("cuMemcpyAsync", unsafe { api()?.cuMemcpyAsync(dst, p, bytes, raw) });
-                }
-                let pred = (r + self.size() - 1) % self.size();
-                let (dctx, sctx) = (raw_ctx(&self.ranks[r].ctx), raw_ctx(&self.ranks[pred].ctx));
-                // SAFETY: as above.
-                check("cuMemcpyPeerAsync", unsafe { api()?.cuMemcpyPeerAsync(dst, dctx, p, sctx, bytes, raw) })
-            }
-            (Path::Staged, what) => {
-                let (Some(staging), Some(scratch)) = (&pull.staging, &pull.scratch) else {
-                    return Err(Error::InvalidArgument("staged pull without staging buffers".into()));
-                };
-                match what {
-                    PullOp::Copy { dst, pred: p, bytes } => staging.copy(dst, p, bytes, stream, Start::Ordered),
-                    PullOp::Reduce { dst, pred: p, own, count } => {
-                        let esz = dtype.size() as u64;
-                        let sp = scratch_ptr(scratch, stream);
-                        let h2d = stream.cu_stream() as sys::CUstream;
-                        staging.transfer(p, count * dtype.size(), stream, Start::Ordered, |host, off, len| {
-                            // SAFETY: the scratch holds one chunk (>= len bytes)
-                            // and is consumed by the kernel below, in stream order.
-                            check("cuMemcpyHtoDAsync", unsafe { api()?.cuMemcpyHtoDAsync_v2(sp, host.cast(), len, h2d) })?;
-                            let o = off as u64;
-                            self.launch_reduce2(r, op, dtype, dst + o, sp, own + o, len / esz as usize)
-                        })
-                    }
-                }
-            }
-        }
-    }
-
-    /// Runs a schedule: `steps[k][r]` is rank r's work at step k. Ranks
-    /// advance in lockstep with their two ring neighbours (events only; no
-    /// host synchronisation). Before the first step, each rank's stream has
-    /// already been ordered after its buffers' writers by the caller; after
-    /// the last, each rank waits for its successor, which may still read
-    /// from it.
-    #[allow(clippy::needless_range_loop)] // r indexes ranks, pulls and the step alike
-    pub(crate) fn run(&self, op: &str, dtype: DType, steps: &[Vec<Option<PullOp>>]) -> Result<()> {
-        let n = self.size();
-        let rec = |r: usize| self.ranks[r].done.record(&self.ranks[r].stream).map_err(cudarc_err("cuEventRecord"));
-        let wait = |r: usize, on: usize| {
-            if r == on {
-                return Ok(());
-            }
-            self.ranks[r].stream.wait(&self.ranks[on].done).map_err(cudarc_err("cuStreamWaitEvent"))
-        };
-        for r in 0..n {
-            rec(r)?;
-        }
-        for step in steps {
-            for r in 0..n {
-                let (pred, succ) = ((r + n - 1) % n, (r + 1) % n);
-                wait(r, pred)?;
-                if succ != pred {
-                    wait(r, succ)?;
-                }
-                // A staged pull's device-to-host side runs on the predecessor's
-                // device and needs only the predecessor's previous step.
-                if let (Some(_), Some(staging)) = (step[r], &self.pulls[r].staging) {
-                    staging.d2h.wait(&self.ranks[pred].done).map_err(cudarc_err("cuStreamWaitEvent"))?;
-                }
-            }
-            for r in 0..n {
-                if let Some(what) = step[r] {
-                    self.pull(r, op, dtype, what)?;
-                }
-                rec(r)?;
-            }
-        }
-        if !steps.is_empty() {
-            for r in 0..n {
-                wait(r, (r + 1) % n)?;
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Drop for Group {
@@ -692,7 +485,7 @@ impl Drop for Group {
 
 /// Why `ranks` cannot run a fused all-reduce (mesh or one-shot), if they
 /// cannot: both need 2 to 8 ranks, each on its own device.
-fn layout_refusal(ranks: &[Rank]) -> Option<String> {
+pub(crate) fn layout_refusal(ranks: &[Rank]) -> Option<String> {
     let n = ranks.len();
     if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
         return Some("needs 2 to 8 ranks".into());
@@ -704,7 +497,7 @@ fn layout_refusal(ranks: &[Rank]) -> Option<String> {
 }
 
 /// The error for an all-reduce algorithm (`what`) the group cannot run.
-fn impossible(what: &str, why: &str) -> Error {
+pub(crate) fn impossible(what: &str, why: &str) -> Error {
     Error::InvalidArgument(format!("{what} all-reduce impossible: {why}"))
 }
 
@@ -724,12 +517,6 @@ fn choose(algorithm: Algorithm, n: usize, oneshot: Option<bool>, mesh: bool, byt
         return Algorithm::Mesh;
     }
     Algorithm::Ring
-}
-
-fn scratch_ptr(scratch: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
-    use cudarc::driver::DevicePtr;
-    let (p, _record) = scratch.device_ptr(stream);
-    p
 }
 
 #[cfg(test)]

@@ -1,0 +1,100 @@
+//! The mesh all-reduce: one kernel per rank. Rank r reduces segment r of
+//! every rank's buffer by peer loads and writes the result into segment r
+//! of every rank's buffer by peer stores, between two device-side barriers
+//! (flags written with release and read with acquire at system scope). The
+//! kernel and its protocol are in `kernels/reduce.cu` (`cp_meshar_*`).
+
+use crate::copy::Path;
+use crate::dtype::DType;
+use crate::error::{cudarc_err, Result};
+use crate::group::{impossible, layout_refusal, Algorithm, FnTable, Group, GroupOptions, PtrArray, Rank};
+use crate::kernels;
+use crate::peer::PeerAccess;
+use crate::ring::Pull;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// The mesh all-reduce's per-rank state: kernels and flag areas.
+pub(crate) struct Mesh {
+    /// Each rank's kernels, loaded on first use.
+    funcs: Vec<FnTable>,
+    /// Each rank's flag area (zeroed once), kept alive with the group.
+    _flags: Vec<CudaSlice<u32>>,
+    flag_ptrs: [u64; kernels::MESH_MAX_RANKS],
+}
+
+impl Mesh {
+    /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
+    pub(crate) fn open(ranks: &[Rank], pulls: &[Pull], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<Option<Mesh>> {
+        let n = ranks.len();
+        let refuse = |why: &str| if opts.algorithm == Algorithm::Mesh { Err(impossible("mesh", why)) } else { Ok(None) };
+        if matches!(opts.algorithm, Algorithm::Ring | Algorithm::OneShot) {
+            return Ok(None);
+        }
+        if let Some(why) = layout_refusal(ranks) {
+            return refuse(&why);
+        }
+        if pulls.iter().any(|p| p.status.path != Path::P2p) {
+            return refuse("needs every ring link on P2P");
+        }
+        if let Err(why) = Group::all_pairs_p2p(ranks, opts, access)? {
+            return refuse(&why);
+        }
+        let mut flags = Vec::with_capacity(n);
+        let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
+        for (r, rank) in ranks.iter().enumerate() {
+            let f = rank.stream.alloc_zeros::<u32>(kernels::MESH_FLAG_WORDS).map_err(cudarc_err("cuMemAlloc (mesh flags)"))?;
+            flag_ptrs[r] = {
+                use cudarc::driver::DevicePtr;
+                f.device_ptr(&rank.stream).0
+            };
+            flags.push(f);
+        }
+        // The zeroed flags must be in place before any peer's first kernel reads them.
+        for rank in ranks {
+            rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
+        }
+        Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs }))
+    }
+}
+
+impl Group {
+    /// Launches the mesh all-reduce on every rank, `outs[r] = reduce(ins)`,
+    /// where the group picks it for this message. Returns false (and does
+    /// nothing) when the ring should run instead. (The one-shot is taken
+    /// before, by [`Self::oneshot_for`].)
+    pub(crate) fn launch_fused(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
+        let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
+        match (self.all_reduce_algorithm(count * dtype.size()), &self.mesh) {
+            (Algorithm::Mesh, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true),
+            _ => Ok(false),
+        }
+    }
+
+    /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
+    /// `aligned`: every pointer is 16-byte aligned (the vector path).
+    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
+    fn launch_mesh(&self, mesh: &Mesh, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize, aligned: bool) -> Result<()> {
+        let n = self.size();
+        let e = 16 / dtype.size();
+        let seg = count.div_ceil(n).div_ceil(e) * e;
+        let max_blocks = (self.ranks.iter().map(|r| r.max_blocks).min().unwrap_or(1) / 2).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
+        let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, max_blocks as usize) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+        let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
+        let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
+        self.launch_each(&|r| {
+            let f = mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
+            let rank = r as i32;
+            let mut launch = self.ranks[r].stream.launch_builder(f);
+            launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec);
+            // SAFETY: the signature is (PtrArray, PtrArray, PtrArray, i32, i32,
+            // u64, u64, i32); every pointer holds `count` elements (flags:
+            // MESH_FLAG_WORDS words) on a device that every rank's device has
+            // P2P access to (enabled and verified when the mesh was set up),
+            // and the same grid is launched on every rank, as the kernel's
+            // per-block barrier requires.
+            unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (mesh all-reduce)"))?;
+            Ok(())
+        })
+    }
+}
