@@ -97,14 +97,14 @@ pub(crate) const FLOAT_TYPES: [&str; 4] = ["f32", "f64", "f16", "bf16"];
 /// Recommended block size (threads per block) for all kernels.
 pub(crate) const BLOCK_SIZE: u32 = 256;
 
-/// Name of the two-input reduction kernel for `op` (one of [`OPS`]) and
-/// element type `ty` (one of [`TYPES`]): `cp_reduce2_{op}_{ty}`.
+/// Name of the two-input reduction kernel for `op` (one of `OPS`) and
+/// element type `ty` (one of `TYPES`): `cp_reduce2_{op}_{ty}`.
 pub(crate) fn reduce2_name(op: &str, ty: &str) -> String {
     format!("cp_reduce2_{op}_{ty}")
 }
 
 /// Name of the in-place division kernel for floating-point type `ty` (one of
-/// [`FLOAT_TYPES`]): `cp_scale_div_{ty}`.
+/// `FLOAT_TYPES`): `cp_scale_div_{ty}`.
 pub(crate) fn scale_div_name(ty: &str) -> String {
     format!("cp_scale_div_{ty}")
 }
