@@ -21,6 +21,7 @@ use crate::launch::{Job, Launchers};
 use crate::mesh::Mesh;
 use crate::peer::PeerAccess;
 use crate::ring::Pull;
+use crate::sync::is_capturing;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use crate::oneshot::OneShot;
@@ -428,7 +429,7 @@ impl Group {
         if let Some(l) = &self.launchers {
             let mut capturing = false;
             for r in &self.ranks {
-                capturing |= r.stream.capture_status().map_err(cudarc_err("cuStreamIsCapturing"))? != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+                capturing |= is_capturing(&r.stream)?;
             }
             if !capturing {
                 return l.run(launch);

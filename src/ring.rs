@@ -14,6 +14,7 @@ use crate::dtype::DType;
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::group::Group;
 use crate::peer::{raw_ctx, PeerAccess};
+use crate::sync::is_capturing;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use std::sync::Arc;
@@ -81,9 +82,7 @@ impl Group {
                 // (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); the unified-
                 // addressing copy can, but ran 2% slower on 2x H200 at
                 // 256 MiB-1 GiB (ring all-reduce, A/B twice in one run).
-                let capturing = stream.capture_status().map_err(cudarc_err("cuStreamIsCapturing"))?
-                    != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-                if capturing {
+                if is_capturing(stream)? {
                     // SAFETY: `p` holds `bytes` bytes on the predecessor's
                     // device, `dst` on ours; peer access between them is
                     // enabled and held by the group, as are both contexts.

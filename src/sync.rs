@@ -99,6 +99,13 @@ pub(crate) fn with_write<T, S: DevicePtrMut<T>, R>(
     with_access!(slice, device_ptr_mut, work, crossing, f)
 }
 
+/// Whether work enqueued on `stream` now is being captured into a CUDA
+/// graph (`cuStreamIsCapturing`).
+pub(crate) fn is_capturing(stream: &CudaStream) -> Result<bool> {
+    let status = stream.capture_status().map_err(cudarc_err("cuStreamIsCapturing"))?;
+    Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// Waits until `event` completes, polling, for at most `timeout`.
 pub(crate) fn wait_bounded(event: &CudaEvent, op: &'static str, timeout: Duration) -> Result<()> {
     let start = Instant::now();

@@ -2,6 +2,7 @@
 
 use crate::driver::{api, bind};
 use crate::error::{check, cudarc_err, Result};
+use crate::sync::is_capturing;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -183,8 +184,7 @@ impl Staging {
     ) -> Result<()> {
         let api = api()?;
         let d2h_raw = self.d2h.cu_stream() as sys::CUstream;
-        let capturing = stream.capture_status().map_err(cudarc_err("cuStreamIsCapturing"))?
-            != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let capturing = is_capturing(stream)?;
         let mut rot = self.rotation.lock().unwrap_or_else(PoisonError::into_inner);
         let n = self.buffers.len();
         // A buffer is free once the consumer of its last chunk is done, and
