@@ -17,14 +17,43 @@ use crate::error::{cudarc_err, Error, Result};
 use crate::group::Group;
 use crate::ring::PullOp;
 use crate::schedule::{self, Action};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, SyncOnDrop};
+use crate::copy::check_context;
+use crate::sync::Held;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::ops::Range;
 
-/// Pointers to one buffer per rank, with the guards that record the
-/// buffers' events once the collective is enqueued.
+/// `result`, once every buffer is ordered after the enqueued work (the
+/// first error wins).
+fn ordered<const N: usize>(result: Result<()>, bufs: [Bufs<'_>; N]) -> Result<()> {
+    let mut first = result;
+    for b in bufs {
+        let r = b.finish();
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+/// Pointers to one buffer per rank, with the guards that order the buffers
+/// after the collective once it is enqueued (`crate::sync`).
 struct Bufs<'a> {
     ptrs: Vec<u64>,
-    _guards: Vec<SyncOnDrop<'a>>,
+    held: Vec<Held<'a>>,
+}
+
+impl Bufs<'_> {
+    /// Orders every buffer after the enqueued work now, with the first error.
+    fn finish(self) -> Result<()> {
+        let mut first = Ok(());
+        for h in self.held {
+            let r = h.finish();
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
 }
 
 impl Group {
@@ -33,10 +62,7 @@ impl Group {
             return Err(Error::InvalidArgument(format!("{op}: {} {what} buffers for a group of {} ranks", bufs.len(), self.size())));
         }
         for (r, b) in bufs.iter().enumerate() {
-            let (expected, got) = (self.ranks[r].ctx.ordinal(), b.stream().context().ordinal());
-            if expected != got {
-                return Err(Error::WrongDevice { op, what, expected, got });
-            }
+            check_context(op, what, &self.ranks[r].ctx, b.stream().context())?;
             if b.len() != len {
                 return Err(Error::LengthMismatch { op, expected: len, got: b.len() });
             }
@@ -44,14 +70,24 @@ impl Group {
         Ok(())
     }
 
-    fn read_ptrs<'a, T, S: DevicePtr<T>>(&'a self, bufs: &'a [S]) -> Bufs<'a> {
-        let (ptrs, guards) = bufs.iter().enumerate().map(|(r, b)| b.device_ptr(&self.ranks[r].stream)).unzip();
-        Bufs { ptrs, _guards: guards }
+    fn read_ptrs<'a, T, S: DevicePtr<T>>(&'a self, bufs: &'a [S]) -> Result<Bufs<'a>> {
+        let (mut ptrs, mut held) = (Vec::with_capacity(bufs.len()), Vec::with_capacity(bufs.len()));
+        for (r, b) in bufs.iter().enumerate() {
+            let (p, h) = self.ranks[r].order.read(b, &self.ranks[r].stream)?;
+            ptrs.push(p);
+            held.push(h);
+        }
+        Ok(Bufs { ptrs, held })
     }
 
-    fn write_ptrs<'a, T, D: DevicePtrMut<T>>(&'a self, bufs: &'a mut [D]) -> Bufs<'a> {
-        let (ptrs, guards) = bufs.iter_mut().enumerate().map(|(r, b)| b.device_ptr_mut(&self.ranks[r].stream)).unzip();
-        Bufs { ptrs, _guards: guards }
+    fn write_ptrs<'a, T, D: DevicePtrMut<T>>(&'a self, bufs: &'a mut [D]) -> Result<Bufs<'a>> {
+        let (mut ptrs, mut held) = (Vec::with_capacity(bufs.len()), Vec::with_capacity(bufs.len()));
+        for (r, b) in bufs.iter_mut().enumerate() {
+            let (p, h) = self.ranks[r].order.write(b, &self.ranks[r].stream)?;
+            ptrs.push(p);
+            held.push(h);
+        }
+        Ok(Bufs { ptrs, held })
     }
 
     fn divide<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
@@ -85,18 +121,32 @@ impl Group {
         if let Some(os) = self.oneshot_for(count * T::DTYPE.size()).filter(|_| count > 0) {
             return self.oneshot_in_place(os, op, bufs, count);
         }
-        let b = self.write_ptrs(bufs);
-        if count > 0 && self.launch_fused(op.kernel_op(), T::DTYPE, &b.ptrs, &b.ptrs, count)? {
-            return self.divide::<T>(op, &b.ptrs, count, 0..self.size());
-        }
-        self.all_reduce_ptrs::<T>(op, &b.ptrs, count)
+        let b = self.write_ptrs(bufs)?;
+        let r = self.all_reduce_ptrs::<T>(op, &b.ptrs, &b.ptrs, count);
+        ordered(r, [b])
     }
 
-    fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize) -> Result<()> {
-        let n = self.size();
+    /// `dst[r] = reduce(src)`, by the fused kernels where the group has
+    /// them for this size, else by the ring (after copying `src` into `dst`
+    /// where they differ).
+    fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: &[u64], dst: &[u64], count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
+        if self.launch_fused(op.kernel_op(), T::DTYPE, src, dst, count)? {
+            return self.divide::<T>(op, dst, count, 0..self.size());
+        }
+        if src != dst {
+            for r in 0..self.size() {
+                self.local_copy(r, dst[r], src[r], count * T::DTYPE.size())?;
+            }
+        }
+        self.ring_all_reduce::<T>(op, dst, count)
+    }
+
+    /// The ring all-reduce of `ptrs` in place.
+    fn ring_all_reduce<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize) -> Result<()> {
+        let n = self.size();
         let esz = T::DTYPE.size() as u64;
         let segs = self.segments::<T>(count, n);
         let steps: Vec<Vec<Option<PullOp>>> = schedule::all_reduce(n)
@@ -133,15 +183,10 @@ impl Group {
         if let Some(os) = self.oneshot_for(count * T::DTYPE.size()).filter(|_| count > 0) {
             return self.oneshot_out_of_place(os, op, send, recv, count);
         }
-        let s = self.read_ptrs(send);
-        let d = self.write_ptrs(recv);
-        if count > 0 && self.launch_fused(op.kernel_op(), T::DTYPE, &s.ptrs, &d.ptrs, count)? {
-            return self.divide::<T>(op, &d.ptrs, count, 0..self.size());
-        }
-        for r in 0..self.size() {
-            self.local_copy(r, d.ptrs[r], s.ptrs[r], count * T::DTYPE.size())?;
-        }
-        self.all_reduce_ptrs::<T>(op, &d.ptrs, count)
+        let s = self.read_ptrs(send)?;
+        let d = self.write_ptrs(recv)?;
+        let r = self.all_reduce_ptrs::<T>(op, &s.ptrs, &d.ptrs, count);
+        ordered(r, [s, d])
     }
 
     /// Reduce-scatter: `send[r]` holds `size() * c` elements; `recv[r]`
@@ -161,29 +206,32 @@ impl Group {
         }
         let esz = T::DTYPE.size();
         let scratch = if n >= 3 { self.scratch(c * esz)? } else { Vec::new() };
-        let s = self.read_ptrs(send);
-        let d = self.write_ptrs(recv);
-        if n == 1 {
-            return self.local_copy(0, d.ptrs[0], s.ptrs[0], c * esz);
-        }
-        let partial = |r: usize, which: usize| if which == 0 { d.ptrs[r] } else { scratch[r] };
-        let blk = |q: usize| (q * c * esz) as u64;
-        let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce_scatter(n)
-            .into_iter()
-            .enumerate()
-            .map(|(st, step)| {
-                (0..n)
-                    .map(|r| {
-                        let pred = (r + n - 1) % n;
-                        let q = step[r].part();
-                        let from = if st == 0 { s.ptrs[pred] + blk(q) } else { partial(pred, schedule::partial_buffer(n, st - 1)) };
-                        Some(PullOp::Reduce { dst: partial(r, schedule::partial_buffer(n, st)), pred: from, own: s.ptrs[r] + blk(q), count: c })
-                    })
-                    .collect()
-            })
-            .collect();
-        self.run(op.kernel_op(), T::DTYPE, &steps)?;
-        self.divide::<T>(op, &d.ptrs, c, 0..n)
+        let s = self.read_ptrs(send)?;
+        let d = self.write_ptrs(recv)?;
+        let r = (|| -> Result<()> {
+            if n == 1 {
+                return self.local_copy(0, d.ptrs[0], s.ptrs[0], c * esz);
+            }
+            let partial = |r: usize, which: usize| if which == 0 { d.ptrs[r] } else { scratch[r] };
+            let blk = |q: usize| (q * c * esz) as u64;
+            let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce_scatter(n)
+                .into_iter()
+                .enumerate()
+                .map(|(st, step)| {
+                    (0..n)
+                        .map(|r| {
+                            let pred = (r + n - 1) % n;
+                            let q = step[r].part();
+                            let from = if st == 0 { s.ptrs[pred] + blk(q) } else { partial(pred, schedule::partial_buffer(n, st - 1)) };
+                            Some(PullOp::Reduce { dst: partial(r, schedule::partial_buffer(n, st)), pred: from, own: s.ptrs[r] + blk(q), count: c })
+                        })
+                        .collect()
+                })
+                .collect();
+            self.run(op.kernel_op(), T::DTYPE, &steps)?;
+            self.divide::<T>(op, &d.ptrs, c, 0..n)
+        })();
+        ordered(r, [s, d])
     }
 
     /// All-gather: `send[r]` holds c elements; every `recv[r]` (`size() * c`
@@ -199,23 +247,26 @@ impl Group {
             return Ok(());
         }
         let bytes = c * T::DTYPE.size();
-        let s = self.read_ptrs(send);
-        let d = self.write_ptrs(recv);
-        for r in 0..n {
-            self.local_copy(r, d.ptrs[r] + (r * bytes) as u64, s.ptrs[r], bytes)?;
-        }
-        let steps: Vec<Vec<Option<PullOp>>> = schedule::all_gather(n)
-            .into_iter()
-            .map(|step| {
-                (0..n)
-                    .map(|r| {
-                        let off = (step[r].part() * bytes) as u64;
-                        Some(PullOp::Copy { dst: d.ptrs[r] + off, pred: d.ptrs[(r + n - 1) % n] + off, bytes })
-                    })
-                    .collect()
-            })
-            .collect();
-        self.run("sum", T::DTYPE, &steps)
+        let s = self.read_ptrs(send)?;
+        let d = self.write_ptrs(recv)?;
+        let r = (|| -> Result<()> {
+            for r in 0..n {
+                self.local_copy(r, d.ptrs[r] + (r * bytes) as u64, s.ptrs[r], bytes)?;
+            }
+            let steps: Vec<Vec<Option<PullOp>>> = schedule::all_gather(n)
+                .into_iter()
+                .map(|step| {
+                    (0..n)
+                        .map(|r| {
+                            let off = (step[r].part() * bytes) as u64;
+                            Some(PullOp::Copy { dst: d.ptrs[r] + off, pred: d.ptrs[(r + n - 1) % n] + off, bytes })
+                        })
+                        .collect()
+                })
+                .collect();
+            self.run("sum", T::DTYPE, &steps)
+        })();
+        ordered(r, [s, d])
     }
 
     /// Chunks for the pipelined chains: one for two ranks (nothing to
@@ -238,22 +289,25 @@ impl Group {
         self.check_bufs("broadcast", "buffer", bufs, count)?;
         let chunks = self.chain_chunks::<T>(count);
         let esz = T::DTYPE.size();
-        let b = self.write_ptrs(bufs);
-        let steps: Vec<Vec<Option<PullOp>>> = schedule::broadcast(n, root, chunks.len())
-            .into_iter()
-            .map(|step| {
-                (0..n)
-                    .map(|r| {
-                        step[r].map(|a| {
-                            let ch = &chunks[a.part()];
-                            let off = (ch.start * esz) as u64;
-                            PullOp::Copy { dst: b.ptrs[r] + off, pred: b.ptrs[(r + n - 1) % n] + off, bytes: ch.len() * esz }
+        let b = self.write_ptrs(bufs)?;
+        let r = (|| -> Result<()> {
+            let steps: Vec<Vec<Option<PullOp>>> = schedule::broadcast(n, root, chunks.len())
+                .into_iter()
+                .map(|step| {
+                    (0..n)
+                        .map(|r| {
+                            step[r].map(|a| {
+                                let ch = &chunks[a.part()];
+                                let off = (ch.start * esz) as u64;
+                                PullOp::Copy { dst: b.ptrs[r] + off, pred: b.ptrs[(r + n - 1) % n] + off, bytes: ch.len() * esz }
+                            })
                         })
-                    })
-                    .collect()
-            })
-            .collect();
-        self.run("sum", T::DTYPE, &steps)
+                        .collect()
+                })
+                .collect();
+            self.run("sum", T::DTYPE, &steps)
+        })();
+        ordered(r, [b])
     }
 
     /// Reduce to `root`: `recv[root]` becomes the reduction of every `send`.
@@ -273,31 +327,34 @@ impl Group {
             return Ok(());
         }
         let esz = T::DTYPE.size();
-        let s = self.read_ptrs(send);
-        let d = self.write_ptrs(recv);
-        if n == 1 {
-            return self.local_copy(0, d.ptrs[0], s.ptrs[0], count * esz);
-        }
-        let chunks = self.chain_chunks::<T>(count);
-        let start = (root + 1) % n; // chain position 0 reads its send buffer
-        let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce(n, root, chunks.len())
-            .into_iter()
-            .map(|step| {
-                (0..n)
-                    .map(|r| {
-                        step[r].map(|a| {
-                            let pred = (r + n - 1) % n;
-                            let ch = &chunks[a.part()];
-                            let off = (ch.start * esz) as u64;
-                            let from = if pred == start { s.ptrs[pred] } else { d.ptrs[pred] };
-                            PullOp::Reduce { dst: d.ptrs[r] + off, pred: from + off, own: s.ptrs[r] + off, count: ch.len() }
+        let s = self.read_ptrs(send)?;
+        let d = self.write_ptrs(recv)?;
+        let r = (|| -> Result<()> {
+            if n == 1 {
+                return self.local_copy(0, d.ptrs[0], s.ptrs[0], count * esz);
+            }
+            let chunks = self.chain_chunks::<T>(count);
+            let start = (root + 1) % n; // chain position 0 reads its send buffer
+            let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce(n, root, chunks.len())
+                .into_iter()
+                .map(|step| {
+                    (0..n)
+                        .map(|r| {
+                            step[r].map(|a| {
+                                let pred = (r + n - 1) % n;
+                                let ch = &chunks[a.part()];
+                                let off = (ch.start * esz) as u64;
+                                let from = if pred == start { s.ptrs[pred] } else { d.ptrs[pred] };
+                                PullOp::Reduce { dst: d.ptrs[r] + off, pred: from + off, own: s.ptrs[r] + off, count: ch.len() }
+                            })
                         })
-                    })
-                    .collect()
-            })
-            .collect();
-        self.run(op.kernel_op(), T::DTYPE, &steps)?;
-        self.divide::<T>(op, &d.ptrs, count, std::iter::once(root))
+                        .collect()
+                })
+                .collect();
+            self.run(op.kernel_op(), T::DTYPE, &steps)?;
+            self.divide::<T>(op, &d.ptrs, count, std::iter::once(root))
+        })();
+        ordered(r, [s, d])
     }
 
     /// Per-rank scratch of at least `bytes`, kept with the group.

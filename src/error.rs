@@ -78,6 +78,18 @@ pub enum Error {
         /// The device it is on.
         got: usize,
     },
+    /// A buffer (or stream) is on the right device but in another CUDA
+    /// context than the one it is used with (a non-primary context, say):
+    /// its memory is not mapped there.
+    #[error("{op}: {what} belongs to another CUDA context on device {device} than the one it is used with")]
+    WrongContext {
+        /// The operation.
+        op: &'static str,
+        /// Which buffer or stream.
+        what: &'static str,
+        /// The device.
+        device: usize,
+    },
     /// A collective's root rank is not in the group.
     #[error("root rank {root} out of range for a group of {size} ranks")]
     RootOutOfRange {

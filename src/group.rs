@@ -21,7 +21,7 @@ use crate::launch::{Job, Launchers};
 use crate::mesh::Mesh;
 use crate::peer::PeerAccess;
 use crate::ring::Pull;
-use crate::sync::is_capturing;
+use crate::sync::{is_capturing, Orderer};
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use crate::oneshot::OneShot;
@@ -193,6 +193,8 @@ pub(crate) struct Rank {
     funcs: FnTable,
     /// Recorded on `stream` after each step.
     pub(crate) done: CudaEvent,
+    /// Orders callers' buffers with this rank's work (`crate::sync`).
+    pub(crate) order: Orderer,
     pub(crate) max_blocks: u32,
 }
 
@@ -264,6 +266,7 @@ impl Group {
                 module: load_module(&ctx, &REDUCE_MODULES, kernels::REDUCE_PTX)?,
                 done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
                 funcs: FnTable::default(),
+                order: Orderer::default(),
                 max_blocks: (sms.max(1) as u32) * 4,
                 ctx,
                 stream,

@@ -180,10 +180,11 @@ impl Group {
         let cells = cells(bufs);
         self.launch_each(&|r| {
             let buf = take(&cells, r)?;
-            // The guard records the buffer's event on rank r's stream when
-            // it drops, after this rank's kernels are enqueued.
-            let (ptr, _guard) = buf.device_ptr_mut(&self.ranks[r].stream);
-            self.oneshot_rank::<T>(os, op, r, ptr, ptr, count)
+            let rank = &self.ranks[r];
+            // The guard orders the buffer after this rank's kernels.
+            let (ptr, held) = rank.order.write(buf, &rank.stream)?;
+            let launched = self.oneshot_rank::<T>(os, op, r, ptr, ptr, count);
+            launched.and(held.finish())
         })
     }
 
@@ -201,10 +202,11 @@ impl Group {
         self.launch_each(&|r| {
             let out = take(&cells, r)?;
             let input = send.get(r).ok_or_else(|| Error::Internal(format!("one-shot: no send buffer for rank {r}")))?;
-            let stream = &self.ranks[r].stream;
-            let (src, _read) = input.device_ptr(stream);
-            let (dst, _write) = out.device_ptr_mut(stream);
-            self.oneshot_rank::<T>(os, op, r, src, dst, count)
+            let rank = &self.ranks[r];
+            let (src, read) = rank.order.read(input, &rank.stream)?;
+            let (dst, write) = rank.order.write(out, &rank.stream)?;
+            let launched = self.oneshot_rank::<T>(os, op, r, src, dst, count);
+            launched.and(read.finish()).and(write.finish())
         })
     }
 

@@ -21,12 +21,12 @@ pub(crate) mod staged;
 pub mod verify;
 
 use crate::driver::{api, bind};
-use crate::error::{check, Error, Result};
+use crate::error::{check, cudarc_err, Error, Result};
 use crate::peer::{raw_ctx, PeerAccess};
-use crate::sync::{with_read, with_write, Crossing};
+use crate::sync::{tracking, with_read, with_write, Orderer, Tracking};
 use crate::topology::link_info;
 use cuda_peer_sys as sys;
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 use staged::{Staging, Start};
 use std::sync::Arc;
 use std::time::Duration;
@@ -131,7 +131,11 @@ pub struct Link {
     status: LinkStatus,
     _access: Vec<PeerAccess>,
     staging: Option<Staging>,
-    crossing: Crossing,
+    /// Orders callers' buffers with the link's work (`crate::sync`).
+    order: Orderer,
+    /// Recorded on the copy's stream after each P2P copy, so that the
+    /// peer-access guards outlive it (see `Drop`).
+    done: CudaEvent,
 }
 
 impl std::fmt::Debug for Link {
@@ -194,12 +198,17 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
     staged(why, Some(false))
 }
 
-fn check_device(op: &'static str, what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(Error::WrongDevice { op, what, expected, got })
+/// Checks that `got` (a buffer's or stream's context) is `expected`'s CUDA
+/// context: the same device, and the same context on it (a buffer of a
+/// non-primary context is not mapped in the primary one).
+pub(crate) fn check_context(op: &'static str, what: &'static str, expected: &CudaContext, got: &CudaContext) -> Result<()> {
+    if expected.ordinal() != got.ordinal() {
+        return Err(Error::WrongDevice { op, what, expected: expected.ordinal(), got: got.ordinal() });
     }
+    if expected.cu_ctx() != got.cu_ctx() {
+        return Err(Error::WrongContext { op, what, device: expected.ordinal() });
+    }
+    Ok(())
 }
 
 impl Link {
@@ -211,8 +220,8 @@ impl Link {
             Path::Staged => Some(Staging::new(src, dst, opts.staging_chunk_bytes, opts.staging_buffers)?),
             _ => None,
         };
-        let crossing = Crossing::new(src, dst)?;
-        Ok(Link { src: src.clone(), dst: dst.clone(), status, _access: access, staging, crossing })
+        let done = dst.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
+        Ok(Link { src: src.clone(), dst: dst.clone(), status, _access: access, staging, order: Orderer::default(), done })
     }
 
     /// The path in use.
@@ -257,9 +266,9 @@ impl Link {
         if src.len() != dst.len() {
             return Err(Error::LengthMismatch { op: OP, expected: src.len(), got: dst.len() });
         }
-        check_device(OP, "source", self.src.ordinal(), src.stream().context().ordinal())?;
-        check_device(OP, "destination", self.dst.ordinal(), dst.stream().context().ordinal())?;
-        check_device(OP, "stream", self.dst.ordinal(), stream.context().ordinal())?;
+        check_context(OP, "source", &self.src, src.stream().context())?;
+        check_context(OP, "destination", &self.dst, dst.stream().context())?;
+        check_context(OP, "stream", &self.dst, stream.context())?;
         let bytes = src.num_bytes();
         if bytes == 0 {
             return Ok(());
@@ -267,21 +276,22 @@ impl Link {
         let api = api()?;
         let raw_stream = stream.cu_stream() as sys::CUstream;
         match self.status.path {
-            Path::Local => with_read(src, stream, &self.crossing, |s| {
-                with_write(dst, stream, &self.crossing, |d| {
+            Path::Local => with_read(src, stream, &self.order, |s| {
+                with_write(dst, stream, &self.order, |d| {
                     bind(&self.dst)?;
                     // SAFETY: both ranges hold `bytes` bytes (lengths checked)
                     // and stay alive: their events are recorded after this.
                     check("cuMemcpyDtoDAsync", unsafe { api.cuMemcpyDtoDAsync_v2(d, s, bytes, raw_stream) })
                 })
             }),
-            Path::P2p => with_read(src, stream, &self.crossing, |s| {
-                with_write(dst, stream, &self.crossing, |d| {
+            Path::P2p => with_read(src, stream, &self.order, |s| {
+                with_write(dst, stream, &self.order, |d| {
                     bind(&self.dst)?;
                     // SAFETY: as above; both contexts are alive (held by the link).
                     check("cuMemcpyPeerAsync", unsafe {
                         api.cuMemcpyPeerAsync(d, raw_ctx(&self.dst), s, raw_ctx(&self.src), bytes, raw_stream)
-                    })
+                    })?;
+                    self.done.record(stream).map_err(cudarc_err("cuEventRecord"))
                 })
             }),
             Path::Staged => {
@@ -291,9 +301,9 @@ impl Link {
                 // With event tracking, reading `src` on the staging stream
                 // waited for its writers' events; without, the caller orders
                 // them through `stream`.
-                let start = if src.stream().context().is_event_tracking() { Start::Ordered } else { Start::AfterStream };
-                with_read(src, &staging.d2h, &self.crossing, |s| {
-                    with_write(dst, stream, &self.crossing, |d| staging.copy(d, s, bytes, stream, start))
+                let start = if tracking(src.stream().context()) == Tracking::Caller { Start::AfterStream } else { Start::Ordered };
+                with_read(src, &staging.d2h, &self.order, |s| {
+                    with_write(dst, stream, &self.order, |d| staging.copy(d, s, bytes, stream, start))
                 })
             }
         }
@@ -302,10 +312,10 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
-        // The last foreign copy recorded `crossing.work`; let it finish
-        // before the peer-access guards drop.
-        if let Err(e) = self.crossing.work.synchronize() {
-            log::warn!("link drop: {e:?}");
+        // Let the last P2P copy, and the last work ordered with a caller's
+        // buffer, finish before the peer-access guards drop.
+        if let Err(e) = self.done.synchronize().map_err(cudarc_err("cuEventSynchronize")).and_then(|_| self.order.synchronize()) {
+            log::warn!("link drop: {e}");
         }
     }
 }

@@ -1,0 +1,205 @@
+//! GPU tests of callers' buffers that live on context objects the group or
+//! link did not make (issue 16, item 1): cudarc keeps its ordering state per
+//! `Arc<CudaContext>` object, and a fresh object that has made no stream
+//! orders everything through its own (default) stream and records nothing.
+//!
+//! Every case puts a long chain of copies at the head of the stream that
+//! writes the inputs (or of the group's own stream), so work that is not
+//! ordered after it reads stale data or is read back too early: the results,
+//! compared exactly against a CPU reference (wrapping u32 sums), then come
+//! out wrong. Skips without two GPUs; fails with CUDA_PEER_REQUIRE_GPU=1.
+
+mod common;
+
+use common::gpus;
+use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cuda_peer::{Algorithm, Error, Group, GroupOptions, Link, LinkOptions, PathPolicy, ReduceOp};
+use std::sync::Arc;
+
+/// Bytes of each buffer in the delay chain.
+const DELAY_BYTES: usize = 256 << 20;
+/// Copies in the delay chain (about 5-10 ms of copy-engine time on an H200).
+const DELAY_COPIES: usize = 40;
+
+/// Two device buffers on one stream to copy between, for delays.
+struct Delay {
+    a: CudaSlice<u8>,
+    b: CudaSlice<u8>,
+}
+
+impl Delay {
+    fn new(stream: &Arc<CudaStream>) -> Delay {
+        let d = Delay { a: stream.alloc_zeros(DELAY_BYTES).unwrap(), b: stream.alloc_zeros(DELAY_BYTES).unwrap() };
+        stream.synchronize().unwrap();
+        d
+    }
+
+    /// Enqueues the chain on `stream` (the buffers' own stream).
+    fn run(&mut self, stream: &Arc<CudaStream>) {
+        for _ in 0..DELAY_COPIES {
+            stream.memcpy_dtod(&self.a, &mut self.b).unwrap();
+        }
+    }
+}
+
+fn random_u32(n: usize) -> Vec<u32> {
+    common::random_bytes(n * 4).chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn wrapping_sum(inputs: &[Vec<u32>]) -> Vec<u32> {
+    (0..inputs[0].len()).map(|i| inputs.iter().fold(0u32, |acc, v| acc.wrapping_add(v[i]))).collect()
+}
+
+/// Fresh context objects of devices 0 and 1 that have made no stream
+/// (cudarc's single-stream mode), with their default streams.
+fn fresh_objects() -> Vec<Arc<CudaStream>> {
+    (0..2).map(|i| CudaContext::new(i).unwrap().default_stream()).collect()
+}
+
+/// The group configurations: every all-reduce algorithm the two GPUs run.
+fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
+    let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions { algorithm, ..GroupOptions::with_policy(policy) };
+    vec![
+        ("one-shot over P2P", with(PathPolicy::Auto, Algorithm::OneShot), 1024),
+        ("mesh", with(PathPolicy::Auto, Algorithm::Mesh), 1 << 18),
+        ("ring over P2P", with(PathPolicy::Auto, Algorithm::Ring), (1 << 18) + 3),
+        ("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099),
+        ("staged ring", with(PathPolicy::StagedOnly, Algorithm::Ring), (1 << 18) + 5),
+    ]
+}
+
+/// The issue's reproduction, for every algorithm, in place and out of place:
+/// `Group::from_devices` makes its own context objects; the caller's buffers
+/// are written on the default streams of other objects of the same devices.
+#[test]
+fn single_stream_buffers_of_other_context_objects_are_ordered() {
+    if gpus("single_stream_buffers_of_other_context_objects_are_ordered", 2).is_none() {
+        return;
+    }
+    let user = fresh_objects();
+    let mut delays: Vec<Delay> = user.iter().map(Delay::new).collect();
+    for (name, opts, count) in configs() {
+        let group = Group::from_devices(&[0, 1], &opts).unwrap();
+        for in_place in [true, false] {
+            let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
+            let expected = wrapping_sum(&inputs);
+            let staged: Vec<CudaSlice<u32>> = (0..2).map(|r| user[r].clone_htod(&inputs[r]).unwrap()).collect();
+            let poison = vec![0xdead_beefu32; count];
+            let mut send: Vec<CudaSlice<u32>> = (0..2).map(|r| user[r].clone_htod(&poison).unwrap()).collect();
+            let mut recv: Vec<CudaSlice<u32>> = (0..2).map(|r| user[r].clone_htod(&poison).unwrap()).collect();
+            for s in &user {
+                s.synchronize().unwrap();
+            }
+            // The inputs land only after the delay chain on each default stream.
+            for r in 0..2 {
+                delays[r].run(&user[r]);
+                user[r].memcpy_dtod(&staged[r], &mut send[r]).unwrap();
+            }
+            if in_place {
+                group.all_reduce_in_place(&mut send, ReduceOp::Sum).unwrap();
+            } else {
+                group.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
+            }
+            // Read back on the caller's stream, with no other synchronisation.
+            for r in 0..2 {
+                let out = user[r].clone_dtoh(if in_place { &send[r] } else { &recv[r] }).unwrap();
+                if let Some((first, wrong)) = common::diff(&out, &expected) {
+                    panic!("{name}, in place {in_place}, rank {r}: {wrong} of {count} wrong, first at {first}: {} != {}", out[first], expected[first]);
+                }
+                if !in_place {
+                    assert_eq!(user[r].clone_dtoh(&send[r]).unwrap(), inputs[r], "{name}: send buffer of rank {r} changed");
+                }
+            }
+            // Dropped right after the call: the frees are ordered after it.
+            drop((send, recv, staged));
+        }
+        group.synchronize().unwrap();
+    }
+}
+
+/// The other way round: the group runs on the default streams of fresh
+/// objects (which record no events), the buffers belong to objects that
+/// track events on streams of their own. The caller reads back on its own
+/// stream, which waits only for the buffers' events: they must be recorded
+/// after the collective, which starts late behind a delay on the group's
+/// stream.
+#[test]
+fn event_tracked_buffers_on_a_group_of_default_streams() {
+    let Some(ctxs) = gpus("event_tracked_buffers_on_a_group_of_default_streams", 2) else {
+        return;
+    };
+    let group_streams = fresh_objects();
+    let mut delays: Vec<Delay> = group_streams.iter().map(Delay::new).collect();
+    let user: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
+    for (name, opts, count) in configs() {
+        let group = Group::new(group_streams.clone(), &opts).unwrap();
+        let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
+        let expected = wrapping_sum(&inputs);
+        let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| user[r].clone_htod(&inputs[r]).unwrap()).collect();
+        for r in 0..2 {
+            delays[r].run(&group_streams[r]);
+        }
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap();
+        for r in 0..2 {
+            let out = user[r].clone_dtoh(&bufs[r]).unwrap();
+            if let Some((first, wrong)) = common::diff(&out, &expected) {
+                panic!("{name}, rank {r}: {wrong} of {count} wrong, first at {first}");
+            }
+        }
+        group.synchronize().unwrap();
+    }
+}
+
+/// A verified link copies between buffers of single-stream objects on a
+/// stream of its own: the copy waits for the source's writer and the
+/// destination's stream waits for the copy.
+#[test]
+fn link_copies_order_single_stream_buffers() {
+    let Some(ctxs) = gpus("link_copies_order_single_stream_buffers", 2) else {
+        return;
+    };
+    let user = fresh_objects();
+    let mut delay = Delay::new(&user[0]);
+    let link_stream = ctxs[1].new_stream().unwrap();
+    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+        let mut link = Link::open(&ctxs[0], &ctxs[1], &LinkOptions::with_policy(policy)).unwrap();
+        let count = (3 << 20) + 7;
+        let data = random_u32(count);
+        let staged = user[0].clone_htod(&data).unwrap();
+        let mut src = user[0].clone_htod(&vec![1u32; count]).unwrap();
+        let mut dst = user[1].clone_htod(&vec![2u32; count]).unwrap();
+        user[0].synchronize().unwrap();
+        user[1].synchronize().unwrap();
+        delay.run(&user[0]);
+        user[0].memcpy_dtod(&staged, &mut src).unwrap();
+        link.copy(&src, &mut dst, &link_stream).unwrap();
+        let out = user[1].clone_dtoh(&dst).unwrap();
+        if let Some((first, wrong)) = common::diff(&out, &data) {
+            panic!("{policy:?} link ({}): {wrong} of {count} wrong, first at {first}", link.path());
+        }
+    }
+}
+
+/// Buffers of a non-primary context are not mapped in the primary context
+/// the group and the link use: a typed error, never a kernel fault.
+#[test]
+fn buffers_of_a_non_primary_context_are_refused() {
+    let Some(ctxs) = gpus("buffers_of_a_non_primary_context_are_refused", 2) else {
+        return;
+    };
+    let other = CudaContext::new_non_primary(0, 0).unwrap();
+    let s = other.default_stream();
+    let mut foreign = vec![s.clone_htod(&[1u32; 64]).unwrap(), ctxs[1].default_stream().clone_htod(&[1u32; 64]).unwrap()];
+    let group = Group::from_devices(&[0, 1], &GroupOptions::default()).unwrap();
+    let err = group.all_reduce_in_place(&mut foreign, ReduceOp::Sum).unwrap_err();
+    assert!(matches!(err, Error::WrongContext { device: 0, .. }), "{err}");
+    let mut dst = ctxs[1].default_stream().clone_htod(&[0u32; 64]).unwrap();
+    let mut link = Link::open(&ctxs[0], &ctxs[1], &LinkOptions::default()).unwrap();
+    let err = link.copy(&foreign[0], &mut dst, &ctxs[1].default_stream()).unwrap_err();
+    assert!(matches!(err, Error::WrongContext { what: "source", .. }), "{err}");
+    // A stream of the non-primary context is refused as the copy's stream too.
+    let other1 = CudaContext::new_non_primary(1, 0).unwrap();
+    let src = ctxs[0].default_stream().clone_htod(&[3u32; 64]).unwrap();
+    let err = link.copy(&src, &mut dst, &other1.default_stream()).unwrap_err();
+    assert!(matches!(err, Error::WrongContext { what: "stream", .. }), "{err}");
+}
