@@ -12,6 +12,7 @@
 pub const CUDA_VERSION: u32 = 12000;
 pub const CU_MEMHOSTALLOC_PORTABLE: u32 = 1;
 pub const CU_MEMHOSTALLOC_DEVICEMAP: u32 = 2;
+pub type cuuint64_t = u64;
 pub type CUdeviceptr_v2 = ::std::os::raw::c_ulonglong;
 pub type CUdeviceptr = CUdeviceptr_v2;
 pub type CUdevice_v1 = ::std::os::raw::c_int;
@@ -36,10 +37,28 @@ pub struct CUstream_st {
 pub type CUstream = *mut CUstream_st;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct CUgraph_st {
+    _unused: [u8; 0],
+}
+pub type CUgraph = *mut CUgraph_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphNode_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphNode = *mut CUgraphNode_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct CUmemPoolHandle_st {
     _unused: [u8; 0],
 }
 pub type CUmemoryPool = *mut CUmemPoolHandle_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUuserObject_st {
+    _unused: [u8; 0],
+}
+pub type CUuserObject = *mut CUuserObject_st;
 impl CUstream_flags_enum {
     pub const CU_STREAM_DEFAULT: CUstream_flags_enum = CUstream_flags_enum(0);
     pub const CU_STREAM_NON_BLOCKING: CUstream_flags_enum = CUstream_flags_enum(1);
@@ -379,6 +398,20 @@ impl CUpointer_attribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUpointer_attribute_enum(pub ::std::os::raw::c_uint);
 pub use self::CUpointer_attribute_enum as CUpointer_attribute;
+pub type CUhostFn =
+    ::std::option::Option<unsafe extern "C" fn(userData: *mut ::std::os::raw::c_void)>;
+impl CUstreamCaptureStatus_enum {
+    pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus_enum =
+        CUstreamCaptureStatus_enum(0);
+    pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: CUstreamCaptureStatus_enum =
+        CUstreamCaptureStatus_enum(1);
+    pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: CUstreamCaptureStatus_enum =
+        CUstreamCaptureStatus_enum(2);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureStatus_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamCaptureStatus_enum as CUstreamCaptureStatus;
 impl cudaError_enum {
     pub const CUDA_SUCCESS: cudaError_enum = cudaError_enum(0);
     pub const CUDA_ERROR_INVALID_VALUE: cudaError_enum = cudaError_enum(1);
@@ -548,6 +581,22 @@ impl Default for CUmemAccessDesc_st {
 }
 pub type CUmemAccessDesc_v1 = CUmemAccessDesc_st;
 pub type CUmemAccessDesc = CUmemAccessDesc_v1;
+impl CUuserObject_flags_enum {
+    pub const CU_USER_OBJECT_NO_DESTRUCTOR_SYNC: CUuserObject_flags_enum =
+        CUuserObject_flags_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUuserObject_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUuserObject_flags_enum as CUuserObject_flags;
+impl CUuserObjectRetain_flags_enum {
+    pub const CU_GRAPH_USER_OBJECT_MOVE: CUuserObjectRetain_flags_enum =
+        CUuserObjectRetain_flags_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUuserObjectRetain_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUuserObjectRetain_flags_enum as CUuserObjectRetain_flags;
 pub struct DriverApi {
     __library: ::libloading::Library,
     pub cuGetErrorString:
@@ -657,6 +706,14 @@ pub struct DriverApi {
         hEvent: CUevent,
         Flags: ::std::os::raw::c_uint,
     ) -> CUresult,
+    pub cuStreamGetCaptureInfo_v2: unsafe extern "C" fn(
+        hStream: CUstream,
+        captureStatus_out: *mut CUstreamCaptureStatus,
+        id_out: *mut cuuint64_t,
+        graph_out: *mut CUgraph,
+        dependencies_out: *mut *const CUgraphNode,
+        numDependencies_out: *mut usize,
+    ) -> CUresult,
     pub cuStreamQuery: unsafe extern "C" fn(hStream: CUstream) -> CUresult,
     pub cuStreamSynchronize: unsafe extern "C" fn(hStream: CUstream) -> CUresult,
     pub cuStreamDestroy_v2: unsafe extern "C" fn(hStream: CUstream) -> CUresult,
@@ -668,6 +725,21 @@ pub struct DriverApi {
     pub cuEventDestroy_v2: unsafe extern "C" fn(hEvent: CUevent) -> CUresult,
     pub cuEventElapsedTime:
         unsafe extern "C" fn(pMilliseconds: *mut f32, hStart: CUevent, hEnd: CUevent) -> CUresult,
+    pub cuUserObjectCreate: unsafe extern "C" fn(
+        object_out: *mut CUuserObject,
+        ptr: *mut ::std::os::raw::c_void,
+        destroy: CUhostFn,
+        initialRefcount: ::std::os::raw::c_uint,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult,
+    pub cuUserObjectRelease:
+        unsafe extern "C" fn(object: CUuserObject, count: ::std::os::raw::c_uint) -> CUresult,
+    pub cuGraphRetainUserObject: unsafe extern "C" fn(
+        graph: CUgraph,
+        object: CUuserObject,
+        count: ::std::os::raw::c_uint,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult,
     pub cuDeviceCanAccessPeer: unsafe extern "C" fn(
         canAccessPeer: *mut ::std::os::raw::c_int,
         dev: CUdevice,
@@ -735,6 +807,9 @@ impl DriverApi {
         let cuPointerGetAttribute = __library.get(b"cuPointerGetAttribute\0").map(|sym| *sym)?;
         let cuStreamCreate = __library.get(b"cuStreamCreate\0").map(|sym| *sym)?;
         let cuStreamWaitEvent = __library.get(b"cuStreamWaitEvent\0").map(|sym| *sym)?;
+        let cuStreamGetCaptureInfo_v2 = __library
+            .get(b"cuStreamGetCaptureInfo_v2\0")
+            .map(|sym| *sym)?;
         let cuStreamQuery = __library.get(b"cuStreamQuery\0").map(|sym| *sym)?;
         let cuStreamSynchronize = __library.get(b"cuStreamSynchronize\0").map(|sym| *sym)?;
         let cuStreamDestroy_v2 = __library.get(b"cuStreamDestroy_v2\0").map(|sym| *sym)?;
@@ -744,6 +819,11 @@ impl DriverApi {
         let cuEventSynchronize = __library.get(b"cuEventSynchronize\0").map(|sym| *sym)?;
         let cuEventDestroy_v2 = __library.get(b"cuEventDestroy_v2\0").map(|sym| *sym)?;
         let cuEventElapsedTime = __library.get(b"cuEventElapsedTime\0").map(|sym| *sym)?;
+        let cuUserObjectCreate = __library.get(b"cuUserObjectCreate\0").map(|sym| *sym)?;
+        let cuUserObjectRelease = __library.get(b"cuUserObjectRelease\0").map(|sym| *sym)?;
+        let cuGraphRetainUserObject = __library
+            .get(b"cuGraphRetainUserObject\0")
+            .map(|sym| *sym)?;
         let cuDeviceCanAccessPeer = __library.get(b"cuDeviceCanAccessPeer\0").map(|sym| *sym)?;
         let cuCtxEnablePeerAccess = __library.get(b"cuCtxEnablePeerAccess\0").map(|sym| *sym)?;
         let cuCtxDisablePeerAccess = __library.get(b"cuCtxDisablePeerAccess\0").map(|sym| *sym)?;
@@ -783,6 +863,7 @@ impl DriverApi {
             cuPointerGetAttribute,
             cuStreamCreate,
             cuStreamWaitEvent,
+            cuStreamGetCaptureInfo_v2,
             cuStreamQuery,
             cuStreamSynchronize,
             cuStreamDestroy_v2,
@@ -792,6 +873,9 @@ impl DriverApi {
             cuEventSynchronize,
             cuEventDestroy_v2,
             cuEventElapsedTime,
+            cuUserObjectCreate,
+            cuUserObjectRelease,
+            cuGraphRetainUserObject,
             cuDeviceCanAccessPeer,
             cuCtxEnablePeerAccess,
             cuCtxDisablePeerAccess,
@@ -997,6 +1081,24 @@ impl DriverApi {
     ) -> CUresult {
         (self.cuStreamWaitEvent)(hStream, hEvent, Flags)
     }
+    pub unsafe fn cuStreamGetCaptureInfo_v2(
+        &self,
+        hStream: CUstream,
+        captureStatus_out: *mut CUstreamCaptureStatus,
+        id_out: *mut cuuint64_t,
+        graph_out: *mut CUgraph,
+        dependencies_out: *mut *const CUgraphNode,
+        numDependencies_out: *mut usize,
+    ) -> CUresult {
+        (self.cuStreamGetCaptureInfo_v2)(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            numDependencies_out,
+        )
+    }
     pub unsafe fn cuStreamQuery(&self, hStream: CUstream) -> CUresult {
         (self.cuStreamQuery)(hStream)
     }
@@ -1032,6 +1134,32 @@ impl DriverApi {
         hEnd: CUevent,
     ) -> CUresult {
         (self.cuEventElapsedTime)(pMilliseconds, hStart, hEnd)
+    }
+    pub unsafe fn cuUserObjectCreate(
+        &self,
+        object_out: *mut CUuserObject,
+        ptr: *mut ::std::os::raw::c_void,
+        destroy: CUhostFn,
+        initialRefcount: ::std::os::raw::c_uint,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self.cuUserObjectCreate)(object_out, ptr, destroy, initialRefcount, flags)
+    }
+    pub unsafe fn cuUserObjectRelease(
+        &self,
+        object: CUuserObject,
+        count: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self.cuUserObjectRelease)(object, count)
+    }
+    pub unsafe fn cuGraphRetainUserObject(
+        &self,
+        graph: CUgraph,
+        object: CUuserObject,
+        count: ::std::os::raw::c_uint,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self.cuGraphRetainUserObject)(graph, object, count, flags)
     }
     pub unsafe fn cuDeviceCanAccessPeer(
         &self,

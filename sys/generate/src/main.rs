@@ -45,6 +45,10 @@ const FUNCTIONS: &[&str] = &[
     "cuStreamSynchronize",
     "cuStreamQuery",
     "cuStreamWaitEvent",
+    "cuStreamGetCaptureInfo_v2",
+    "cuUserObjectCreate",
+    "cuUserObjectRelease",
+    "cuGraphRetainUserObject",
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
@@ -66,6 +70,9 @@ const TYPES: &[&str] = &[
     "CUstream_flags",
     "CUevent_wait_flags",
     "CUmemAccessDesc",
+    "CUstreamCaptureStatus",
+    "CUuserObject_flags",
+    "CUuserObjectRetain_flags",
 ];
 
 /// Macros (flags) the safe layer needs.
