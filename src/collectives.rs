@@ -19,7 +19,8 @@ use crate::ring::PullOp;
 use crate::schedule::{self, Action};
 use crate::copy::check_context;
 use crate::sync::Held;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use std::sync::Arc;
 use std::ops::Range;
 
 /// `result`, once every buffer is ordered after the enqueued work (the
@@ -114,7 +115,7 @@ impl Group {
     /// ([`crate::GroupOptions::launch_spin`]) each rank's buffer is taken
     /// and its event recorded on that rank's launcher.
     pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T> + Send>(&self, bufs: &mut [D], op: ReduceOp) -> Result<()> {
-        let _serial = self.serial();
+        let _serial = self.enter()?;
         op.check(T::DTYPE)?;
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
@@ -175,7 +176,7 @@ impl Group {
     /// them): with launcher threads each rank's buffers are taken on its
     /// launcher.
     pub fn all_reduce<T: Element, S: DevicePtr<T> + Sync, D: DevicePtrMut<T> + Send>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
-        let _serial = self.serial();
+        let _serial = self.enter()?;
         op.check(T::DTYPE)?;
         let count = send.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "send", send, count)?;
@@ -194,7 +195,7 @@ impl Group {
     /// more ranks, each rank keeps one scratch buffer of `c` elements
     /// (allocated on first use, kept with the group, grown when needed).
     pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], op: ReduceOp) -> Result<()> {
-        let _serial = self.serial();
+        let _serial = self.enter()?;
         op.check(T::DTYPE)?;
         let n = self.size();
         let c = recv.first().map(|b| b.len()).unwrap_or(0);
@@ -237,7 +238,7 @@ impl Group {
     /// All-gather: `send[r]` holds c elements; every `recv[r]` (`size() * c`
     /// elements) becomes the concatenation of all `send`s in rank order.
     pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D]) -> Result<()> {
-        let _serial = self.serial();
+        let _serial = self.enter()?;
         let n = self.size();
         let c = send.first().map(|b| b.len()).unwrap_or(0);
         let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
@@ -280,7 +281,7 @@ impl Group {
     /// Broadcast in place: every rank's buffer becomes a copy of `root`'s.
     /// A chain from the root, pipelined in chunks.
     pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], root: usize) -> Result<()> {
-        let _serial = self.serial();
+        let _serial = self.enter()?;
         let n = self.size();
         if root >= n {
             return Err(Error::RootOutOfRange { root, size: n });
@@ -314,7 +315,7 @@ impl Group {
     /// Every rank's `recv` is used as working space (a chain from root+1 to
     /// the root, pipelined in chunks); only the root's holds the result.
     pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &[S], recv: &mut [D], root: usize, op: ReduceOp) -> Result<()> {
-        let _serial = self.serial();
+        let _serial = self.enter()?;
         op.check(T::DTYPE)?;
         let n = self.size();
         if root >= n {
@@ -360,11 +361,18 @@ impl Group {
     /// Per-rank scratch of at least `bytes`, kept with the group.
     fn scratch(&self, bytes: usize) -> Result<Vec<u64>> {
         let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        if held.len() != self.size() || held.iter().any(|s: &CudaSlice<u8>| s.len() < bytes) {
+        if held.len() != self.size() || held.iter().any(|s| s.len() < bytes) {
+            if self.capturing() {
+                return Err(Error::Capture {
+                    op: "reduce_scatter",
+                    reason: format!("its scratch ({bytes} bytes per rank) is allocated by an eager call of this size or larger, made before the capture"),
+                });
+            }
+            // Graphs captured earlier keep the old scratch alive themselves.
             held.clear();
             for rank in &self.ranks {
                 // SAFETY: scratch is written by a reduction before it is read.
-                held.push(unsafe { rank.stream.alloc::<u8>(bytes) }.map_err(cudarc_err("cuMemAlloc (scratch)"))?);
+                held.push(Arc::new(unsafe { rank.stream.alloc::<u8>(bytes) }.map_err(cudarc_err("cuMemAlloc (scratch)"))?));
             }
         }
         Ok(held.iter().enumerate().map(|(r, s)| s.device_ptr(&self.ranks[r].stream).0).collect())

@@ -147,14 +147,52 @@ impl std::str::FromStr for ReduceOp {
     }
 }
 
-/// Rust element types usable in collectives.
-pub trait Element: DeviceRepr + bytemuck::Pod + Send + Sync + 'static {
+mod sealed {
+    /// Only this crate's element types implement [`super::Element`].
+    pub trait Sealed {}
+}
+
+/// Rust element types usable in collectives: the ten types of [`DType`].
+///
+/// The trait is sealed: every size the collectives compute comes from
+/// [`Element::DTYPE`], so a type whose `DTYPE` did not match its layout
+/// would make kernels write past buffers. Implementing it elsewhere does not
+/// compile:
+///
+/// ```compile_fail
+/// #[derive(Clone, Copy)]
+/// #[repr(transparent)]
+/// struct Wide(u64);
+/// // SAFETY: a plain u64.
+/// unsafe impl bytemuck::Zeroable for Wide {}
+/// unsafe impl bytemuck::Pod for Wide {}
+/// unsafe impl cuda_peer::cudarc::driver::DeviceRepr for Wide {}
+/// impl cuda_peer::Element for Wide {
+///     const DTYPE: cuda_peer::DType = cuda_peer::DType::U8;
+/// }
+/// ```
+///
+/// (The same type without the `Element` impl compiles:)
+///
+/// ```
+/// #[derive(Clone, Copy)]
+/// #[repr(transparent)]
+/// struct Wide(u64);
+/// // SAFETY: a plain u64.
+/// unsafe impl bytemuck::Zeroable for Wide {}
+/// unsafe impl bytemuck::Pod for Wide {}
+/// unsafe impl cuda_peer::cudarc::driver::DeviceRepr for Wide {}
+/// ```
+pub trait Element: sealed::Sealed + DeviceRepr + bytemuck::Pod + Send + Sync + 'static {
     /// The matching [`DType`].
     const DTYPE: DType;
 }
 
 macro_rules! element {
-    ($($t:ty => $d:ident),* $(,)?) => {$(impl Element for $t { const DTYPE: DType = DType::$d; })*};
+    ($($t:ty => $d:ident),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        impl Element for $t { const DTYPE: DType = DType::$d; }
+    )*};
 }
 element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i32 => I32, i64 => I64, u32 => U32, u64 => U64, i8 => I8, u8 => U8);
 
@@ -172,6 +210,20 @@ mod tests {
         }
         assert_eq!(<half::bf16 as Element>::DTYPE.size(), std::mem::size_of::<half::bf16>());
         assert_eq!(<u64 as Element>::DTYPE.size(), 8);
+        fn layout_matches<T: Element>() {
+            assert_eq!(T::DTYPE.size(), std::mem::size_of::<T>(), "{}", T::DTYPE);
+            assert_eq!(std::mem::align_of::<T>(), std::mem::size_of::<T>(), "{}", T::DTYPE);
+        }
+        layout_matches::<f32>();
+        layout_matches::<f64>();
+        layout_matches::<f16>();
+        layout_matches::<bf16>();
+        layout_matches::<i32>();
+        layout_matches::<i64>();
+        layout_matches::<u32>();
+        layout_matches::<u64>();
+        layout_matches::<i8>();
+        layout_matches::<u8>();
         assert!("f8".parse::<DType>().is_err());
     }
 

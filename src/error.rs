@@ -129,6 +129,15 @@ pub enum Error {
         /// How long it was given.
         after: Duration,
     },
+    /// A call that cannot be captured into a CUDA graph as it stands (say,
+    /// one that would first have to allocate memory).
+    #[error("{op} cannot be captured into a CUDA graph: {reason}")]
+    Capture {
+        /// The operation.
+        op: &'static str,
+        /// Why, and what to do instead.
+        reason: String,
+    },
     /// A failure inside cuda-peer that should not happen (a bug; please
     /// report it), e.g. a panic caught on a launcher thread.
     #[error("internal error: {0}")]

@@ -21,12 +21,14 @@ use crate::launch::{Job, Launchers};
 use crate::mesh::Mesh;
 use crate::peer::PeerAccess;
 use crate::ring::Pull;
-use crate::sync::{is_capturing, Orderer};
+use crate::graph::{capture_of, retain, KeepAlive};
+use crate::sync::Orderer;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use crate::oneshot::OneShot;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -220,20 +222,25 @@ pub struct Group {
     /// Launcher threads for ranks 1.. (fused all-reduces only).
     launchers: Option<Launchers>,
     /// The mesh all-reduce, when the group uses it.
-    pub(crate) mesh: Option<Mesh>,
+    pub(crate) mesh: Option<Arc<Mesh>>,
     /// The one-shot all-reduce, when the group uses it.
-    pub(crate) oneshot: Option<OneShot>,
+    pub(crate) oneshot: Option<Arc<OneShot>>,
     algorithm: Algorithm,
     pub(crate) ranks: Vec<Rank>,
     /// `pulls[r]`: rank r pulling from rank r-1.
-    pub(crate) pulls: Vec<Pull>,
+    pub(crate) pulls: Arc<Vec<Pull>>,
     /// Per-rank scratch for reduce-scatter on three or more ranks.
-    pub(crate) scratch: Mutex<Vec<CudaSlice<u8>>>,
+    pub(crate) scratch: Mutex<Vec<Arc<CudaSlice<u8>>>>,
     /// Held for the whole enqueue of one collective: the per-rank step
     /// events and the mesh's device-side counters assume calls in one order
     /// on every rank, so calls from several threads are serialised.
     serial: Mutex<()>,
-    _access: Vec<PeerAccess>,
+    /// Whether the call being enqueued (under `serial`) is captured into a
+    /// graph on some rank's stream.
+    capturing: AtomicBool,
+    /// The last captures that hold a reference to the group's resources.
+    captures: Mutex<Vec<u64>>,
+    access: Arc<Vec<PeerAccess>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -283,13 +290,25 @@ impl Group {
             }
             pulls.push(Pull::open(src, dst, &ranks[r].stream, &link, &mut access)?);
         }
-        let mesh = Mesh::open(&ranks, &pulls, opts, &mut access)?;
-        let oneshot = Self::open_oneshot(&ranks, &pulls, opts, mesh.is_some(), &mut access)?;
+        let mesh = Mesh::open(&ranks, &pulls, opts, &mut access)?.map(Arc::new);
+        let oneshot = Self::open_oneshot(&ranks, &pulls, opts, mesh.is_some(), &mut access)?.map(Arc::new);
         let launchers = match opts.launch_spin {
             Some(spin) if mesh.is_some() || oneshot.is_some() => Launchers::start(n, spin),
             _ => None,
         };
-        Ok(Group { launchers, mesh, oneshot, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
+        Ok(Group {
+            launchers,
+            mesh,
+            oneshot,
+            algorithm: opts.algorithm,
+            ranks,
+            pulls: Arc::new(pulls),
+            scratch: Mutex::new(Vec::new()),
+            serial: Mutex::new(()),
+            capturing: AtomicBool::new(false),
+            captures: Mutex::new(Vec::new()),
+            access: Arc::new(access),
+        })
     }
 
     /// Sets up the one-shot all-reduce where `opts` asks for it and the
@@ -352,12 +371,29 @@ impl Group {
         self.pulls.get(r).map(|p| &p.status)
     }
 
-    /// Waits on the host until every rank's stream is idle.
+    /// Waits on the host until every rank's stream is idle. Every stream is
+    /// waited for, also after one fails; the first error is returned.
     pub fn synchronize(&self) -> Result<()> {
-        for r in &self.ranks {
-            r.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
+        let mut first = Ok(());
+        for (r, e) in self.synchronize_each() {
+            log::debug!("synchronising rank {r}: {e}");
+            if first.is_ok() {
+                first = Err(e);
+            }
         }
-        Ok(())
+        first
+    }
+
+    /// Synchronises every rank's stream, and the work ordered with callers'
+    /// buffers, and returns each failure with its rank.
+    fn synchronize_each(&self) -> Vec<(usize, Error)> {
+        let mut errors = Vec::new();
+        for (i, r) in self.ranks.iter().enumerate() {
+            if let Err(e) = r.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize")).and_then(|_| r.order.synchronize()) {
+                errors.push((i, e));
+            }
+        }
+        errors
     }
 
     /// Rank r's reduction kernel `name` (for `op` and `dtype`), from its table.
@@ -400,9 +436,42 @@ impl Group {
         Ok(())
     }
 
-    /// Serialises one collective's enqueue against calls from other threads.
-    pub(crate) fn serial(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.serial.lock().unwrap_or_else(|p| p.into_inner())
+    /// Starts one collective's enqueue: serialises it against calls from
+    /// other threads (the guard), notes whether it is being captured into a
+    /// graph, and makes each graph it is captured into keep the group's
+    /// resources alive for as long as the graph lives (`crate::graph`): a
+    /// graph may be replayed after the group is dropped.
+    pub(crate) fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
+        let serial = self.serial.lock().unwrap_or_else(|p| p.into_inner());
+        let mut capturing = false;
+        for rank in &self.ranks {
+            let Some((id, graph)) = capture_of(&rank.stream)? else { continue };
+            capturing = true;
+            let mut seen = self.captures.lock().unwrap_or_else(|p| p.into_inner());
+            if !seen.contains(&id) {
+                retain(graph, self.keep_alive())?;
+                if seen.len() >= 16 {
+                    seen.remove(0);
+                }
+                seen.push(id);
+            }
+        }
+        self.capturing.store(capturing, Relaxed);
+        Ok(serial)
+    }
+
+    /// Whether the call being enqueued is captured into a graph (set by
+    /// [`Self::enter`]).
+    pub(crate) fn capturing(&self) -> bool {
+        self.capturing.load(Relaxed)
+    }
+
+    /// Everything a captured call of this group can touch when replayed:
+    /// the one-shot's and the mesh's slots and flags, the staged links'
+    /// buffers, the scratch, and the peer access the kernels rely on.
+    fn keep_alive(&self) -> KeepAlive {
+        let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Arc::new((self.mesh.clone(), self.oneshot.clone(), self.pulls.clone(), scratch, self.access.clone()))
     }
 
     /// Whether the group has the mesh all-reduce (used below
@@ -430,11 +499,7 @@ impl Group {
     /// context, where the callers' buffer guards record their events).
     pub(crate) fn launch_each(&self, launch: &Job<'_>) -> Result<()> {
         if let Some(l) = &self.launchers {
-            let mut capturing = false;
-            for r in &self.ranks {
-                capturing |= is_capturing(&r.stream)?;
-            }
-            if !capturing {
+            if !self.capturing() {
                 return l.run(launch);
             }
         }
@@ -446,7 +511,7 @@ impl Group {
 
     /// The one-shot state, when an all-reduce of `bytes` per rank takes it.
     pub(crate) fn oneshot_for(&self, bytes: usize) -> Option<&OneShot> {
-        self.oneshot.as_ref().filter(|_| self.all_reduce_algorithm(bytes) == Algorithm::OneShot)
+        self.oneshot.as_deref().filter(|_| self.all_reduce_algorithm(bytes) == Algorithm::OneShot)
     }
 
     /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.
@@ -480,9 +545,10 @@ impl Group {
 impl Drop for Group {
     fn drop(&mut self) {
         // Peer access is disabled when the guards drop: no kernel or copy of
-        // this group may still be reading a peer's memory then.
-        if let Err(e) = self.synchronize() {
-            log::warn!("synchronising a group on drop: {e}");
+        // this group may still be reading a peer's memory then. Every rank
+        // is waited for, whatever failed before it.
+        for (r, e) in self.synchronize_each() {
+            log::warn!("synchronising rank {r} of a group on drop: {e}");
         }
     }
 }

@@ -74,6 +74,9 @@ pub(crate) struct Launchers {
     /// Number of the last call; held for the whole of a call, so calls
     /// from several threads take turns.
     calls: Mutex<u64>,
+    /// The process that started the threads: a forked child has none of
+    /// them, so it neither posts to them nor joins them.
+    pid: u32,
 }
 
 impl std::fmt::Debug for Launchers {
@@ -110,7 +113,7 @@ impl Launchers {
                 }
             }
         }
-        Some(Launchers { launchers, calls: Mutex::new(0) })
+        Some(Launchers { launchers, calls: Mutex::new(0), pid: std::process::id() })
     }
 
     /// Runs `job(r)` for every rank `r` in `0..=launchers`: rank 0 on the
@@ -119,6 +122,10 @@ impl Launchers {
     /// returned, with the first error (a panicking job becomes
     /// [`Error::Internal`]).
     pub(crate) fn run(&self, job: &Job<'_>) -> Result<()> {
+        if std::process::id() != self.pid {
+            // A forked child: the threads stayed in the parent.
+            return (0..=self.launchers.len()).rev().try_for_each(job);
+        }
         let mut calls = lock(&self.calls);
         *calls += 1;
         let call = *calls;
@@ -169,6 +176,13 @@ impl Launchers {
 
 impl Drop for Launchers {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child: there is no thread to stop or join here.
+            for l in &mut self.launchers {
+                std::mem::forget(l.thread.take());
+            }
+            return;
+        }
         for l in &self.launchers {
             l.shared.stop.store(true, SeqCst);
             wake(l);

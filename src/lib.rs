@@ -28,6 +28,7 @@ pub mod driver;
 pub mod dtype;
 pub mod error;
 pub mod group;
+mod graph;
 pub(crate) mod kernels;
 mod mesh;
 mod launch;

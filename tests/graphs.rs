@@ -167,3 +167,67 @@ fn ring_all_reduces_replay_from_a_graph() {
     capture_and_replay(&ctxs, 3, "p2p-ring-3", PathPolicy::P2pOnly, Algorithm::Ring, &COUNTS[..2]);
     capture_and_replay(&ctxs, n, "staged-ring", PathPolicy::StagedOnly, Algorithm::Ring, &COUNTS[..2]);
 }
+
+/// Free device memory of `ctx`'s device, after synchronising it (freed
+/// memory returns to the device at synchronisation points).
+fn free_bytes(ctx: &Arc<CudaContext>) -> usize {
+    ctx.synchronize().unwrap();
+    cuda_peer::driver::mem_info(ctx).unwrap().0
+}
+
+/// A graph replayed after its group was dropped (issue 16, item 5): the
+/// graph keeps the group's slots, flags, pinned buffers and peer access
+/// alive, so the replays are still right; once the graph is dropped too,
+/// the group's device memory comes back.
+#[test]
+fn graphs_outlive_their_group() {
+    let Some(ctxs) = untracked("graphs_outlive_their_group", 2) else { return };
+    let cases = [
+        ("one-shot over P2P", PathPolicy::P2pOnly, Algorithm::Auto, 1024, true),
+        ("mesh", PathPolicy::P2pOnly, Algorithm::Mesh, 4093, true),
+        ("ring over P2P", PathPolicy::P2pOnly, Algorithm::Ring, 1 << 14, false),
+        ("one-shot through host memory", PathPolicy::StagedOnly, Algorithm::OneShot, 1 << 14, false),
+        ("staged ring", PathPolicy::StagedOnly, Algorithm::Ring, 4093, false),
+    ];
+    let n = 2;
+    for (what, policy, algorithm, count, device_slots) in cases {
+        let streams: Vec<_> = (0..n).map(|r| ctxs[r].new_stream().unwrap()).collect();
+        let mut send: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
+        let mut recv: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
+        let before = free_bytes(&ctxs[0]);
+        let group = Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::with_policy(policy) }).expect("group");
+        let inputs = random(n, count);
+        fill(&streams, &mut send, &inputs);
+        group.all_reduce(&send, &mut recv, ReduceOp::Sum).expect("eager all_reduce");
+        sync(&streams);
+        let graph = capture(&streams, || group.all_reduce(&send, &mut recv, ReduceOp::Sum));
+        let with_group = free_bytes(&ctxs[0]);
+        drop(group);
+        for replay in 0..3 {
+            let inputs = random(n, count);
+            fill(&streams, &mut send, &inputs);
+            fill(&streams, &mut recv, &vec![vec![0xDEAD_BEEFu32; count]; n]);
+            graph.launch().expect("graph launch");
+            sync(&streams);
+            check(&format!("{what}: replay {replay} after the group was dropped"), &streams, &recv, &reference(&inputs));
+        }
+        if device_slots {
+            // The group's device memory (16 MiB of slots, flags) is still
+            // held while the graph lives...
+            assert!(free_bytes(&ctxs[0]) + (8 << 20) < before, "{what}: the group's device memory was freed under a live graph");
+            assert!(with_group + (8 << 20) < before, "{what}: the group took no device memory?");
+        }
+        drop(graph);
+        // ... and comes back once it is gone (released by a thread of the
+        // library's after the driver lets go of the graph).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let now = free_bytes(&ctxs[0]);
+            if now + (2 << 20) >= before {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{what}: {} MiB of device memory not returned 10 s after the graph was dropped", (before - now) >> 20);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}

@@ -23,6 +23,7 @@ pub mod verify;
 use crate::driver::{api, bind};
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::peer::{raw_ctx, PeerAccess};
+use crate::graph::{capture_of, retain};
 use crate::sync::{tracking, with_read, with_write, Orderer, Tracking};
 use crate::topology::link_info;
 use cuda_peer_sys as sys;
@@ -130,7 +131,8 @@ pub struct Link {
     dst: Arc<CudaContext>,
     status: LinkStatus,
     _access: Vec<PeerAccess>,
-    staging: Option<Staging>,
+    /// Shared with the CUDA graphs that captured staged copies.
+    staging: Option<Arc<Staging>>,
     /// Orders callers' buffers with the link's work (`crate::sync`).
     order: Orderer,
     /// Recorded on the copy's stream after each P2P copy, so that the
@@ -217,7 +219,7 @@ impl Link {
     pub fn open(src: &Arc<CudaContext>, dst: &Arc<CudaContext>, opts: &LinkOptions) -> Result<Link> {
         let (access, status) = decide(src, dst, opts)?;
         let staging = match status.path {
-            Path::Staged => Some(Staging::new(src, dst, opts.staging_chunk_bytes, opts.staging_buffers)?),
+            Path::Staged => Some(Arc::new(Staging::new(src, dst, opts.staging_chunk_bytes, opts.staging_buffers)?)),
             _ => None,
         };
         let done = dst.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
@@ -298,6 +300,11 @@ impl Link {
                 let Some(staging) = self.staging.as_ref() else {
                     return Err(Error::InvalidArgument("staged link without staging buffers".into()));
                 };
+                // A graph that captures the copy uses the pinned buffers
+                // whenever it is replayed: it keeps them alive.
+                if let Some((_, graph)) = capture_of(stream)? {
+                    retain(graph, staging.clone())?;
+                }
                 // With event tracking, reading `src` on the staging stream
                 // waited for its writers' events; without, the caller orders
                 // them through `stream`.

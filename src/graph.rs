@@ -1,0 +1,108 @@
+//! CUDA graph captures: which graph a stream is capturing into, and keeping
+//! what a captured call uses (slots, flags, pinned buffers, scratch, peer
+//! access) alive for as long as the graph can be launched.
+//!
+//! The driver's mechanism for this is a *user object* owned by the graph
+//! (`cuUserObjectCreate`, `cuGraphRetainUserObject`): executable graphs
+//! instantiated from it own it too, and the driver calls its destructor once
+//! the last graph is destroyed and its last launch has finished. The
+//! destructor may not call CUDA, so it hands the resources to a thread of
+//! ours that drops them (their `Drop`s free memory through the driver).
+
+use crate::driver::{api, bind};
+use crate::error::{check, Result};
+use cuda_peer_sys as sys;
+use cudarc::driver::CudaStream;
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::{mpsc, Arc, OnceLock};
+
+/// What a captured call needs to outlive it.
+pub(crate) type KeepAlive = Arc<dyn Any + Send + Sync>;
+
+/// The capture `stream` is in, if any: its id and graph.
+pub(crate) fn capture_of(stream: &CudaStream) -> Result<Option<(u64, sys::CUgraph)>> {
+    let api = api()?;
+    bind(stream.context())?;
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut id, mut graph) = (0u64, std::ptr::null_mut());
+    // SAFETY: the stream is alive (we hold it) and its context is current;
+    // the driver writes the status, the id and the graph handle, and is
+    // told (null) not to return the dependency list.
+    check("cuStreamGetCaptureInfo", unsafe {
+        api.cuStreamGetCaptureInfo_v2(stream.cu_stream() as sys::CUstream, &mut status, &mut id, &mut graph, std::ptr::null_mut(), std::ptr::null_mut())
+    })?;
+    Ok((status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE && !graph.is_null()).then_some((id, graph)))
+}
+
+/// Makes `graph` (being captured) own a reference to `keep`, released when
+/// the graph and every executable graph made from it are gone.
+pub(crate) fn retain(graph: sys::CUgraph, keep: KeepAlive) -> Result<()> {
+    let api = api()?;
+    // Started before any destructor can run.
+    reaper();
+    let payload = Box::into_raw(Box::new(keep)) as *mut c_void;
+    let mut object = std::ptr::null_mut();
+    // SAFETY: `payload` is a live Box that only `release` takes back, once:
+    // the object starts with one reference, which the graph takes over.
+    let created = check("cuUserObjectCreate", unsafe {
+        api.cuUserObjectCreate(&mut object, payload, Some(release), 1, sys::CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC.0)
+    });
+    if let Err(e) = created {
+        // SAFETY: the driver did not take the payload; it is ours again.
+        drop(unsafe { Box::from_raw(payload as *mut KeepAlive) });
+        return Err(e);
+    }
+    // SAFETY: `graph` is the graph of a capture in progress (from
+    // `capture_of` in this call), `object` was just created with one
+    // reference, which MOVE hands to the graph.
+    let retained = check("cuGraphRetainUserObject", unsafe {
+        api.cuGraphRetainUserObject(graph, object, 1, sys::CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE.0)
+    });
+    if retained.is_err() {
+        // SAFETY: the reference is still ours; releasing it runs `release`.
+        unsafe { api.cuUserObjectRelease(object, 1) };
+    }
+    retained
+}
+
+/// The user object's destructor: hands the payload to the reaper thread
+/// (no CUDA call is allowed here). Without a reaper the payload leaks,
+/// which is safe.
+unsafe extern "C" fn release(payload: *mut c_void) {
+    // SAFETY: `payload` is the Box made in `retain`, and the driver calls
+    // this once per object.
+    let keep = unsafe { Box::from_raw(payload as *mut KeepAlive) };
+    match REAPER.get().and_then(Option::as_ref) {
+        Some(tx) => {
+            if let Err(mpsc::SendError(k)) = tx.send(keep) {
+                std::mem::forget(k);
+            }
+        }
+        None => std::mem::forget(keep),
+    }
+}
+
+static REAPER: OnceLock<Option<mpsc::Sender<Box<KeepAlive>>>> = OnceLock::new();
+
+/// The thread that drops what released graphs kept alive, started on first
+/// use (before any destructor can run).
+fn reaper() -> Option<&'static mpsc::Sender<Box<KeepAlive>>> {
+    REAPER
+        .get_or_init(|| {
+            let (tx, rx) = mpsc::channel::<Box<KeepAlive>>();
+            let spawned = std::thread::Builder::new().name("cuda-peer-graph-release".into()).spawn(move || {
+                for keep in rx {
+                    drop(keep);
+                }
+            });
+            match spawned {
+                Ok(_) => Some(tx),
+                Err(e) => {
+                    log::warn!("cuda-peer: cannot start the graph release thread ({e}); what graphs keep alive will leak");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
