@@ -291,7 +291,7 @@ impl Group {
         let chunks = self.chain_chunks::<T>(count);
         let esz = T::DTYPE.size();
         let b = self.write_ptrs(bufs)?;
-        let r = (|| -> Result<()> {
+        let r = {
             let steps: Vec<Vec<Option<PullOp>>> = schedule::broadcast(n, root, chunks.len())
                 .into_iter()
                 .map(|step| {
@@ -307,7 +307,7 @@ impl Group {
                 })
                 .collect();
             self.run("sum", T::DTYPE, &steps)
-        })();
+        };
         ordered(r, [b])
     }
 
