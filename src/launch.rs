@@ -307,7 +307,13 @@ mod tests {
     #[test]
     fn awake_launchers_run_jobs_on_their_own_threads() {
         let l = Launchers::start(3, Duration::from_secs(5)).expect("threads");
-        std::thread::sleep(Duration::from_millis(10));
+        // Each launcher is parked until its thread runs, then spins for 5 s:
+        // wait until both are awake (a loaded machine may take a while).
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while l.launchers.iter().any(|x| x.shared.parked.load(SeqCst)) {
+            assert!(std::time::Instant::now() < deadline, "the launcher threads did not start within 30 s");
+            std::thread::yield_now();
+        }
         let me = std::thread::current().id();
         let names = Mutex::new(vec![None; 3]);
         l.run(&|r| {

@@ -13,6 +13,10 @@ pub fn required() -> bool {
 /// Contexts for the first `min` devices, or `None` after printing why the
 /// test is skipped. With `CUDA_PEER_REQUIRE_GPU=1` a missing device panics.
 pub fn gpus(test: &str, min: usize) -> Option<Vec<Arc<CudaContext>>> {
+    // libtest names each test's thread after the test (`main` when it runs
+    // on the main thread): that name, where there is one, is the one to show.
+    let current = std::thread::current();
+    let test = current.name().filter(|n| *n != "main").unwrap_or(test);
     let why = match cuda_peer::driver::device_count() {
         Ok(n) if n >= min => return Some((0..n).map(|i| cuda_peer::driver::context(i).expect("context")).collect()),
         Ok(n) => format!("needs {min} CUDA device(s), found {n}"),
