@@ -29,7 +29,7 @@ use crate::oneshot::OneShot;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 /// Which algorithm a group's all-reduce uses.
@@ -231,10 +231,14 @@ pub struct Group {
     pub(crate) pulls: Arc<Vec<Pull>>,
     /// Per-rank scratch for reduce-scatter on three or more ranks.
     pub(crate) scratch: Mutex<Vec<Arc<CudaSlice<u8>>>>,
-    /// Held for the whole enqueue of one collective: the per-rank step
-    /// events and the mesh's device-side counters assume calls in one order
-    /// on every rank, so calls from several threads are serialised.
-    serial: Mutex<()>,
+    /// One lock per stream of the group, shared with every other group on
+    /// that stream (`stream_locks`), all held (in a fixed order) for the
+    /// whole enqueue of one collective: the per-rank step events and the
+    /// device-side barriers and counters assume calls in one order on every
+    /// rank, so calls from several threads, and calls of two groups that
+    /// share streams, are serialised. (Two groups enqueueing on the same
+    /// streams in opposite orders would wait for each other on the device.)
+    serial: Vec<Arc<Mutex<()>>>,
     /// Whether the call being enqueued (under `serial`) is captured into a
     /// graph on some rank's stream.
     capturing: AtomicBool,
@@ -296,6 +300,7 @@ impl Group {
             Some(spin) if mesh.is_some() || oneshot.is_some() => Launchers::start(n, spin),
             _ => None,
         };
+        let serial = stream_locks(&ranks);
         Ok(Group {
             launchers,
             mesh,
@@ -304,7 +309,7 @@ impl Group {
             ranks,
             pulls: Arc::new(pulls),
             scratch: Mutex::new(Vec::new()),
-            serial: Mutex::new(()),
+            serial,
             capturing: AtomicBool::new(false),
             captures: Mutex::new(Vec::new()),
             access: Arc::new(access),
@@ -441,8 +446,8 @@ impl Group {
     /// graph, and makes each graph it is captured into keep the group's
     /// resources alive for as long as the graph lives (`crate::graph`): a
     /// graph may be replayed after the group is dropped.
-    pub(crate) fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
-        let serial = self.serial.lock().unwrap_or_else(|p| p.into_inner());
+    pub(crate) fn enter(&self) -> Result<Vec<std::sync::MutexGuard<'_, ()>>> {
+        let serial: Vec<_> = self.serial.iter().map(|m| m.lock().unwrap_or_else(|p| p.into_inner())).collect();
         let mut capturing = false;
         for rank in &self.ranks {
             let Some((id, graph)) = capture_of(&rank.stream)? else { continue };
@@ -551,6 +556,30 @@ impl Drop for Group {
             log::warn!("synchronising rank {r} of a group on drop: {e}");
         }
     }
+}
+
+/// Locks shared by every group that enqueues on a stream, by (CUDA
+/// context, stream) handle; entries go when their last group does.
+type StreamKey = (usize, usize);
+static STREAM_LOCKS: Lazy<Mutex<HashMap<StreamKey, Weak<Mutex<()>>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The shared locks of `ranks`' streams, one per distinct stream, in the
+/// order of their keys: every group takes them in that one order.
+fn stream_locks(ranks: &[Rank]) -> Vec<Arc<Mutex<()>>> {
+    let mut keys: Vec<StreamKey> = ranks.iter().map(|r| (r.ctx.cu_ctx() as usize, r.stream.cu_stream() as usize)).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let mut map = STREAM_LOCKS.lock().unwrap_or_else(|p| p.into_inner());
+    map.retain(|_, w| w.strong_count() > 0);
+    keys.into_iter()
+        .map(|k| {
+            map.get(&k).and_then(Weak::upgrade).unwrap_or_else(|| {
+                let lock = Arc::new(Mutex::new(()));
+                map.insert(k, Arc::downgrade(&lock));
+                lock
+            })
+        })
+        .collect()
 }
 
 /// Why `ranks` cannot run a fused all-reduce (mesh or one-shot), if they
