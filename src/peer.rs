@@ -4,10 +4,17 @@
 //! memory: it calls `cuCtxEnablePeerAccess` and also opens the peer device's
 //! default memory pool to the accessing device (`cuMemPoolSetAccess`), since
 //! cudarc allocates from that pool and peer access alone does not cover pool
-//! memory. Guards for the same pair are counted process-wide: the last guard
-//! dropped undoes what the first one enabled, and nothing else. Access that
-//! was already enabled by someone else (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`)
-//! is success without ownership and is left enabled.
+//! memory. Guards for the same pair are counted process-wide.
+//!
+//! What the last guard does: like NCCL, a guard from [`PeerAccess::enable`]
+//! (what links and groups use) leaves the access it enabled in place when
+//! it goes, so that another library that found it enabled in the meantime
+//! (and was told `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`) is never pulled
+//! out from under. [`PeerAccess::enable_scoped`] asks for the old state to
+//! come back instead: when the last guard of a pair to go is scoped, what
+//! the first guard changed (and nothing else) is undone.
+//! Access that was already enabled by someone else is success without
+//! ownership and is always left enabled.
 
 use crate::driver::{api, bind};
 use crate::error::{check, Error, Result};
@@ -45,10 +52,12 @@ pub(crate) fn raw_ctx(ctx: &CudaContext) -> sys::CUcontext {
 }
 
 /// `ctx`'s access to `peer`'s memory, held open while this guard lives.
-#[must_use = "peer access is disabled again when the guard is dropped"]
+#[must_use = "a scoped guard disables peer access again when it is dropped"]
 pub struct PeerAccess {
     ctx: Arc<CudaContext>,
     peer: Arc<CudaContext>,
+    /// Made by [`PeerAccess::enable_scoped`].
+    scoped: bool,
 }
 
 impl std::fmt::Debug for PeerAccess {
@@ -110,6 +119,18 @@ impl PeerAccess {
     /// Errors: [`Error::SameDevice`], [`Error::PeerUnsupported`],
     /// [`Error::TooManyPeers`], or the driver's error.
     pub fn enable(ctx: &Arc<CudaContext>, peer: &Arc<CudaContext>) -> Result<PeerAccess> {
+        Self::open(ctx, peer, false)
+    }
+
+    /// As [`Self::enable`], but when this guard is the last of the pair to
+    /// be dropped, what the first guard enabled (peer access, pool access)
+    /// is disabled again. Use it only
+    /// where no other code can have started to rely on that access.
+    pub fn enable_scoped(ctx: &Arc<CudaContext>, peer: &Arc<CudaContext>) -> Result<PeerAccess> {
+        Self::open(ctx, peer, true)
+    }
+
+    fn open(ctx: &Arc<CudaContext>, peer: &Arc<CudaContext>, scoped: bool) -> Result<PeerAccess> {
         let (from, to) = (ctx.ordinal(), peer.ordinal());
         if from == to {
             return Err(Error::SameDevice(from));
@@ -118,7 +139,7 @@ impl PeerAccess {
         let k = key(ctx, peer);
         if let Some(e) = reg.get_mut(&k) {
             e.guards += 1;
-            return Ok(PeerAccess { ctx: ctx.clone(), peer: peer.clone() });
+            return Ok(PeerAccess { ctx: ctx.clone(), peer: peer.clone(), scoped });
         }
         let api = api()?;
         bind(ctx)?;
@@ -147,7 +168,7 @@ impl PeerAccess {
         };
         log::debug!("peer access {from} -> {to} enabled (owned: {owns_ctx_access}, pool granted: {})", pool_restore.is_some());
         reg.insert(k, Entry { guards: 1, owns_ctx_access, pool_restore });
-        Ok(PeerAccess { ctx: ctx.clone(), peer: peer.clone() })
+        Ok(PeerAccess { ctx: ctx.clone(), peer: peer.clone(), scoped })
     }
 
     /// The accessing context.
@@ -176,6 +197,10 @@ impl Drop for PeerAccess {
             return;
         }
         let Some(e) = reg.remove(&k) else { return };
+        if !self.scoped {
+            log::debug!("peer access {} -> {} left enabled (last guard dropped)", self.ctx.ordinal(), self.peer.ordinal());
+            return;
+        }
         if let Some((pool, flags)) = e.pool_restore {
             if let Err(err) = set_pool(pool.0, self.ctx.ordinal(), flags) {
                 log::warn!("restoring pool access {} -> {}: {err}", self.ctx.ordinal(), self.peer.ordinal());

@@ -107,12 +107,14 @@ fn peer_access_guards_count_and_undo() {
     let Some(ctx) = gpus("peer_access_guards", 2) else { return };
     assert!(matches!(PeerAccess::enable(&ctx[0], &ctx[0]), Err(Error::SameDevice(0))));
     for _round in 0..3 {
-        let g1 = PeerAccess::enable(&ctx[0], &ctx[1]).expect("enable");
-        let g2 = PeerAccess::enable(&ctx[0], &ctx[1]).expect("enable again");
+        let g1 = PeerAccess::enable_scoped(&ctx[0], &ctx[1]).expect("enable");
+        let g2 = PeerAccess::enable_scoped(&ctx[0], &ctx[1]).expect("enable again");
         assert!(PeerAccess::is_held(&ctx[0], &ctx[1]));
         drop(g1);
         assert!(PeerAccess::is_held(&ctx[0], &ctx[1]), "one guard still alive");
-        // Access still works with one guard: a kernel-free check through a P2P copy.
+        // Access still works with one guard: a kernel-free check through a P2P
+        // copy (the link's own guards go before the last scoped one, which
+        // decides).
         let mut link = Link::open(&ctx[0], &ctx[1], &LinkOptions::with_policy(PathPolicy::P2pOnly)).unwrap();
         let data = random_bytes(4099);
         let src = ctx[0].default_stream().clone_htod(&data).unwrap();
@@ -133,6 +135,31 @@ fn peer_access_guards_count_and_undo() {
         // SAFETY: undoes the enable above.
         assert_eq!(unsafe { api.cuCtxDisablePeerAccess(peer) }, cuda_peer::sys::CUresult::CUDA_SUCCESS);
     }
+}
+
+/// Guards that are not scoped (what links and groups hold) leave the access
+/// they enabled in place, as NCCL does: other code may rely on it by then.
+#[test]
+fn unscoped_guards_leave_access_enabled() {
+    let Some(ctx) = gpus("unscoped_guards_leave_access_enabled", 2) else { return };
+    let api = driver::api().unwrap();
+    ctx[1].bind_to_thread().unwrap();
+    let peer = ctx[0].cu_ctx() as cuda_peer::sys::CUcontext;
+    // Start from "disabled", whatever earlier tests left.
+    // SAFETY: test-only raw call with live contexts.
+    let _ = unsafe { api.cuCtxDisablePeerAccess(peer) };
+    // The last guard to go decides: here an unscoped one.
+    let scoped = PeerAccess::enable_scoped(&ctx[1], &ctx[0]).expect("enable");
+    let plain = PeerAccess::enable(&ctx[1], &ctx[0]).expect("enable");
+    drop(scoped);
+    drop(plain);
+    assert!(!PeerAccess::is_held(&ctx[1], &ctx[0]));
+    ctx[1].bind_to_thread().unwrap();
+    // SAFETY: as above.
+    let r = unsafe { api.cuCtxEnablePeerAccess(peer, 0) };
+    assert_eq!(r, cuda_peer::sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, "an unscoped guard disabled access");
+    // SAFETY: leaves the pair disabled for the next test.
+    assert_eq!(unsafe { api.cuCtxDisablePeerAccess(peer) }, cuda_peer::sys::CUresult::CUDA_SUCCESS);
 }
 
 #[test]
