@@ -54,7 +54,7 @@ impl Group {
         Bufs { ptrs, _guards: guards }
     }
 
-    fn divide<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
+    pub(crate) fn divide<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
         if op == ReduceOp::Avg && self.size() > 1 {
             for r in ranks {
                 self.launch_scale_div(r, T::DTYPE, ptrs[r], count, self.size() as f64)?;
@@ -92,7 +92,7 @@ impl Group {
         self.all_reduce_ptrs::<T>(op, &b.ptrs, count)
     }
 
-    fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize) -> Result<()> {
+    pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize) -> Result<()> {
         let n = self.size();
         if count == 0 {
             return Ok(());

@@ -231,6 +231,8 @@ pub struct Group {
     /// events and the mesh's device-side counters assume calls in one order
     /// on every rank, so calls from several threads are serialised.
     serial: Mutex<()>,
+    /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
+    pub(crate) raw_events: once_cell::sync::OnceCell<Vec<crate::raw::RawEvents>>,
     _access: Vec<PeerAccess>,
 }
 
@@ -286,7 +288,18 @@ impl Group {
             Some(spin) if mesh.is_some() || oneshot.is_some() => Launchers::start(n, spin),
             _ => None,
         };
-        Ok(Group { launchers, mesh, oneshot, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
+        Ok(Group {
+            launchers,
+            mesh,
+            oneshot,
+            algorithm: opts.algorithm,
+            ranks,
+            pulls,
+            scratch: Mutex::new(Vec::new()),
+            serial: Mutex::new(()),
+            raw_events: once_cell::sync::OnceCell::new(),
+            _access: access,
+        })
     }
 
     /// Sets up the one-shot all-reduce where `opts` asks for it and the
