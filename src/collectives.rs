@@ -130,15 +130,15 @@ impl Group {
     /// `dst[r] = reduce(src)`, by the fused kernels where the group has
     /// them for this size, else by the ring (after copying `src` into `dst`
     /// where they differ).
-    fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: &[u64], dst: &[u64], count: usize) -> Result<()> {
+    pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: &[u64], dst: &[u64], count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
         if self.launch_fused(op.kernel_op(), T::DTYPE, src, dst, count)? {
             return self.divide::<T>(op, dst, count, 0..self.size());
         }
-        if src != dst {
-            for r in 0..self.size() {
+        for r in 0..self.size() {
+            if src[r] != dst[r] {
                 self.local_copy(r, dst[r], src[r], count * T::DTYPE.size())?;
             }
         }

@@ -188,6 +188,16 @@ impl Error {
     }
 }
 
+/// A cudarc driver error becomes [`Error::Driver`] with the operation
+/// `"cudarc"` and cudarc's `CUresult`, so that `?` works on cudarc calls in
+/// code that returns this crate's errors. (Inside the crate each call names
+/// its own operation instead.)
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::driver("cudarc", e.0 as u32)
+    }
+}
+
 /// Turns a raw `CUresult` into `Ok(())` or [`Error::Driver`].
 pub(crate) fn check(op: &'static str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -244,5 +254,17 @@ mod tests {
             cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
         ));
         assert_eq!(e.cu_result(), Some(sys::CUresult::CUDA_ERROR_INVALID_VALUE.0));
+    }
+
+    #[test]
+    fn cudarc_errors_convert_with_question_mark() {
+        fn fails() -> Result<()> {
+            Err(cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY))?;
+            Ok(())
+        }
+        let e = fails().unwrap_err();
+        assert_eq!(e.cu_result(), Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0));
+        assert!(matches!(e, Error::Driver { op: "cudarc", .. }), "{e:?}");
+        assert!(e.to_string().starts_with("cudarc failed: "), "{e}");
     }
 }

@@ -245,6 +245,8 @@ pub struct Group {
     /// The last captures that hold a reference to the group's resources.
     captures: Mutex<Vec<u64>>,
     access: Arc<Vec<PeerAccess>>,
+    /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
+    pub(crate) raw_events: once_cell::sync::OnceCell<Vec<crate::raw::RawEvents>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -312,6 +314,7 @@ impl Group {
             serial,
             capturing: AtomicBool::new(false),
             captures: Mutex::new(Vec::new()),
+            raw_events: once_cell::sync::OnceCell::new(),
             access: Arc::new(access),
         })
     }

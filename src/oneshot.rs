@@ -210,6 +210,17 @@ impl Group {
         })
     }
 
+    /// The one-shot all-reduce on raw pointers, `output[r] = reduce(every
+    /// input)` (in place where they are equal), each rank launched on its
+    /// own launcher: for callers that order the buffers themselves
+    /// ([`crate::raw`]).
+    pub(crate) fn oneshot_ptrs<T: Element>(&self, os: &OneShot, op: ReduceOp, input: &[u64], output: &[u64], count: usize) -> Result<()> {
+        self.launch_each(&|r| match (input.get(r), output.get(r)) {
+            (Some(&i), Some(&o)) => self.oneshot_rank::<T>(os, op, r, i, o, count),
+            _ => Err(Error::Internal(format!("one-shot: no buffer for rank {r}"))),
+        })
+    }
+
     /// Rank r's one-shot kernel, then the division of [`ReduceOp::Avg`].
     fn oneshot_rank<T: Element>(&self, os: &OneShot, op: ReduceOp, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
         self.launch_oneshot_rank(os, op.kernel_op(), T::DTYPE, r, input, output, count)?;

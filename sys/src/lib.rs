@@ -77,10 +77,24 @@ pub fn load_from(names: &[&str]) -> Result<DriverApi, LoadError> {
         // signature bindgen generated from the matching cuda.h.
         match unsafe { DriverApi::new(name) } {
             Ok(api) => return Ok(api),
-            Err(e) => attempts.push((name.to_string(), e.to_string())),
+            Err(e) => attempts.push((name.to_string(), with_sources(&e))),
         }
     }
     Err(LoadError { attempts })
+}
+
+/// An error's message followed by its sources': libloading 0.9 says only
+/// "dlopen failed" or "dlsym failed" and keeps the loader's own message
+/// (which file, which symbol) in the source.
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// The process-wide driver library, loaded on first call and kept for the

@@ -110,5 +110,14 @@ fn main() {
         builder = builder.allowlist_var(format!("^{v}$"));
     }
     let bindings = builder.generate().expect("bindgen failed on cuda.h");
-    bindings.write_to_file(&args[2]).expect("cannot write the bindings");
+    // bindgen (0.72-0.73) passes `new`'s `P: AsRef<OsStr>` straight to
+    // `libloading::Library::new`, which from libloading 0.9 takes an `AsFilename`
+    // (implemented for `&OsStr`, not for every `AsRef<OsStr>`). Passing
+    // `path.as_ref()` compiles with 0.8 and 0.9 (bindgen's own fix,
+    // rust-lang/rust-bindgen#3315, is not in a release yet).
+    let from = "::libloading::Library::new(path)";
+    let text = bindings.to_string();
+    assert_eq!(text.matches(from).count(), 1, "bindgen's DriverApi::new changed: revisit this patch");
+    let text = text.replace(from, "::libloading::Library::new(path.as_ref())");
+    std::fs::write(&args[2], text).expect("cannot write the bindings");
 }

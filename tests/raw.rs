@@ -1,0 +1,337 @@
+//! GPU tests of the raw-pointer all-reduce (`Group::all_reduce_raw`):
+//! buffers from raw `cuMemAlloc`, as a framework that does not use cudarc's
+//! slices hands them in, ordered on caller streams that are not the group's.
+//!
+//! Each case writes fresh random inputs on the caller's stream (async, right
+//! before the call), runs the all-reduce, reads the results back on the
+//! caller's stream, and only then synchronises that stream: so a missing
+//! wait in either direction shows up as poisoned or stale data. Integers are
+//! compared exactly (wrapping sums), f32 within a stated bound.
+mod common;
+
+use cuda_peer::cudarc::driver::{result, CudaContext, CudaStream};
+use cuda_peer::{Algorithm, DType, Error, Group, GroupOptions, PathPolicy, RawBuffer, RawStream, ReduceOp};
+use rand::Rng;
+use std::sync::Arc;
+
+/// `count` elements of `T` from raw `cuMemAlloc` on `ctx`'s device, freed on drop.
+struct DeviceAlloc {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceAlloc {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Self {
+        ctx.bind_to_thread().expect("bind");
+        // SAFETY: a plain allocation in the bound context.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.expect("cuMemAlloc");
+        DeviceAlloc { ctx: ctx.clone(), ptr, bytes }
+    }
+
+    fn buf(&self) -> RawBuffer {
+        RawBuffer(self.ptr)
+    }
+
+    fn poison(&self) {
+        self.ctx.bind_to_thread().expect("bind");
+        // SAFETY: `ptr` holds `bytes` bytes.
+        unsafe { result::memcpy_htod_sync(self.ptr, &vec![0xA5u8; self.bytes]) }.expect("poison");
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_sync; every user synchronised before the drop.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+trait Elem: Copy + PartialEq + std::fmt::Debug + bytemuck::Pod {
+    const DTYPE: DType;
+    fn random(rng: &mut impl Rng) -> Self;
+    fn sum(a: Self, b: Self) -> Self;
+    /// Whether `got` is within the test's bound of `want`, the sum of `n` inputs.
+    fn close(got: Self, want: Self, n: usize) -> bool;
+}
+
+impl Elem for u32 {
+    const DTYPE: DType = DType::U32;
+    fn random(rng: &mut impl Rng) -> Self {
+        rng.random()
+    }
+    fn sum(a: Self, b: Self) -> Self {
+        a.wrapping_add(b)
+    }
+    fn close(got: Self, want: Self, _: usize) -> bool {
+        got == want
+    }
+}
+
+impl Elem for i64 {
+    const DTYPE: DType = DType::I64;
+    fn random(rng: &mut impl Rng) -> Self {
+        rng.random()
+    }
+    fn sum(a: Self, b: Self) -> Self {
+        a.wrapping_add(b)
+    }
+    fn close(got: Self, want: Self, _: usize) -> bool {
+        got == want
+    }
+}
+
+impl Elem for f32 {
+    const DTYPE: DType = DType::F32;
+    fn random(rng: &mut impl Rng) -> Self {
+        rng.random_range(-1.0f32..1.0)
+    }
+    fn sum(a: Self, b: Self) -> Self {
+        a + b
+    }
+    /// Inputs in [-1, 1): any order of n - 1 additions is within
+    /// (n - 1) * n * 2^-24 of the exact sum, and so of the reference.
+    fn close(got: Self, want: Self, n: usize) -> bool {
+        (got - want).abs() <= 2.0 * (n * n) as f32 * f32::EPSILON
+    }
+}
+
+/// Ranks r on device r % GPUs, each with a group stream and a caller stream.
+struct Setup {
+    ctxs: Vec<Arc<CudaContext>>,
+    callers: Vec<Arc<CudaStream>>,
+    group: Group,
+}
+
+fn setup(gpus: &[Arc<CudaContext>], n: usize, opts: &GroupOptions) -> Setup {
+    let ctxs: Vec<_> = (0..n).map(|r| gpus[r % gpus.len()].clone()).collect();
+    let group_streams = ctxs.iter().map(|c| c.new_stream().expect("stream")).collect();
+    let callers = ctxs.iter().map(|c| c.new_stream().expect("stream")).collect();
+    let group = Group::new(group_streams, opts).expect("group");
+    Setup { ctxs, callers, group }
+}
+
+/// One all-reduce of fresh random data (in place, or out of place with the
+/// sends checked unchanged), checked against the CPU reference.
+fn run<T: Elem>(s: &Setup, count: usize, in_place: bool, tag: &str) {
+    let n = s.ctxs.len();
+    let bytes = count * std::mem::size_of::<T>();
+    let mut rng = rand::rng();
+    let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..count).map(|_| T::random(&mut rng)).collect()).collect();
+    let want: Vec<T> = (0..count).map(|i| (1..n).fold(inputs[0][i], |acc, r| T::sum(acc, inputs[r][i]))).collect();
+    let sends: Vec<DeviceAlloc> = s.ctxs.iter().map(|c| DeviceAlloc::new(c, bytes)).collect();
+    let recvs: Vec<DeviceAlloc> = if in_place {
+        Vec::new()
+    } else {
+        s.ctxs.iter().map(|c| DeviceAlloc::new(c, bytes)).collect()
+    };
+    let outs = if in_place { &sends } else { &recvs };
+    for a in sends.iter().chain(&recvs) {
+        a.poison();
+    }
+    let streams: Vec<RawStream> = s.callers.iter().map(|c| RawStream::of(c)).collect();
+    for r in 0..n {
+        s.ctxs[r].bind_to_thread().expect("bind");
+        // SAFETY: `sends[r]` holds `bytes` bytes; `inputs` outlives the stream's sync below.
+        unsafe { result::memcpy_htod_async(sends[r].ptr, &inputs[r], streams[r].0) }.expect("upload");
+    }
+    let send_bufs: Vec<RawBuffer> = sends.iter().map(DeviceAlloc::buf).collect();
+    let recv_bufs: Vec<RawBuffer> = outs.iter().map(DeviceAlloc::buf).collect();
+    // SAFETY: every buffer is a live cuMemAlloc allocation of `count` elements
+    // on its rank's device, used by nothing else until the caller streams are
+    // synchronised below; the streams are live streams of the ranks' contexts.
+    let res = unsafe {
+        if in_place {
+            s.group.all_reduce_raw(&send_bufs, count, T::DTYPE, ReduceOp::Sum, &streams)
+        } else {
+            s.group
+                .all_reduce_raw_out_of_place(&send_bufs, &recv_bufs, count, T::DTYPE, ReduceOp::Sum, &streams)
+        }
+    };
+    res.unwrap_or_else(|e| panic!("{tag}: {e}"));
+    let mut got = vec![vec![T::zeroed(); count]; n];
+    let mut sent = vec![vec![T::zeroed(); count]; n];
+    for r in 0..n {
+        s.ctxs[r].bind_to_thread().expect("bind");
+        // SAFETY: the buffers hold `count` elements; the stream is synchronised before reading.
+        unsafe {
+            result::memcpy_dtoh_async(&mut got[r], outs[r].ptr, streams[r].0).expect("download");
+            if !in_place {
+                result::memcpy_dtoh_async(&mut sent[r], sends[r].ptr, streams[r].0).expect("download");
+            }
+            result::stream::synchronize(streams[r].0).expect("sync");
+        }
+    }
+    for r in 0..n {
+        let bad: Vec<usize> = (0..count).filter(|&i| !T::close(got[r][i], want[i], n)).collect();
+        assert!(
+            bad.is_empty(),
+            "{tag} rank {r}: {} of {count} wrong, first at {}: {:?} != {:?}",
+            bad.len(),
+            bad[0],
+            got[r][bad[0]],
+            want[bad[0]]
+        );
+        assert_eq!(common::diff(&got[r], &got[0]), None, "{tag}: rank {r} differs from rank 0");
+        if !in_place {
+            assert_eq!(common::diff(&sent[r], &inputs[r]), None, "{tag}: rank {r}'s send buffer changed");
+        }
+    }
+}
+
+fn sizes_and_types(s: &Setup, tag: &str, sizes: &[usize]) {
+    for &bytes in sizes {
+        let algo = s.group.all_reduce_algorithm(bytes);
+        for in_place in [true, false] {
+            let what = format!("{tag} {bytes} B {algo:?} in_place={in_place}");
+            run::<u32>(s, bytes / 4, in_place, &format!("{what} u32"));
+            run::<f32>(s, bytes / 4, in_place, &format!("{what} f32"));
+        }
+        run::<i64>(s, bytes / 8 + 1, true, &format!("{tag} {bytes} B i64"));
+    }
+}
+
+#[test]
+fn raw_all_reduce_every_algorithm() {
+    let Some(gpus) = common::gpus("raw_all_reduce_every_algorithm", 2) else {
+        return;
+    };
+    let two = &gpus[..2];
+    // Auto on one rank per GPU: 4 KiB takes the one-shot, 16 MiB the mesh
+    // (P2P) or the host one-shot (none); 4 MiB + 4 B every path's largest case.
+    let auto = setup(two, 2, &GroupOptions::default());
+    let p2p = auto.group.uses_mesh();
+    assert_eq!(auto.group.all_reduce_algorithm(4096), Algorithm::OneShot);
+    sizes_and_types(&auto, "auto", &[4096, 16 << 20, (4 << 20) + 4]);
+    let forced = [
+        (
+            "ring",
+            GroupOptions {
+                algorithm: Algorithm::Ring,
+                ..GroupOptions::default()
+            },
+        ),
+        (
+            "staged-ring",
+            GroupOptions {
+                algorithm: Algorithm::Ring,
+                ..GroupOptions::with_policy(PathPolicy::StagedOnly)
+            },
+        ),
+        (
+            "host-oneshot",
+            GroupOptions {
+                algorithm: Algorithm::OneShot,
+                ..GroupOptions::with_policy(PathPolicy::StagedOnly)
+            },
+        ),
+    ];
+    for (tag, opts) in forced {
+        let s = setup(two, 2, &opts);
+        sizes_and_types(&s, tag, &[4096, 1 << 20]);
+    }
+    if p2p {
+        let s = setup(
+            two,
+            2,
+            &GroupOptions {
+                algorithm: Algorithm::Mesh,
+                ..GroupOptions::default()
+            },
+        );
+        sizes_and_types(&s, "mesh", &[4096, 16 << 20]);
+    }
+    // Three ranks on the GPUs there are: the ring (several ranks per device on two GPUs).
+    let s = setup(&gpus, 3, &GroupOptions::default());
+    sizes_and_types(&s, "3 ranks", &[4096, (1 << 20) + 12]);
+}
+
+#[test]
+fn raw_all_reduce_back_to_back_on_the_callers_streams() {
+    let Some(gpus) = common::gpus("raw_all_reduce_back_to_back_on_the_callers_streams", 2) else {
+        return;
+    };
+    let s = setup(&gpus[..2], 2, &GroupOptions::default());
+    // 24 in-place sums without host synchronisation in between: after the
+    // first both ranks hold a + b, and every later call doubles it (wrapping u32).
+    let count = 1024;
+    let bufs: Vec<DeviceAlloc> = s.ctxs.iter().map(|c| DeviceAlloc::new(c, count * 4)).collect();
+    let streams: Vec<RawStream> = s.callers.iter().map(|c| RawStream::of(c)).collect();
+    let mut rng = rand::rng();
+    let start: Vec<Vec<u32>> = (0..2).map(|_| (0..count).map(|_| rng.random()).collect()).collect();
+    for r in 0..2 {
+        s.ctxs[r].bind_to_thread().expect("bind");
+        // SAFETY: `bufs[r]` holds `count` u32; `start` outlives the sync below.
+        unsafe { result::memcpy_htod_async(bufs[r].ptr, &start[r], streams[r].0) }.expect("upload");
+    }
+    let raw: Vec<RawBuffer> = bufs.iter().map(DeviceAlloc::buf).collect();
+    let calls = 24u32;
+    for _ in 0..calls {
+        // SAFETY: as in `run`: live allocations used only here until the sync below.
+        unsafe { s.group.all_reduce_raw(&raw, count, DType::U32, ReduceOp::Sum, &streams) }.expect("all_reduce_raw");
+    }
+    for r in 0..2 {
+        let mut got = vec![0u32; count];
+        s.ctxs[r].bind_to_thread().expect("bind");
+        // SAFETY: as above.
+        unsafe {
+            result::memcpy_dtoh_async(&mut got, bufs[r].ptr, streams[r].0).expect("download");
+            result::stream::synchronize(streams[r].0).expect("sync");
+        }
+        let want: Vec<u32> = (0..count)
+            .map(|i| start[0][i].wrapping_add(start[1][i]).wrapping_mul(1 << (calls - 1)))
+            .collect();
+        assert_eq!(common::diff(&got, &want), None, "rank {r}");
+    }
+}
+
+#[test]
+fn raw_all_reduce_refuses_bad_input() {
+    let Some(gpus) = common::gpus("raw_all_reduce_refuses_bad_input", 2) else {
+        return;
+    };
+    let s = setup(&gpus[..2], 2, &GroupOptions::default());
+    let count = 256;
+    let a: Vec<DeviceAlloc> = s.ctxs.iter().map(|c| DeviceAlloc::new(c, count * 4)).collect();
+    let bufs: Vec<RawBuffer> = a.iter().map(DeviceAlloc::buf).collect();
+    let streams: Vec<RawStream> = s.callers.iter().map(|c| RawStream::of(c)).collect();
+    let call = |bufs: &[RawBuffer], count: usize, dtype: DType, op: ReduceOp, streams: &[RawStream]| {
+        // SAFETY: every case below is refused before anything is enqueued
+        // (and the buffers are live allocations on their devices anyway).
+        unsafe { s.group.all_reduce_raw(bufs, count, dtype, op, streams) }
+    };
+    let invalid = |r: Result<(), Error>, what: &str| match r {
+        Err(Error::InvalidArgument(text)) => eprintln!("  refused ({what}): {text}"),
+        other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+    };
+    invalid(call(&bufs[..1], count, DType::U32, ReduceOp::Sum, &streams), "one buffer for two ranks");
+    invalid(call(&bufs, count, DType::U32, ReduceOp::Sum, &streams[..1]), "one stream for two ranks");
+    invalid(call(&[bufs[0], RawBuffer(0)], count, DType::U32, ReduceOp::Sum, &streams), "null pointer");
+    invalid(call(&[bufs[0], RawBuffer(bufs[1].0 + 2)], 8, DType::U32, ReduceOp::Sum, &streams), "misaligned");
+    invalid(
+        call(&bufs, count, DType::U32, ReduceOp::Sum, &[streams[1], streams[0]]),
+        "streams of the wrong contexts",
+    );
+    assert!(matches!(
+        call(&bufs, count, DType::U32, ReduceOp::Avg, &streams),
+        Err(Error::UnsupportedOp { .. })
+    ));
+    assert!(matches!(
+        call(&[bufs[1], bufs[0]], count, DType::U32, ReduceOp::Sum, &streams),
+        Err(Error::WrongDevice { .. })
+    ));
+    match call(&bufs, count + 1, DType::U32, ReduceOp::Sum, &streams) {
+        Err(Error::LengthMismatch { expected, got, .. }) => assert_eq!((expected, got), (count + 1, count)),
+        other => panic!("buffer too short: expected LengthMismatch, got {other:?}"),
+    }
+    let mut host = [0u32; 4];
+    let not_device = RawBuffer(host.as_mut_ptr() as u64);
+    assert!(call(&[bufs[0], not_device], 4, DType::U32, ReduceOp::Sum, &streams).is_err(), "a host pointer");
+    // Nothing was enqueued: a valid call afterwards works, count 0 too.
+    call(&bufs, 0, DType::U32, ReduceOp::Sum, &streams).expect("count 0");
+    call(&bufs, count, DType::U32, ReduceOp::Sum, &streams).expect("valid call");
+    for st in &s.callers {
+        st.synchronize().expect("sync");
+    }
+}
