@@ -142,6 +142,7 @@ impl Group {
                 self.local_copy(r, dst[r], src[r], count * T::DTYPE.size())?;
             }
         }
+        self.check_reach("all_reduce (ring)", dst, false)?;
         self.ring_all_reduce::<T>(op, dst, count)
     }
 
@@ -213,6 +214,8 @@ impl Group {
             if n == 1 {
                 return self.local_copy(0, d.ptrs[0], s.ptrs[0], c * esz);
             }
+            self.check_reach("reduce_scatter", &s.ptrs, false)?;
+            self.check_reach("reduce_scatter", &d.ptrs, false)?;
             let partial = |r: usize, which: usize| if which == 0 { d.ptrs[r] } else { scratch[r] };
             let blk = |q: usize| (q * c * esz) as u64;
             let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce_scatter(n)
@@ -334,6 +337,8 @@ impl Group {
             if n == 1 {
                 return self.local_copy(0, d.ptrs[0], s.ptrs[0], count * esz);
             }
+            self.check_reach("reduce", &s.ptrs, false)?;
+            self.check_reach("reduce", &d.ptrs, false)?;
             let chunks = self.chain_chunks::<T>(count);
             let start = (root + 1) % n; // chain position 0 reads its send buffer
             let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce(n, root, chunks.len())

@@ -129,6 +129,21 @@ pub enum Error {
         /// How long it was given.
         after: Duration,
     },
+    /// A buffer that the kernels of another rank's device would load from
+    /// or store to is not mapped for that device (memory from a memory pool
+    /// other than the device's default one, or a VMM mapping, without
+    /// access granted to the peer): the kernel would fault and take the
+    /// context down. Allocate from the default pool or with `cuMemAlloc`,
+    /// or grant the peer access (`cuMemPoolSetAccess`, `cuMemSetAccess`).
+    #[error("{op}: rank {rank}'s buffer is not mapped for device {device}, whose kernels would access it")]
+    Unreachable {
+        /// The operation.
+        op: &'static str,
+        /// The rank whose buffer it is.
+        rank: usize,
+        /// The device that cannot access it.
+        device: usize,
+    },
     /// A call that cannot be captured into a CUDA graph as it stands (say,
     /// one that would first have to allocate memory).
     #[error("{op} cannot be captured into a CUDA graph: {reason}")]

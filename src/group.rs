@@ -22,6 +22,7 @@ use crate::mesh::Mesh;
 use crate::peer::PeerAccess;
 use crate::ring::Pull;
 use crate::graph::{capture_of, retain, KeepAlive};
+use crate::reach::ReachCache;
 use crate::sync::Orderer;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
@@ -245,6 +246,8 @@ pub struct Group {
     /// The last captures that hold a reference to the group's resources.
     captures: Mutex<Vec<u64>>,
     access: Arc<Vec<PeerAccess>>,
+    /// Buffers known to be mapped for the peers' kernels (`crate::reach`).
+    pub(crate) reach: ReachCache,
     /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
     pub(crate) raw_events: once_cell::sync::OnceCell<Vec<crate::raw::RawEvents>>,
 }
@@ -314,6 +317,7 @@ impl Group {
             serial,
             capturing: AtomicBool::new(false),
             captures: Mutex::new(Vec::new()),
+            reach: ReachCache::default(),
             raw_events: once_cell::sync::OnceCell::new(),
             access: Arc::new(access),
         })
@@ -377,6 +381,22 @@ impl Group {
     /// How rank `r` pulls from rank `r-1`, and why.
     pub fn link_status(&self, r: usize) -> Option<&LinkStatus> {
         self.pulls.get(r).map(|p| &p.status)
+    }
+
+    /// Checks that the kernels that read or write `bufs[q]` on a peer's
+    /// device can: every other rank's for the mesh (`all`), else the ring
+    /// successor's where it pulls from q by peer loads (P2P).
+    pub(crate) fn check_reach(&self, op: &'static str, bufs: &[u64], all: bool) -> Result<()> {
+        let n = self.size();
+        let ctxs: Vec<&CudaContext> = self.ranks.iter().map(|r| &*r.ctx).collect();
+        self.reach.check(op, &ctxs, bufs, |q| {
+            if all {
+                (0..n).filter(|&p| p != q).collect()
+            } else {
+                let succ = (q + 1) % n;
+                if succ != q && self.pulls[succ].status.path == Path::P2p { vec![succ] } else { Vec::new() }
+            }
+        })
     }
 
     /// Waits on the host until every rank's stream is idle. Every stream is

@@ -29,6 +29,7 @@ pub mod dtype;
 pub mod error;
 pub mod group;
 mod graph;
+mod reach;
 pub(crate) mod kernels;
 mod mesh;
 mod launch;

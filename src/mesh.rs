@@ -65,7 +65,13 @@ impl Group {
     pub(crate) fn launch_fused(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
         let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
         match (self.all_reduce_algorithm(count * dtype.size()), &self.mesh) {
-            (Algorithm::Mesh, Some(mesh)) => self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true),
+            (Algorithm::Mesh, Some(mesh)) => {
+                self.check_reach("all_reduce (mesh)", ins, true)?;
+                if ins != outs {
+                    self.check_reach("all_reduce (mesh)", outs, true)?;
+                }
+                self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true)
+            }
             _ => Ok(false),
         }
     }

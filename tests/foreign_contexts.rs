@@ -203,3 +203,89 @@ fn buffers_of_a_non_primary_context_are_refused() {
     let err = link.copy(&src, &mut dst, &other1.default_stream()).unwrap_err();
     assert!(matches!(err, Error::WrongContext { what: "stream", .. }), "{err}");
 }
+
+/// A memory pool of device `dev` other than its default one.
+fn private_pool(dev: i32) -> cuda_peer::cudarc::driver::sys::CUmemoryPool {
+    use cuda_peer::cudarc::driver::sys;
+    // SAFETY: zero is a valid value for every field (the enums' INVALID/NONE
+    // variants, a null pointer, zeroed reserved bytes); the fields that
+    // matter are set below.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev };
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: `props` describes device memory of an existing device.
+    assert_eq!(unsafe { sys::cuMemPoolCreate(&mut pool, &props) }, sys::CUresult::CUDA_SUCCESS);
+    pool
+}
+
+/// Lets device `to` read and write `pool`'s memory.
+fn grant(pool: cuda_peer::cudarc::driver::sys::CUmemoryPool, to: i32) {
+    use cuda_peer::cudarc::driver::sys;
+    let desc = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: to },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: one descriptor for a live pool.
+    assert_eq!(unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }, sys::CUresult::CUDA_SUCCESS);
+}
+
+/// Buffers from a private memory pool are not mapped for the peer: the mesh
+/// and the P2P ring, whose kernels load from and store to peers' buffers,
+/// refuse them with a typed error instead of faulting (which would kill the
+/// context); once the pools grant the peers access, the same buffers are
+/// all-reduced exactly. The one-shot never touches a peer's buffer and
+/// takes them as they are.
+#[test]
+fn buffers_of_a_private_pool_are_refused_until_granted() {
+    use cuda_peer::cudarc::driver::sys;
+    let Some(ctxs) = gpus("buffers_of_a_private_pool_are_refused_until_granted", 2) else {
+        return;
+    };
+    let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
+    let pools: Vec<_> = (0..2).map(private_pool).collect();
+    let count = (1 << 20) + 3;
+    let alloc = |r: usize| -> CudaSlice<u32> {
+        ctxs[r].bind_to_thread().unwrap();
+        let mut ptr = 0;
+        // SAFETY: allocates `count` u32 from a live pool on rank r's stream.
+        let res = unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, count * 4, pools[r], streams[r].cu_stream()) };
+        assert_eq!(res, sys::CUresult::CUDA_SUCCESS);
+        // SAFETY: the allocation holds `count` u32 on this stream's device and
+        // is freed (cuMemFreeAsync) only by the slice.
+        unsafe { streams[r].upgrade_device_ptr(ptr, count) }
+    };
+    let with = |algorithm: Algorithm| GroupOptions { algorithm, ..GroupOptions::with_policy(PathPolicy::P2pOnly) };
+    let groups = [("mesh", with(Algorithm::Mesh)), ("ring over P2P", with(Algorithm::Ring)), ("one-shot", with(Algorithm::OneShot))];
+    for granted in [false, true] {
+        if granted {
+            grant(pools[0], 1);
+            grant(pools[1], 0);
+        }
+        for (name, opts) in &groups {
+            let group = Group::new(streams.clone(), opts).unwrap();
+            let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
+            let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(&alloc).collect();
+            for r in 0..2 {
+                streams[r].memcpy_htod(&inputs[r], &mut bufs[r]).unwrap();
+            }
+            let res = group.all_reduce_in_place(&mut bufs, ReduceOp::Sum);
+            if !granted && *name != "one-shot" {
+                let err = res.unwrap_err();
+                assert!(matches!(err, Error::Unreachable { .. }), "{name}: {err}");
+                continue;
+            }
+            res.unwrap_or_else(|e| panic!("{name}, granted {granted}: {e}"));
+            let expected = wrapping_sum(&inputs);
+            for r in 0..2 {
+                let out = streams[r].clone_dtoh(&bufs[r]).unwrap();
+                if let Some((first, wrong)) = common::diff(&out, &expected) {
+                    panic!("{name}, granted {granted}, rank {r}: {wrong} of {count} wrong, first at {first}");
+                }
+            }
+        }
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+}
