@@ -119,11 +119,26 @@ pub struct GroupOptions {
     /// spinning. Under graph capture every rank is launched from the calling
     /// thread. Default: `Some(`[`DEFAULT_LAUNCH_SPIN`]`)`.
     pub launch_spin: Option<Duration>,
+    /// Load kernel modules on first use instead of when the group is
+    /// created. By default (`false`) [`Group::new`] calls
+    /// [`Group::warm_up`], so that no collective ever loads or JIT-compiles
+    /// a kernel on the hot path. With `true` the first call of each
+    /// (element type, reduction) loads its module then (resolving it on
+    /// every rank before any rank launches); useful where the devices have
+    /// no embedded cubin and only a few types are used, since JIT-compiling
+    /// every module takes seconds per module.
+    pub lazy_kernels: bool,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        GroupOptions { algorithm: Algorithm::default(), link: LinkOptions::default(), pull_policies: Vec::new(), launch_spin: Some(DEFAULT_LAUNCH_SPIN) }
+        GroupOptions {
+            algorithm: Algorithm::default(),
+            link: LinkOptions::default(),
+            pull_policies: Vec::new(),
+            launch_spin: Some(DEFAULT_LAUNCH_SPIN),
+            lazy_kernels: false,
+        }
     }
 }
 
@@ -136,20 +151,62 @@ impl GroupOptions {
 
 type ModuleCache = Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>>;
 
-/// The kernel modules, loaded (JIT-compiled) once per context for the life
-/// of the process.
-static REDUCE_MODULES: ModuleCache = Lazy::new(|| Mutex::new(HashMap::new()));
-static MESH_MODULES: [ModuleCache; 10] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 10];
+/// The kernel modules (`kernels::MODULES`, by index), loaded once per
+/// context for the life of the process.
+static MODULE_CACHES: [ModuleCache; 11] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 11];
 
-fn load_module(ctx: &Arc<CudaContext>, cache: &ModuleCache, ptx: &'static str) -> Result<Arc<CudaModule>> {
-    let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
+/// The environment variable that makes every module load from PTX (JIT)
+/// even where a cubin would serve: `CUDA_PEER_FORCE_PTX=1` (any value but
+/// empty or `0`).
+pub const FORCE_PTX_ENV: &str = "CUDA_PEER_FORCE_PTX";
+
+fn force_ptx() -> bool {
+    std::env::var_os(FORCE_PTX_ENV).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Which image of the kernels a context loads: `Some(arch)` (an index in
+/// `kernels::CUBIN_ARCHS`) for a cubin, `None` for the PTX.
+fn image_for(ctx: &Arc<CudaContext>) -> Result<Option<usize>> {
+    use cudarc::driver::sys::CUdevice_attribute::{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR};
+    if force_ptx() {
+        return Ok(None);
+    }
+    let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(cudarc_err("cuDeviceGetAttribute"))?;
+    let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(cudarc_err("cuDeviceGetAttribute"))?;
+    Ok(kernels::cubin_for(major.max(0) as u32, minor.max(0) as u32))
+}
+
+/// Module `index` of `kernels::MODULES` on `ctx`, loaded the first time:
+/// from the cubin for the device's architecture where there is one (no
+/// JIT), else from the PTX (JIT-compiled by the driver). A cubin that does
+/// not decompress or load (an old driver, say) falls back to the PTX, with
+/// a warning.
+fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> {
+    let module = kernels::MODULES.get(index).ok_or_else(|| Error::Internal(format!("no kernel module {index}")))?;
+    let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
     if let Some(m) = map.get(&(ctx.cu_ctx() as usize)) {
         return Ok(m.clone());
     }
-    let m = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(cudarc_err("cuModuleLoadData (kernels)"))?;
+    let start = std::time::Instant::now();
+    let mut loaded = None;
+    if let Some(arch) = image_for(ctx)? {
+        match module.cubin(arch).and_then(|image| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(|e| format!("cuModuleLoadData: {e:?}"))) {
+            Ok(m) => loaded = Some((m, kernels::arch_name(arch))),
+            Err(e) => log::warn!("cuda-peer: GPU{}: cubin {} of {} unusable ({e}); JIT-compiling the PTX", ctx.ordinal(), kernels::arch_name(arch), module.name),
+        }
+    }
+    let (m, how) = match loaded {
+        Some(l) => l,
+        None => (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx)).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string()),
+    };
+    log::debug!("cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms", ctx.ordinal(), module.name, start.elapsed().as_secs_f64() * 1e3);
     map.insert(ctx.cu_ctx() as usize, m.clone());
     Ok(m)
 }
+
+/// The reductions as they appear in kernel names (avg is sum, then the
+/// division kernel).
+const KERNEL_OPS: [&str; 4] = ["sum", "prod", "min", "max"];
 
 /// One kernel family's functions for one rank, by (op, element type),
 /// each looked up on first use and kept: a launch costs an index, not a
@@ -261,7 +318,7 @@ impl Group {
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(cudarc_err("cuDeviceGetAttribute"))?;
             ranks.push(Rank {
-                module: load_module(&ctx, &REDUCE_MODULES, kernels::REDUCE_PTX)?,
+                module: load_module(&ctx, kernels::REDUCE)?,
                 done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
                 funcs: FnTable::default(),
                 max_blocks: (sms.max(1) as u32) * 4,
@@ -286,7 +343,11 @@ impl Group {
             Some(spin) if mesh.is_some() || oneshot.is_some() => Launchers::start(n, spin),
             _ => None,
         };
-        Ok(Group { launchers, mesh, oneshot, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access })
+        let group = Group { launchers, mesh, oneshot, algorithm: opts.algorithm, ranks, pulls, scratch: Mutex::new(Vec::new()), serial: Mutex::new(()), _access: access };
+        if !opts.lazy_kernels {
+            group.warm_up()?;
+        }
+        Ok(group)
     }
 
     /// Sets up the one-shot all-reduce where `opts` asks for it and the
@@ -364,13 +425,59 @@ impl Group {
     }
 
     /// Loads `{family}_{op}_{ty}` from the mesh module of `dtype` on rank r
-    /// (JIT-compiled once per context and type).
+    /// (loaded once per context and type).
     pub(crate) fn mesh_function(&self, r: usize, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
         let ty = dtype.name();
-        let ptx = kernels::mesh_ptx(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
-        let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
-        let module = load_module(&self.ranks[r].ctx, cache, ptx)?;
+        let index = kernels::mesh_module(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
+        let module = load_module(&self.ranks[r].ctx, index)?;
         module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
+    }
+
+    /// Loads every kernel module the group can need on every rank and
+    /// resolves every kernel in them: the ring's reductions (4 ops and the
+    /// division of avg, for every element type), and the mesh and one-shot
+    /// kernels where the group has them. Afterwards no collective of the
+    /// group loads or compiles anything. [`Group::new`] calls it unless
+    /// [`GroupOptions::lazy_kernels`] is set; calling it again costs little
+    /// (lookups in the tables already filled).
+    ///
+    /// Modules come from the embedded machine code for the device's
+    /// architecture (sm_70, sm_80 and up to sm_89, sm_90, sm_100 and sm_103,
+    /// sm_120 and sm_121), else from PTX that the driver JIT-compiles (a
+    /// few seconds per module and device on a cold driver cache);
+    /// `CUDA_PEER_FORCE_PTX=1` forces the PTX. How long it took is logged
+    /// (`log::info!`), each module at `log::debug!`.
+    pub fn warm_up(&self) -> Result<()> {
+        let start = std::time::Instant::now();
+        for r in 0..self.size() {
+            for dtype in DType::ALL {
+                for op in KERNEL_OPS {
+                    self.function(r, op, dtype, || kernels::reduce2_name(op, dtype.name()))?;
+                    if let Some(mesh) = &self.mesh {
+                        mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
+                    }
+                    if let Some(os) = &self.oneshot {
+                        os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
+                    }
+                }
+                if dtype.is_float() {
+                    self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+                }
+            }
+        }
+        let images: Vec<String> = self
+            .ranks
+            .iter()
+            .map(|k| image_for(&k.ctx).map(|a| format!("GPU{}: {}", k.ctx.ordinal(), a.map_or_else(|| "PTX".to_string(), kernels::arch_name))))
+            .collect::<Result<_>>()?;
+        log::info!(
+            "cuda-peer: kernels of {} modules ready on {} ranks in {:.1} ms ({})",
+            1 + if self.mesh.is_some() || self.oneshot.is_some() { DType::ALL.len() } else { 0 },
+            self.size(),
+            start.elapsed().as_secs_f64() * 1e3,
+            images.join(", ")
+        );
+        Ok(())
     }
 
     fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
@@ -444,6 +551,14 @@ impl Group {
     /// The one-shot state, when an all-reduce of `bytes` per rank takes it.
     pub(crate) fn oneshot_for(&self, bytes: usize) -> Option<&OneShot> {
         self.oneshot.as_ref().filter(|_| self.all_reduce_algorithm(bytes) == Algorithm::OneShot)
+    }
+
+    /// Resolves the division kernel for `dtype` on every rank.
+    pub(crate) fn resolve_scale_div(&self, dtype: DType) -> Result<()> {
+        for r in 0..self.size() {
+            self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+        }
+        Ok(())
     }
 
     /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.
