@@ -151,7 +151,7 @@ impl GroupOptions {
 
 type ModuleCache = Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>>;
 
-/// The kernel modules (`kernels::MODULES`, by index), loaded once per
+/// The kernel modules (`kernels::modules()`, by index), loaded once per
 /// context for the life of the process.
 static MODULE_CACHES: [ModuleCache; 11] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 11];
 
@@ -176,13 +176,21 @@ fn image_for(ctx: &Arc<CudaContext>) -> Result<Option<usize>> {
     Ok(kernels::cubin_for(major.max(0) as u32, minor.max(0) as u32))
 }
 
-/// Module `index` of `kernels::MODULES` on `ctx`, loaded the first time:
+/// Module `index` of `kernels::modules()` on `ctx`, loaded the first time:
 /// from the cubin for the device's architecture where there is one (no
 /// JIT), else from the PTX (JIT-compiled by the driver). A cubin that does
 /// not decompress or load (an old driver, say) falls back to the PTX, with
 /// a warning.
 fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> {
-    let module = kernels::MODULES.get(index).ok_or_else(|| Error::Internal(format!("no kernel module {index}")))?;
+    load_module_with(ctx, index, &mut None)
+}
+
+/// [`load_module`], reusing `unpacked` (the last cubin decompressed for
+/// this module: its arch and bytes) where it is the one needed, and
+/// leaving there the one it decompressed: loading a module on several
+/// devices of one architecture decompresses it once.
+fn load_module_with(ctx: &Arc<CudaContext>, index: usize, unpacked: &mut Option<(usize, Vec<u8>)>) -> Result<Arc<CudaModule>> {
+    let module = kernels::modules().get(index).ok_or_else(|| Error::Internal(format!("no kernel module {index}")))?;
     let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
     if let Some(m) = map.get(&(ctx.cu_ctx() as usize)) {
         return Ok(m.clone());
@@ -190,14 +198,23 @@ fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> 
     let start = std::time::Instant::now();
     let mut loaded = None;
     if let Some(arch) = image_for(ctx)? {
-        match module.cubin(arch).and_then(|image| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(|e| format!("cuModuleLoadData: {e:?}"))) {
+        let image = match unpacked.take() {
+            Some((a, bytes)) if a == arch => Ok(bytes),
+            _ => module.cubin(arch),
+        };
+        let result = image.and_then(|bytes| {
+            let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bytes.clone())).map_err(|e| format!("cuModuleLoadData: {e:?}"));
+            *unpacked = Some((arch, bytes));
+            m
+        });
+        match result {
             Ok(m) => loaded = Some((m, kernels::arch_name(arch))),
             Err(e) => log::warn!("cuda-peer: GPU{}: cubin {} of {} unusable ({e}); JIT-compiling the PTX", ctx.ordinal(), kernels::arch_name(arch), module.name),
         }
     }
     let (m, how) = match loaded {
         Some(l) => l,
-        None => (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx)).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string()),
+        None => (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx())).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string()),
     };
     log::debug!("cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms", ctx.ordinal(), module.name, start.elapsed().as_secs_f64() * 1e3);
     map.insert(ctx.cu_ctx() as usize, m.clone());
@@ -449,6 +466,16 @@ impl Group {
     /// (`log::info!`), each module at `log::debug!`.
     pub fn warm_up(&self) -> Result<()> {
         let start = std::time::Instant::now();
+        // Module by module over the ranks, so that each cubin is
+        // decompressed once for all the devices that share its arch.
+        let fused = self.mesh.is_some() || self.oneshot.is_some();
+        let nmodules = if fused { kernels::modules().len() } else { 1 };
+        for index in 0..nmodules {
+            let mut unpacked = None;
+            for rank in &self.ranks {
+                load_module_with(&rank.ctx, index, &mut unpacked)?;
+            }
+        }
         for r in 0..self.size() {
             for dtype in DType::ALL {
                 for op in KERNEL_OPS {
@@ -471,8 +498,7 @@ impl Group {
             .map(|k| image_for(&k.ctx).map(|a| format!("GPU{}: {}", k.ctx.ordinal(), a.map_or_else(|| "PTX".to_string(), kernels::arch_name))))
             .collect::<Result<_>>()?;
         log::info!(
-            "cuda-peer: kernels of {} modules ready on {} ranks in {:.1} ms ({})",
-            1 + if self.mesh.is_some() || self.oneshot.is_some() { DType::ALL.len() } else { 0 },
+            "cuda-peer: kernels of {nmodules} modules ready on {} ranks in {:.1} ms ({})",
             self.size(),
             start.elapsed().as_secs_f64() * 1e3,
             images.join(", ")

@@ -64,57 +64,73 @@ pub(crate) const CUBIN_ARCHS: [(u32, u32); 5] = [(7, 0), (8, 0), (9, 0), (10, 0)
 pub(crate) struct KernelModule {
     /// File name without extension (`reduce`, `mesh_f32`, ...).
     pub(crate) name: &'static str,
-    /// PTX text (no NUL bytes), the JIT fallback.
-    pub(crate) ptx: &'static str,
-    /// zstd frames of the cubins, one per [`CUBIN_ARCHS`] entry.
-    cubins: [&'static [u8]; CUBIN_ARCHS.len()],
+    /// Its index in [`modules`].
+    index: usize,
 }
 
-macro_rules! module {
-    ($name:literal) => {
-        KernelModule {
-            name: $name,
-            ptx: include_str!(concat!($name, ".ptx")),
-            cubins: [
-                include_bytes!(concat!("cubin/sm_70/", $name, ".cubin.zst")),
-                include_bytes!(concat!("cubin/sm_80/", $name, ".cubin.zst")),
-                include_bytes!(concat!("cubin/sm_90/", $name, ".cubin.zst")),
-                include_bytes!(concat!("cubin/sm_100/", $name, ".cubin.zst")),
-                include_bytes!(concat!("cubin/sm_120/", $name, ".cubin.zst")),
-            ],
+/// The embedded files, by module index. Plain functions that are never
+/// inlined: a static or const holding the bytes (or an inlinable function)
+/// would also be written into the rlib's metadata, doubling its size.
+macro_rules! embedded {
+    ($($i:literal => $name:literal,)*) => {
+        /// Every embedded module: [`REDUCE`] first, then the mesh modules in
+        /// the order of `DType::ALL`.
+        pub(crate) fn modules() -> &'static [KernelModule; 11] {
+            static MODULES: [KernelModule; 11] = [$(KernelModule { name: $name, index: $i }),*];
+            &MODULES
+        }
+
+        #[inline(never)]
+        fn ptx_of(index: usize) -> &'static str {
+            match index {
+                $($i => include_str!(concat!($name, ".ptx")),)*
+                _ => "",
+            }
+        }
+
+        #[inline(never)]
+        fn cubins_of(index: usize) -> [&'static [u8]; CUBIN_ARCHS.len()] {
+            match index {
+                $($i => [
+                    include_bytes!(concat!("cubin/sm_70/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_80/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_90/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_100/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_120/", $name, ".cubin.zst")),
+                ],)*
+                _ => [&[]; CUBIN_ARCHS.len()],
+            }
         }
     };
 }
 
-/// Every embedded module: [`REDUCE`] first, then the mesh modules in the
-/// order of `DType::ALL`.
-pub(crate) static MODULES: [KernelModule; 11] = [
-    module!("reduce"),
-    module!("mesh_f32"),
-    module!("mesh_f64"),
-    module!("mesh_f16"),
-    module!("mesh_bf16"),
-    module!("mesh_i32"),
-    module!("mesh_i64"),
-    module!("mesh_u32"),
-    module!("mesh_u64"),
-    module!("mesh_i8"),
-    module!("mesh_u8"),
-];
+embedded! {
+    0 => "reduce",
+    1 => "mesh_f32",
+    2 => "mesh_f64",
+    3 => "mesh_f16",
+    4 => "mesh_bf16",
+    5 => "mesh_i32",
+    6 => "mesh_i64",
+    7 => "mesh_u32",
+    8 => "mesh_u64",
+    9 => "mesh_i8",
+    10 => "mesh_u8",
+}
 
 /// PTX text of the reduction kernels (for tests that read it).
 #[cfg(test)]
 pub(crate) const REDUCE_PTX: &str = include_str!("reduce.ptx");
 
-/// Index in [`MODULES`] of the reduction kernels (`kernels/reduce.cu` built
+/// Index in [`modules`] of the reduction kernels (`kernels/reduce.cu` built
 /// with `-DCP_BUILD_REDUCE`).
 pub(crate) const REDUCE: usize = 0;
 
-/// Index in [`MODULES`] of the mesh and one-shot all-reduce kernels for
+/// Index in [`modules`] of the mesh and one-shot all-reduce kernels for
 /// element type `ty` (`kernels/reduce.cu` built with `-DCP_MESH_TY_{ty}`),
 /// one module per type.
 pub(crate) fn mesh_module(ty: &str) -> Option<usize> {
-    MODULES.iter().skip(1).position(|m| m.name.strip_prefix("mesh_") == Some(ty)).map(|i| i + 1)
+    modules().iter().skip(1).position(|m| m.name.strip_prefix("mesh_") == Some(ty)).map(|i| i + 1)
 }
 
 /// The [`CUBIN_ARCHS`] entry whose cubins run on a device of compute
@@ -131,14 +147,19 @@ pub(crate) fn arch_name(arch: usize) -> String {
 }
 
 impl KernelModule {
+    /// PTX text (no NUL bytes), the JIT fallback.
+    pub(crate) fn ptx(&self) -> &'static str {
+        ptx_of(self.index)
+    }
+
     /// The cubin for the [`CUBIN_ARCHS`] entry `arch`, decompressed.
     pub(crate) fn cubin(&self, arch: usize) -> Result<Vec<u8>, String> {
         use std::io::Read;
-        let frame = self.cubins.get(arch).ok_or_else(|| format!("no cubin {arch} for {}", self.name))?;
-        let mut decoder =
-            ruzstd::decoding::StreamingDecoder::new(&frame[..]).map_err(|e| format!("{}.cubin.zst for {}: {e}", self.name, arch_name(arch)))?;
+        let what = || format!("{}.cubin.zst for {}", self.name, arch_name(arch));
+        let frame = cubins_of(self.index).get(arch).copied().filter(|f| !f.is_empty()).ok_or_else(|| format!("no {}", what()))?;
+        let mut decoder = ruzstd::decoding::StreamingDecoder::new(frame).map_err(|e| format!("{}: {e}", what()))?;
         let mut out = Vec::with_capacity(frame.len() * 12);
-        decoder.read_to_end(&mut out).map_err(|e| format!("{}.cubin.zst for {}: {e}", self.name, arch_name(arch)))?;
+        decoder.read_to_end(&mut out).map_err(|e| format!("{}: {e}", what()))?;
         Ok(out)
     }
 }
@@ -253,7 +274,7 @@ mod tests {
 
     #[test]
     fn ptx_has_exactly_the_expected_entries() {
-        let entries = ptx_entries(MODULES[REDUCE].ptx);
+        let entries = ptx_entries(modules()[REDUCE].ptx());
         let found: BTreeSet<String> = entries.iter().cloned().collect();
         assert_eq!(found.len(), entries.len(), "duplicate .entry in PTX");
         let expected = expected_entries();
@@ -267,7 +288,7 @@ mod tests {
     #[test]
     fn mesh_ptx_has_the_mesh_and_oneshot_kernels_per_op_for_its_type() {
         for ty in TYPES {
-            let ptx = MODULES[mesh_module(ty).expect("a mesh module per type")].ptx;
+            let ptx = modules()[mesh_module(ty).expect("a mesh module per type")].ptx();
             let found: BTreeSet<String> = ptx_entries(ptx).into_iter().collect();
             let expected: BTreeSet<String> =
                 OPS.iter().flat_map(|op| [format!("cp_meshar_{op}_{ty}"), format!("cp_oneshot_{op}_{ty}")]).collect();
@@ -277,7 +298,7 @@ mod tests {
     }
 
     fn all_ptx() -> Vec<&'static str> {
-        MODULES.iter().map(|m| m.ptx).collect()
+        modules().iter().map(|m| m.ptx()).collect()
     }
 
     #[test]
@@ -316,10 +337,10 @@ mod tests {
 
     #[test]
     fn modules_follow_the_dtype_order() {
-        assert_eq!(MODULES[REDUCE].name, "reduce");
+        assert_eq!(modules()[REDUCE].name, "reduce");
         for (i, d) in crate::dtype::DType::ALL.iter().enumerate() {
             assert_eq!(mesh_module(d.name()), Some(i + 1));
-            assert_eq!(MODULES[i + 1].name, format!("mesh_{}", d.name()));
+            assert_eq!(modules()[i + 1].name, format!("mesh_{}", d.name()));
             assert_eq!(d.name(), TYPES[i]);
         }
     }
@@ -348,8 +369,8 @@ mod tests {
     /// the module's PTX.
     #[test]
     fn cubins_are_elf_images_of_every_entry_for_their_arch() {
-        for m in &MODULES {
-            let entries = ptx_entries(m.ptx);
+        for m in modules() {
+            let entries = ptx_entries(m.ptx());
             for (a, &(major, minor)) in CUBIN_ARCHS.iter().enumerate() {
                 let img = m.cubin(a).unwrap_or_else(|e| panic!("{e}"));
                 assert_eq!(&img[..4], b"\x7fELF", "{} {}", m.name, arch_name(a));
