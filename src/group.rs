@@ -126,7 +126,8 @@ pub struct GroupOptions {
     /// (element type, reduction) loads its module then (resolving it on
     /// every rank before any rank launches); useful where the devices have
     /// no embedded cubin and only a few types are used, since JIT-compiling
-    /// every module takes seconds per module.
+    /// every module takes seconds per module. (The ring's reduction module
+    /// is loaded at creation either way.)
     pub lazy_kernels: bool,
 }
 
