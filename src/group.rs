@@ -181,33 +181,21 @@ fn image_for(ctx: &Arc<CudaContext>) -> Result<Option<usize>> {
 /// from the cubin for the device's architecture where there is one (no
 /// JIT), else from the PTX (JIT-compiled by the driver). A cubin that does
 /// not decompress or load (an old driver, say) falls back to the PTX, with
-/// a warning.
+/// a warning. The cache is not locked while a module loads, so devices
+/// load (and JIT-compile) at the same time; two threads loading one module
+/// on one context at once both load it, and the first stored is kept.
 fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> {
-    load_module_with(ctx, index, &mut None)
-}
-
-/// [`load_module`], reusing `unpacked` (the last cubin decompressed for
-/// this module: its arch and bytes) where it is the one needed, and
-/// leaving there the one it decompressed: loading a module on several
-/// devices of one architecture decompresses it once.
-fn load_module_with(ctx: &Arc<CudaContext>, index: usize, unpacked: &mut Option<(usize, Vec<u8>)>) -> Result<Arc<CudaModule>> {
     let module = kernels::modules().get(index).ok_or_else(|| Error::Internal(format!("no kernel module {index}")))?;
-    let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(m) = map.get(&(ctx.cu_ctx() as usize)) {
+    let key = ctx.cu_ctx() as usize;
+    if let Some(m) = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(m.clone());
     }
     let start = std::time::Instant::now();
     let mut loaded = None;
     if let Some(arch) = image_for(ctx)? {
-        let image = match unpacked.take() {
-            Some((a, bytes)) if a == arch => Ok(bytes),
-            _ => module.cubin(arch),
-        };
-        let result = image.and_then(|bytes| {
-            let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bytes.clone())).map_err(|e| format!("cuModuleLoadData: {e:?}"));
-            *unpacked = Some((arch, bytes));
-            m
-        });
+        let result = module
+            .cubin(arch)
+            .and_then(|image| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(|e| format!("cuModuleLoadData: {e:?}")));
         match result {
             Ok(m) => loaded = Some((m, kernels::arch_name(arch))),
             Err(e) => log::warn!("cuda-peer: GPU{}: cubin {} of {} unusable ({e}); JIT-compiling the PTX", ctx.ordinal(), kernels::arch_name(arch), module.name),
@@ -218,8 +206,41 @@ fn load_module_with(ctx: &Arc<CudaContext>, index: usize, unpacked: &mut Option<
         None => (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx())).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string()),
     };
     log::debug!("cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms", ctx.ordinal(), module.name, start.elapsed().as_secs_f64() * 1e3);
-    map.insert(ctx.cu_ctx() as usize, m.clone());
-    Ok(m)
+    let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
+    Ok(map.entry(key).or_insert(m).clone())
+}
+
+/// Loads modules `0..nmodules` on every context of `ctxs` (distinct
+/// contexts), one thread per context, so that the devices load (or
+/// JIT-compile) at the same time.
+fn load_modules_everywhere(ctxs: &[&Arc<CudaContext>], nmodules: usize) -> Result<()> {
+    let load_all = |ctx: &Arc<CudaContext>| -> Result<()> {
+        for index in 0..nmodules {
+            load_module(ctx, index)?;
+        }
+        Ok(())
+    };
+    if ctxs.len() < 2 {
+        return ctxs.iter().try_for_each(|c| load_all(c));
+    }
+    std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(ctxs.len());
+        let mut result = Ok(());
+        for &ctx in ctxs {
+            match std::thread::Builder::new().name("cuda-peer-load".into()).spawn_scoped(s, move || load_all(ctx)) {
+                Ok(h) => handles.push(h),
+                // No thread: load this context from the calling thread.
+                Err(_) => result = result.and_then(|()| load_all(ctx)),
+            }
+        }
+        // Every thread is joined (a scope with an unjoined panicked thread
+        // would panic); the first error is kept.
+        for h in handles {
+            let r = h.join().unwrap_or_else(|_| Err(Error::Internal("a kernel loading thread panicked".into())));
+            result = result.and(r);
+        }
+        result
+    })
 }
 
 /// The reductions as they appear in kernel names (avg is sum, then the
@@ -463,20 +484,20 @@ impl Group {
     /// architecture (sm_70, sm_80 and up to sm_89, sm_90, sm_100 and sm_103,
     /// sm_120 and sm_121), else from PTX that the driver JIT-compiles (a
     /// few seconds per module and device on a cold driver cache);
-    /// `CUDA_PEER_FORCE_PTX=1` forces the PTX. How long it took is logged
+    /// `CUDA_PEER_FORCE_PTX=1` forces the PTX. Devices load at the same
+    /// time, one thread each. How long it took is logged
     /// (`log::info!`), each module at `log::debug!`.
     pub fn warm_up(&self) -> Result<()> {
         let start = std::time::Instant::now();
-        // Module by module over the ranks, so that each cubin is
-        // decompressed once for all the devices that share its arch.
         let fused = self.mesh.is_some() || self.oneshot.is_some();
         let nmodules = if fused { kernels::modules().len() } else { 1 };
-        for index in 0..nmodules {
-            let mut unpacked = None;
-            for rank in &self.ranks {
-                load_module_with(&rank.ctx, index, &mut unpacked)?;
+        let mut ctxs: Vec<&Arc<CudaContext>> = Vec::with_capacity(self.size());
+        for rank in &self.ranks {
+            if !ctxs.iter().any(|c| c.cu_ctx() == rank.ctx.cu_ctx()) {
+                ctxs.push(&rank.ctx);
             }
         }
+        load_modules_everywhere(&ctxs, nmodules)?;
         for r in 0..self.size() {
             for dtype in DType::ALL {
                 for op in KERNEL_OPS {
