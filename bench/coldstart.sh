@@ -5,10 +5,16 @@
 #   OUT=/some/dir bench/coldstart.sh [path/to/ring_allreduce]
 #
 # For f32, bf16 and i8, `ring_allreduce --bytes 4096 --iters 1` as a whole
-# process, wall clock, in four settings:
+# process, wall clock, cold and warm:
 #   cold:  CUDA_CACHE_DISABLE=1 (no driver JIT cache at all)
 #   warm:  CUDA_CACHE_PATH=<fresh dir>, run twice, the second timed
-# each with the embedded cubins (default) and with CUDA_PEER_FORCE_PTX=1.
+# with three kernel settings:
+#   cubin:     the default (embedded cubins, every module loaded at creation)
+#   ptx:       CUDA_PEER_FORCE_PTX=1 (every module JIT-compiled at creation)
+#   ptx-lazy:  CUDA_PEER_FORCE_PTX=1 --lazy-kernels (only the modules the run
+#              uses, on first use: what the crate did before the cubins)
+# One repetition (REPS=1, the default) takes about 3-6 minutes on 2 GPUs,
+# most of it the ptx runs' JIT.
 # Each run also passes --timings (start-up steps and per-module loads on
 # stderr). Then the first call of a new (type, reduction) after creation,
 # with kernels loaded at creation (default) and lazily (--lazy-kernels).
@@ -19,19 +25,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EX="${1:-.gpu/examples/ring_allreduce}"
 OUT="${OUT:?set OUT to a directory for the results}"
-REPS="${REPS:-3}"
+REPS="${REPS:-1}"
 mkdir -p "$OUT"
 [ -x "$EX" ] || { echo "coldstart.sh: no executable $EX (run ../shared/gpu/bundle first)" >&2; exit 1; }
 csv="$OUT/coldstart.csv"
 echo "dtype,kernels,cache,rep,wall_s,exit,contexts_ms,group_new_ms,warm_up_ms,run_ms,main_total_ms" > "$csv"
 
-# timed LOG ENV...: runs the example under `env ENV...`, prints "wall exit".
+# timed LOG ENV...: runs the example under `env ENV...` (with $extra as
+# more arguments), prints "wall exit".
 timed() {
     local log="$1" t0 t1 rc
     shift
     t0=$(date +%s.%N)
     set +e
-    env "$@" "$EX" --bytes 4096 --iters 1 --timings --dtype "$dtype" >"$log" 2>&1
+    # shellcheck disable=SC2086
+    env "$@" "$EX" --bytes 4096 --iters 1 --timings --dtype "$dtype" $extra >"$log" 2>&1
     rc=$?
     set -e
     t1=$(date +%s.%N)
@@ -43,9 +51,11 @@ field() { grep -o "$2=[0-9.]*" "$1" | head -n 1 | cut -d= -f2; }
 
 for rep in $(seq 1 "$REPS"); do
     for dtype in f32 bf16 i8; do
-        for kernels in cubin ptx; do
+        for kernels in cubin ptx ptx-lazy; do
             force=()
-            [ "$kernels" = ptx ] && force=(CUDA_PEER_FORCE_PTX=1)
+            extra=""
+            [ "$kernels" != cubin ] && force=(CUDA_PEER_FORCE_PTX=1)
+            [ "$kernels" = ptx-lazy ] && extra="--lazy-kernels"
             # cold: no JIT cache
             log="$OUT/coldstart-$dtype-$kernels-cold-$rep.log"
             read -r wall rc < <(timed "$log" CUDA_CACHE_DISABLE=1 "${force[@]}")
