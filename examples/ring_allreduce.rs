@@ -4,7 +4,14 @@
 //!
 //!     cargo run --release --example ring_allreduce -- [--ranks N] [--bytes B]
 //!         [--dtype f32|f64|f16|bf16|i32|i64|u32|u64|i8|u8] [--op sum|prod|min|max|avg]
-//!         [--path auto|p2p|staged] [--iters N]
+//!         [--path auto|p2p|staged] [--iters N] [--timings] [--lazy-kernels] [--first-call]
+//!
+//! `--timings` prints to stderr how long the start took, step by step
+//! (contexts, group creation without kernels, kernel loading, first call);
+//! `--first-call` times on the host (enqueue and synchronise) the first
+//! all-reduce of an element type and reduction not used before, against a
+//! repeat of it and an ordinary call; `--lazy-kernels` creates the group
+//! with `GroupOptions::lazy_kernels` (modules loaded on first use).
 
 use clap::Parser;
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
@@ -12,6 +19,7 @@ use cuda_peer::{driver, Algorithm, DType, Element, Group, GroupOptions, PathPoli
 use half::{bf16, f16};
 use rand::Rng;
 use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Parser, Debug)]
 #[command(about = "Ring all-reduce over the GPUs of this host, checked and timed")]
@@ -37,6 +45,15 @@ struct Args {
     /// Timed iterations (after 5 warm-up iterations).
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// Print the start-up steps' times to stderr (the group is then created with lazy kernels and warmed up explicitly, to time the two apart).
+    #[arg(long)]
+    timings: bool,
+    /// Create the group with `lazy_kernels` (each module loaded on first use, not at creation).
+    #[arg(long)]
+    lazy_kernels: bool,
+    /// After the run, time the first all-reduce of a new element type and reduction against an ordinary call.
+    #[arg(long)]
+    first_call: bool,
 }
 
 trait Num: Element {
@@ -64,6 +81,59 @@ num! {
 
 fn err<E: std::fmt::Debug>(what: &'static str) -> impl Fn(E) -> cuda_peer::Error {
     move |e| cuda_peer::Error::InvalidArgument(format!("{what}: {e:?}"))
+}
+
+/// With `--timings`: the library's log lines (kernel loading) on stderr.
+struct StderrLog;
+
+impl log::Log for StderrLog {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.level() <= log::Level::Debug && m.target().starts_with("cuda_peer")
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        if self.enabled(r.metadata()) {
+            eprintln!("[{}] {}", r.level(), r.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
+/// Milliseconds since `t`.
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Host time (enqueue and synchronise, in us) of two all-reduces of `op`
+/// on fresh buffers of `count` elements of `T`: the first and a repeat.
+fn two_calls<T: Num>(group: &Group, streams: &[Arc<CudaStream>], op: ReduceOp, count: usize) -> cuda_peer::Result<(f64, f64)> {
+    let host = vec![T::from_f64(1.0); count];
+    let mut bufs: Vec<CudaSlice<T>> = streams.iter().map(|s| s.clone_htod(&host)).collect::<Result<_, _>>().map_err(err("upload"))?;
+    group.synchronize()?;
+    let mut times = [0.0; 2];
+    for t in &mut times {
+        let start = Instant::now();
+        group.all_reduce_in_place(&mut bufs, op)?;
+        group.synchronize()?;
+        *t = start.elapsed().as_secs_f64() * 1e6;
+    }
+    Ok((times[0], times[1]))
+}
+
+/// `two_calls` for the element type `dtype`.
+fn two_calls_of(dtype: DType, group: &Group, streams: &[Arc<CudaStream>], op: ReduceOp, bytes: usize) -> cuda_peer::Result<(f64, f64)> {
+    let count = (bytes / dtype.size()).max(1);
+    match dtype {
+        DType::F32 => two_calls::<f32>(group, streams, op, count),
+        DType::F64 => two_calls::<f64>(group, streams, op, count),
+        DType::F16 => two_calls::<f16>(group, streams, op, count),
+        DType::BF16 => two_calls::<bf16>(group, streams, op, count),
+        DType::I32 => two_calls::<i32>(group, streams, op, count),
+        DType::I64 => two_calls::<i64>(group, streams, op, count),
+        DType::U32 => two_calls::<u32>(group, streams, op, count),
+        DType::U64 => two_calls::<u64>(group, streams, op, count),
+        DType::I8 => two_calls::<i8>(group, streams, op, count),
+        DType::U8 => two_calls::<u8>(group, streams, op, count),
+    }
 }
 
 /// Inputs small enough that integer sums and products stay exact in every
@@ -165,7 +235,11 @@ fn run<T: Num>(args: &Args, group: &Group, streams: &[Arc<CudaStream>]) -> cuda_
 }
 
 fn main() {
+    let t0 = Instant::now();
     let args = Args::parse();
+    if args.timings && log::set_logger(&StderrLog).is_ok() {
+        log::set_max_level(log::LevelFilter::Debug);
+    }
     let gpus = match driver::device_count() {
         Ok(0) => Err(cuda_peer::Error::NoDevice),
         other => other,
@@ -179,11 +253,20 @@ fn main() {
     };
     let result = (|| -> cuda_peer::Result<()> {
         let ranks = args.ranks.unwrap_or(gpus);
+        let t = Instant::now();
         let ctx = driver::all_contexts()?;
         let streams: Vec<Arc<CudaStream>> =
             (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
-        let opts = GroupOptions { algorithm: args.algorithm, ..GroupOptions::with_policy(args.path) };
+        let t_ctx = ms(t);
+        let opts = GroupOptions { algorithm: args.algorithm, lazy_kernels: args.lazy_kernels || args.timings, ..GroupOptions::with_policy(args.path) };
+        let t = Instant::now();
         let group = Group::new(streams.clone(), &opts)?;
+        let t_group = ms(t);
+        let t = Instant::now();
+        if args.timings && !args.lazy_kernels {
+            group.warm_up()?;
+        }
+        let t_warm = ms(t);
         let algo = match group.all_reduce_algorithm(args.bytes) {
             Algorithm::OneShot if group.oneshot_on_host() == Some(true) => "one-shot through host memory",
             Algorithm::OneShot => "one-shot",
@@ -195,6 +278,7 @@ fn main() {
             let st = group.link_status(r).expect("rank exists");
             println!("#   rank {} (GPU{}) <- rank {}: {} ({})", r, r % gpus, (r + ranks - 1) % ranks, st.path, st.reason);
         }
+        let t = Instant::now();
         match args.dtype {
             DType::F32 => run::<f32>(&args, &group, &streams),
             DType::F64 => run::<f64>(&args, &group, &streams),
@@ -206,7 +290,34 @@ fn main() {
             DType::U64 => run::<u64>(&args, &group, &streams),
             DType::I8 => run::<i8>(&args, &group, &streams),
             DType::U8 => run::<u8>(&args, &group, &streams),
+        }?;
+        let t_run = ms(t);
+        if args.timings {
+            let image = if std::env::var_os(cuda_peer::group::FORCE_PTX_ENV).is_some_and(|v| !v.is_empty() && v != "0") { "ptx-forced" } else { "default" };
+            eprintln!(
+                "timings_ms dtype={} kernels={image} lazy={} contexts={t_ctx:.1} group_new={t_group:.1} warm_up={t_warm:.1} run={t_run:.1} main_total={:.1}",
+                args.dtype.name(),
+                args.lazy_kernels,
+                ms(t0)
+            );
         }
+        if args.first_call {
+            // A (type, reduction) pair this run has not used: with kernels
+            // loaded at creation its first call costs what a repeat does.
+            let new_dtype = if args.dtype == DType::BF16 { DType::F16 } else { DType::BF16 };
+            let new_op = if args.op == ReduceOp::Min { ReduceOp::Max } else { ReduceOp::Min };
+            let (first, repeat) = two_calls_of(new_dtype, &group, &streams, new_op, args.bytes)?;
+            let (_, ordinary) = two_calls_of(args.dtype, &group, &streams, args.op, args.bytes)?;
+            println!(
+                "# first call of ({}, {}): {first:.1} us; its repeat: {repeat:.1} us; an ordinary ({}, {}) call: {ordinary:.1} us (host: enqueue and synchronise; lazy kernels: {})",
+                new_dtype.name(),
+                new_op.name(),
+                args.dtype.name(),
+                args.op.name(),
+                args.lazy_kernels
+            );
+        }
+        Ok(())
     })();
     if let Err(e) = result {
         eprintln!("ring_allreduce: {e}");

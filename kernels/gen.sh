@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
-# Regenerate / verify src/kernels/reduce.ptx and mesh_TY.ptx from
-# kernels/reduce.cu (several builds of one source: -DCP_BUILD_REDUCE, and
-# -DCP_MESH_TY_TY for each element type).
+# Regenerate / verify the embedded kernels from kernels/reduce.cu (several
+# builds of one source: -DCP_BUILD_REDUCE, and -DCP_MESH_TY_TY for each
+# element type):
+#   src/kernels/MODULE.ptx                  PTX (NVRTC 12.0, compute_70, ISA 8.0):
+#                                           the fallback, JIT-compiled by the driver
+#   src/kernels/cubin/ARCH/MODULE.cubin.zst machine code for ARCH in $CUBIN_ARCHS,
+#                                           ptxas from the committed PTX, zstd -19
 #
-#   kernels/gen.sh            regenerate src/kernels/*.ptx
-#   kernels/gen.sh --check    (1) regenerate into a temp file and fail if it
+#   kernels/gen.sh            regenerate src/kernels/*.ptx, then the cubins
+#   kernels/gen.sh --check    (1) regenerate the PTX into a temp dir and fail if it
 #                                 differs from the committed PTX,
 #                             (2) assemble the committed PTX with ptxas for
-#                                 every arch in $ARCHS, failing on any error,
-#                                 warning, register spill or stack frame.
+#                                 every arch in $CUBIN_ARCHS and $CHECK_ARCHS,
+#                                 failing on any error, warning, register spill
+#                                 or stack frame, and (3) fail unless every
+#                                 committed cubin, decompressed, is
+#                                 byte-for-byte the fresh ptxas output (ptxas
+#                                 is deterministic for one input and version).
 #
 # Needs python3 with pip and network access to PyPI the first time; the NVRTC
 # and nvcc (ptxas) wheels are installed with `pip install --target` under
 #   ${CUDA_PEER_TOOLS:-$HOME/.cache/cuda-peer-tools}
-# and reused afterwards.  No CUDA toolkit, driver or GPU is required.
+# and reused afterwards; and the zstd command line tool.  No CUDA toolkit,
+# driver or GPU is required.
 #
 # NVRTC is pinned to CUDA 12.0 (nvidia-cuda-nvrtc-cu12==12.0.76) so the PTX has
 # ISA .version 8.0 and is JIT-compilable by every driver from CUDA 12.0 on.
+# ptxas is pinned to CUDA 12.9 (nvidia-cuda-nvcc-cu12==12.9.86), the last 12.x,
+# which knows sm_100 and sm_120; its cubins load on 12.x drivers (minor version
+# compatibility), and where one does not the crate falls back to the PTX.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,11 +37,19 @@ PYTHON="${PYTHON:-python3}"
 NVRTC_PKG="nvidia-cuda-nvrtc-cu12"
 NVRTC_VERSION="12.0.76"
 NVCC_PKG="nvidia-cuda-nvcc-cu12"
-NVCC_VERSION="${CUDA_PEER_NVCC_VERSION:-12.0.76}"
+NVCC_VERSION="${CUDA_PEER_NVCC_VERSION:-12.9.86}"
 SRC="$ROOT/kernels/reduce.cu"
 MODULES="reduce:CP_BUILD_REDUCE"
 for ty in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8; do MODULES="$MODULES mesh_$ty:CP_MESH_TY_$ty"; done
-ARCHS="sm_70 sm_80 sm_86 sm_89 sm_90"
+# Cubins embedded: one per major architecture, lowest minor; a cubin for
+# sm_XY runs on every sm_XZ with Z >= Y, so sm_80 serves sm_86/87/89,
+# sm_70 serves sm_72/75, sm_100 serves sm_103 and sm_120 serves sm_121.
+# Keep in step with CUBIN_ARCHS in src/kernels/mod.rs.
+CUBIN_ARCHS="sm_70 sm_80 sm_90 sm_100 sm_120"
+# Assembled by --check only (no spills there either), served by sm_80 cubins.
+CHECK_ARCHS="sm_86 sm_89"
+ZSTD="${ZSTD:-zstd}"
+JOBS="${CUDA_PEER_GEN_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 MAX_PTX_VERSION="8.0"
 
 log() { echo "gen.sh: $*" >&2; }
@@ -39,7 +59,7 @@ mode=gen
 case "${1:-}" in
     "") ;;
     --check) mode=check ;;
-    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) die "unknown argument '$1' (use --check or nothing)" ;;
 esac
 
@@ -84,42 +104,14 @@ generate() {
             --max-ptx-version "$MAX_PTX_VERSION" --expect-target sm_70 -- "-D$define"
 }
 
-if [ "$mode" = gen ]; then
-    for m in $MODULES; do
-        PTX="$ROOT/src/kernels/${m%%:*}.ptx"
-        mkdir -p "$(dirname "$PTX")"
-        generate "$PTX" "${m#*:}"
-        log "wrote $PTX"
-    done
-    exit 0
-fi
-
-# ---- check mode ----
-tmpdir="$(mktemp -d)"
-trap 'rm -rf "$tmpdir"' EXIT
-nvcc_dir="$(install_wheel "$NVCC_PKG" "$NVCC_VERSION")"
-ptxas="$(find_one "$nvcc_dir" 'ptxas')"
-[ -x "$ptxas" ] || chmod +x "$ptxas"
-for m in $MODULES; do
-PTX="$ROOT/src/kernels/${m%%:*}.ptx"
-[ -f "$PTX" ] || die "$PTX does not exist; run kernels/gen.sh first"
-
-log "step 1: regenerating $PTX into $tmpdir and comparing"
-generate "$tmpdir/fresh.ptx" "${m#*:}"
-if ! cmp -s "$tmpdir/fresh.ptx" "$PTX"; then
-    diff -u "$PTX" "$tmpdir/fresh.ptx" | head -n 40 >&2 || true
-    die "committed $PTX is stale (differs from a fresh NVRTC build); run kernels/gen.sh"
-fi
-log "step 1 OK: committed PTX is identical to a fresh build"
-
-log "step 2: assembling committed PTX with ptxas for: $ARCHS"
-log "ptxas: $ptxas ($("$ptxas" --version | tail -n 1))"
-for arch in $ARCHS; do
-    vlog="$tmpdir/ptxas-$arch.log"
-    if ! "$ptxas" -arch="$arch" --warning-as-error -v -o "$tmpdir/reduce-$arch.cubin" "$PTX" \
-            >"$vlog" 2>&1; then
+# assemble PTX ARCH CUBIN LOG: ptxas PTX for ARCH into CUBIN, failing on any
+# error, warning, register spill or stack frame; touches CUBIN.ok on success.
+assemble() {
+    local ptx="$1" arch="$2" cubin="$3" vlog="$4" nfunc bad maxreg
+    if ! "$ptxas" -arch="$arch" --warning-as-error -v -o "$cubin" "$ptx" >"$vlog" 2>&1; then
         grep -v '^ptxas info' "$vlog" >&2 || true
-        die "ptxas -arch=$arch failed"
+        log "ptxas -arch=$arch $ptx failed"
+        return 1
     fi
     nfunc="$(grep -c "Compiling entry function" "$vlog" || true)"
     # ptxas -v prints "N bytes stack frame, N bytes spill stores, N bytes spill loads"
@@ -129,9 +121,97 @@ for arch in $ARCHS; do
     maxreg="$(grep -oE 'Used [0-9]+ registers' "$vlog" | awk '{print $2}' | sort -n | tail -n 1)"
     if [ -n "$bad" ]; then
         echo "$bad" >&2
-        die "ptxas -arch=$arch: register spills or stack frames"
+        log "ptxas -arch=$arch $ptx: register spills or stack frames"
+        return 1
     fi
-    log "  $arch OK: $nfunc entry functions, max $maxreg registers, no spills, no stack"
+    log "  $(basename "$ptx") $arch OK: $nfunc entry functions, max $maxreg registers, no spills, no stack"
+    touch "$cubin.ok"
+}
+
+# assemble_all PTXDIR OUTDIR ARCHS...: every module's PTX for every arch, in
+# parallel ($JOBS at a time); OUTDIR/ARCH/MODULE.cubin. Fails if any fails.
+assemble_all() {
+    local ptxdir="$1" outdir="$2" arch m name running=0
+    shift 2
+    for arch in "$@"; do
+        mkdir -p "$outdir/$arch"
+        for m in $MODULES; do
+            name="${m%%:*}"
+            assemble "$ptxdir/$name.ptx" "$arch" "$outdir/$arch/$name.cubin" "$outdir/$arch/$name.log" &
+            running=$((running + 1))
+            if [ "$running" -ge "$JOBS" ]; then wait -n || true; running=$((running - 1)); fi
+        done
+    done
+    wait || true
+    for arch in "$@"; do
+        for m in $MODULES; do
+            [ -f "$outdir/$arch/${m%%:*}.cubin.ok" ] || die "ptxas -arch=$arch ${m%%:*}.ptx failed (see above)"
+        done
+    done
+}
+
+command -v "$ZSTD" >/dev/null || die "the zstd command line tool is needed (apt-get install zstd)"
+tmpdir="$(mktemp -d)"
+trap 'rm -rf "$tmpdir"' EXIT
+nvcc_dir="$(install_wheel "$NVCC_PKG" "$NVCC_VERSION")"
+ptxas="$(find_one "$nvcc_dir" 'ptxas')"
+[ -x "$ptxas" ] || chmod +x "$ptxas"
+log "ptxas: $ptxas ($("$ptxas" --version | tail -n 1))"
+CUBIN_DIR="$ROOT/src/kernels/cubin"
+
+if [ "$mode" = gen ]; then
+    for m in $MODULES; do
+        PTX="$ROOT/src/kernels/${m%%:*}.ptx"
+        mkdir -p "$(dirname "$PTX")"
+        generate "$PTX" "${m#*:}"
+        log "wrote $PTX"
+    done
+    # shellcheck disable=SC2086
+    assemble_all "$ROOT/src/kernels" "$tmpdir/cubin" $CUBIN_ARCHS
+    rm -rf "$CUBIN_DIR"
+    for arch in $CUBIN_ARCHS; do
+        mkdir -p "$CUBIN_DIR/$arch"
+        for m in $MODULES; do
+            "$ZSTD" -q -19 --no-check -f -o "$CUBIN_DIR/$arch/${m%%:*}.cubin.zst" "$tmpdir/cubin/$arch/${m%%:*}.cubin"
+        done
+        log "wrote $CUBIN_DIR/$arch/*.cubin.zst"
+    done
+    exit 0
+fi
+
+# ---- check mode ----
+for m in $MODULES; do
+    PTX="$ROOT/src/kernels/${m%%:*}.ptx"
+    [ -f "$PTX" ] || die "$PTX does not exist; run kernels/gen.sh first"
+    log "step 1: regenerating $PTX into $tmpdir and comparing"
+    generate "$tmpdir/fresh.ptx" "${m#*:}"
+    if ! cmp -s "$tmpdir/fresh.ptx" "$PTX"; then
+        diff -u "$PTX" "$tmpdir/fresh.ptx" | head -n 40 >&2 || true
+        die "committed $PTX is stale (differs from a fresh NVRTC build); run kernels/gen.sh"
+    fi
+    log "step 1 OK: committed PTX is identical to a fresh build"
 done
+
+log "step 2: assembling committed PTX with ptxas for: $CUBIN_ARCHS $CHECK_ARCHS"
+# shellcheck disable=SC2086
+assemble_all "$ROOT/src/kernels" "$tmpdir/cubin" $CUBIN_ARCHS $CHECK_ARCHS
+log "step 2 OK"
+
+log "step 3: comparing the committed cubins with the fresh ones"
+expected="$(for arch in $CUBIN_ARCHS; do for m in $MODULES; do echo "$arch/${m%%:*}.cubin.zst"; done; done | LC_ALL=C sort)"
+found="$(cd "$CUBIN_DIR" 2>/dev/null && find . -type f | sed 's|^\./||' | LC_ALL=C sort)"
+if [ "$expected" != "$found" ]; then
+    diff <(echo "$expected") <(echo "$found") >&2 || true
+    die "src/kernels/cubin/ does not hold exactly one .cubin.zst per arch and module; run kernels/gen.sh"
+fi
+for arch in $CUBIN_ARCHS; do
+    for m in $MODULES; do
+        name="${m%%:*}"
+        "$ZSTD" -q -d -c "$CUBIN_DIR/$arch/$name.cubin.zst" >"$tmpdir/committed.cubin" \
+            || die "cannot decompress $CUBIN_DIR/$arch/$name.cubin.zst"
+        cmp -s "$tmpdir/committed.cubin" "$tmpdir/cubin/$arch/$name.cubin" \
+            || die "committed $CUBIN_DIR/$arch/$name.cubin.zst differs from a fresh ptxas build; run kernels/gen.sh"
+    done
 done
+log "step 3 OK: $(echo "$expected" | wc -l) cubins identical to a fresh ptxas build"
 log "check OK"

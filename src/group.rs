@@ -122,11 +122,27 @@ pub struct GroupOptions {
     /// spinning. Under graph capture every rank is launched from the calling
     /// thread. Default: `Some(`[`DEFAULT_LAUNCH_SPIN`]`)`.
     pub launch_spin: Option<Duration>,
+    /// Load kernel modules on first use instead of when the group is
+    /// created. By default (`false`) [`Group::new`] calls
+    /// [`Group::warm_up`], so that no collective ever loads or JIT-compiles
+    /// a kernel on the hot path. With `true` the first call of each
+    /// (element type, reduction) loads its module then (resolving it on
+    /// every rank before any rank launches); useful where the devices have
+    /// no embedded cubin and only a few types are used, since JIT-compiling
+    /// every module takes seconds per module. (The ring's reduction module
+    /// is loaded at creation either way.)
+    pub lazy_kernels: bool,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        GroupOptions { algorithm: Algorithm::default(), link: LinkOptions::default(), pull_policies: Vec::new(), launch_spin: Some(DEFAULT_LAUNCH_SPIN) }
+        GroupOptions {
+            algorithm: Algorithm::default(),
+            link: LinkOptions::default(),
+            pull_policies: Vec::new(),
+            launch_spin: Some(DEFAULT_LAUNCH_SPIN),
+            lazy_kernels: false,
+        }
     }
 }
 
@@ -139,20 +155,100 @@ impl GroupOptions {
 
 type ModuleCache = Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>>;
 
-/// The kernel modules, loaded (JIT-compiled) once per context for the life
-/// of the process.
-static REDUCE_MODULES: ModuleCache = Lazy::new(|| Mutex::new(HashMap::new()));
-static MESH_MODULES: [ModuleCache; 10] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 10];
+/// The kernel modules (`kernels::modules()`, by index), loaded once per
+/// context for the life of the process.
+static MODULE_CACHES: [ModuleCache; 11] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 11];
 
-fn load_module(ctx: &Arc<CudaContext>, cache: &ModuleCache, ptx: &'static str) -> Result<Arc<CudaModule>> {
-    let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(m) = map.get(&(ctx.cu_ctx() as usize)) {
+/// The environment variable that makes every module load from PTX (JIT)
+/// even where a cubin would serve: `CUDA_PEER_FORCE_PTX=1` (any value but
+/// empty or `0`).
+pub const FORCE_PTX_ENV: &str = "CUDA_PEER_FORCE_PTX";
+
+fn force_ptx() -> bool {
+    std::env::var_os(FORCE_PTX_ENV).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Which image of the kernels a context loads: `Some(arch)` (an index in
+/// `kernels::CUBIN_ARCHS`) for a cubin, `None` for the PTX.
+fn image_for(ctx: &Arc<CudaContext>) -> Result<Option<usize>> {
+    use cudarc::driver::sys::CUdevice_attribute::{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR};
+    if force_ptx() {
+        return Ok(None);
+    }
+    let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(cudarc_err("cuDeviceGetAttribute"))?;
+    let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(cudarc_err("cuDeviceGetAttribute"))?;
+    Ok(kernels::cubin_for(major.max(0) as u32, minor.max(0) as u32))
+}
+
+/// Module `index` of `kernels::modules()` on `ctx`, loaded the first time:
+/// from the cubin for the device's architecture where there is one (no
+/// JIT), else from the PTX (JIT-compiled by the driver). A cubin that does
+/// not decompress or load (an old driver, say) falls back to the PTX, with
+/// a warning. The cache is not locked while a module loads, so devices
+/// load (and JIT-compile) at the same time; two threads loading one module
+/// on one context at once both load it, and the first stored is kept.
+fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> {
+    let module = kernels::modules().get(index).ok_or_else(|| Error::Internal(format!("no kernel module {index}")))?;
+    let key = ctx.cu_ctx() as usize;
+    if let Some(m) = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(m.clone());
     }
-    let m = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(cudarc_err("cuModuleLoadData (kernels)"))?;
-    map.insert(ctx.cu_ctx() as usize, m.clone());
-    Ok(m)
+    let start = std::time::Instant::now();
+    let mut loaded = None;
+    if let Some(arch) = image_for(ctx)? {
+        let result = module
+            .cubin(arch)
+            .and_then(|image| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(|e| format!("cuModuleLoadData: {e:?}")));
+        match result {
+            Ok(m) => loaded = Some((m, kernels::arch_name(arch))),
+            Err(e) => log::warn!("cuda-peer: GPU{}: cubin {} of {} unusable ({e}); JIT-compiling the PTX", ctx.ordinal(), kernels::arch_name(arch), module.name),
+        }
+    }
+    let (m, how) = match loaded {
+        Some(l) => l,
+        None => (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx())).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string()),
+    };
+    log::debug!("cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms", ctx.ordinal(), module.name, start.elapsed().as_secs_f64() * 1e3);
+    let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
+    Ok(map.entry(key).or_insert(m).clone())
 }
+
+/// Loads modules `0..nmodules` on every context of `ctxs` (distinct
+/// contexts), one thread per context, so that the devices load (or
+/// JIT-compile) at the same time.
+fn load_modules_everywhere(ctxs: &[&Arc<CudaContext>], nmodules: usize) -> Result<()> {
+    let load_all = |ctx: &Arc<CudaContext>| -> Result<()> {
+        for index in 0..nmodules {
+            load_module(ctx, index)?;
+        }
+        Ok(())
+    };
+    if ctxs.len() < 2 {
+        return ctxs.iter().try_for_each(|c| load_all(c));
+    }
+    std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(ctxs.len());
+        let mut result = Ok(());
+        for &ctx in ctxs {
+            match std::thread::Builder::new().name("cuda-peer-load".into()).spawn_scoped(s, move || load_all(ctx)) {
+                Ok(h) => handles.push(h),
+                // No thread: load this context from the calling thread.
+                Err(_) => result = result.and_then(|()| load_all(ctx)),
+            }
+        }
+        // Every thread is joined (a scope with an unjoined panicked thread
+        // would panic); the first error is kept.
+        for h in handles {
+            let r = h.join().unwrap_or_else(|_| Err(Error::Internal("a kernel loading thread panicked".into())));
+            result = result.and(r);
+        }
+        result
+    })
+}
+
+/// The reductions as they appear in kernel names (avg is sum, then the
+/// division kernel).
+const KERNEL_OPS: [&str; 4] = ["sum", "prod", "min", "max"];
 
 /// One kernel family's functions for one rank, by (op, element type),
 /// each looked up on first use and kept: a launch costs an index, not a
@@ -279,7 +375,7 @@ impl Group {
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(cudarc_err("cuDeviceGetAttribute"))?;
             ranks.push(Rank {
-                module: load_module(&ctx, &REDUCE_MODULES, kernels::REDUCE_PTX)?,
+                module: load_module(&ctx, kernels::REDUCE)?,
                 done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
                 funcs: FnTable::default(),
                 order: Orderer::default(),
@@ -306,7 +402,7 @@ impl Group {
             _ => None,
         };
         let serial = stream_locks(&ranks);
-        Ok(Group {
+        let group = Group {
             launchers,
             mesh,
             oneshot,
@@ -320,7 +416,11 @@ impl Group {
             reach: ReachCache::default(),
             raw_events: once_cell::sync::OnceCell::new(),
             access: Arc::new(access),
-        })
+        };
+        if !opts.lazy_kernels {
+            group.warm_up()?;
+        }
+        Ok(group)
     }
 
     /// Sets up the one-shot all-reduce where `opts` asks for it and the
@@ -431,13 +531,68 @@ impl Group {
     }
 
     /// Loads `{family}_{op}_{ty}` from the mesh module of `dtype` on rank r
-    /// (JIT-compiled once per context and type).
+    /// (loaded once per context and type).
     pub(crate) fn mesh_function(&self, r: usize, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
         let ty = dtype.name();
-        let ptx = kernels::mesh_ptx(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
-        let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
-        let module = load_module(&self.ranks[r].ctx, cache, ptx)?;
+        let index = kernels::mesh_module(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
+        let module = load_module(&self.ranks[r].ctx, index)?;
         module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
+    }
+
+    /// Loads every kernel module the group can need on every rank and
+    /// resolves every kernel in them: the ring's reductions (4 ops and the
+    /// division of avg, for every element type), and the mesh and one-shot
+    /// kernels where the group has them. Afterwards no collective of the
+    /// group loads or compiles anything. [`Group::new`] calls it unless
+    /// [`GroupOptions::lazy_kernels`] is set; calling it again costs little
+    /// (lookups in the tables already filled).
+    ///
+    /// Modules come from the embedded machine code for the device's
+    /// architecture (sm_70, sm_80 and up to sm_89, sm_90, sm_100 and sm_103,
+    /// sm_120 and sm_121), else from PTX that the driver JIT-compiles (a
+    /// few seconds per module and device on a cold driver cache);
+    /// `CUDA_PEER_FORCE_PTX=1` forces the PTX. Devices load at the same
+    /// time, one thread each. How long it took is logged
+    /// (`log::info!`), each module at `log::debug!`.
+    pub fn warm_up(&self) -> Result<()> {
+        let start = std::time::Instant::now();
+        let fused = self.mesh.is_some() || self.oneshot.is_some();
+        let nmodules = if fused { kernels::modules().len() } else { 1 };
+        let mut ctxs: Vec<&Arc<CudaContext>> = Vec::with_capacity(self.size());
+        for rank in &self.ranks {
+            if !ctxs.iter().any(|c| c.cu_ctx() == rank.ctx.cu_ctx()) {
+                ctxs.push(&rank.ctx);
+            }
+        }
+        load_modules_everywhere(&ctxs, nmodules)?;
+        for r in 0..self.size() {
+            for dtype in DType::ALL {
+                for op in KERNEL_OPS {
+                    self.function(r, op, dtype, || kernels::reduce2_name(op, dtype.name()))?;
+                    if let Some(mesh) = &self.mesh {
+                        mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
+                    }
+                    if let Some(os) = &self.oneshot {
+                        os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
+                    }
+                }
+                if dtype.is_float() {
+                    self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+                }
+            }
+        }
+        let images: Vec<String> = self
+            .ranks
+            .iter()
+            .map(|k| image_for(&k.ctx).map(|a| format!("GPU{}: {}", k.ctx.ordinal(), a.map_or_else(|| "PTX".to_string(), kernels::arch_name))))
+            .collect::<Result<_>>()?;
+        log::info!(
+            "cuda-peer: kernels of {nmodules} modules ready on {} ranks in {:.1} ms ({})",
+            self.size(),
+            start.elapsed().as_secs_f64() * 1e3,
+            images.join(", ")
+        );
+        Ok(())
     }
 
     fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
@@ -540,6 +695,14 @@ impl Group {
     /// The one-shot state, when an all-reduce of `bytes` per rank takes it.
     pub(crate) fn oneshot_for(&self, bytes: usize) -> Option<&OneShot> {
         self.oneshot.as_deref().filter(|_| self.all_reduce_algorithm(bytes) == Algorithm::OneShot)
+    }
+
+    /// Resolves the division kernel for `dtype` on every rank.
+    pub(crate) fn resolve_scale_div(&self, dtype: DType) -> Result<()> {
+        for r in 0..self.size() {
+            self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+        }
+        Ok(())
     }
 
     /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.

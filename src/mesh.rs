@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 /// The mesh all-reduce's per-rank state: kernels and flag areas.
 pub(crate) struct Mesh {
     /// Each rank's kernels, loaded on first use.
-    funcs: Vec<FnTable>,
+    pub(crate) funcs: Vec<FnTable>,
     /// Each rank's flag area (zeroed once), kept alive with the group.
     _flags: Vec<CudaSlice<u32>>,
     flag_ptrs: [u64; kernels::MESH_MAX_RANKS],
@@ -88,6 +88,12 @@ impl Group {
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
         let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
+        // Every rank's kernel is resolved before any rank launches (a no-op
+        // after the group's warm-up): a rank that failed to load its module
+        // after others launched would leave them waiting at the barrier.
+        for r in 0..n {
+            mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
+        }
         self.launch_each(&|r| {
             let f = mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
             let rank = r as i32;

@@ -91,7 +91,7 @@ pub(crate) struct OneShot {
     lanes: Vec<Lane>,
     /// How many regions each rank stores into.
     npush: i32,
-    funcs: Vec<FnTable>,
+    pub(crate) funcs: Vec<FnTable>,
 }
 
 impl OneShot {
@@ -177,6 +177,7 @@ impl Group {
     /// records the buffer's event: cudarc's event tracking of the buffers
     /// then runs in parallel too.
     pub(crate) fn oneshot_in_place<T: Element, D: DevicePtrMut<T> + Send>(&self, os: &OneShot, op: ReduceOp, bufs: &mut [D], count: usize) -> Result<()> {
+        self.resolve_oneshot(os, op, T::DTYPE)?;
         let cells = cells(bufs);
         self.launch_each(&|r| {
             let buf = take(&cells, r)?;
@@ -198,6 +199,7 @@ impl Group {
         recv: &mut [D],
         count: usize,
     ) -> Result<()> {
+        self.resolve_oneshot(os, op, T::DTYPE)?;
         let cells = cells(recv);
         self.launch_each(&|r| {
             let out = take(&cells, r)?;
@@ -219,6 +221,20 @@ impl Group {
             (Some(&i), Some(&o)) => self.oneshot_rank::<T>(os, op, r, i, o, count),
             _ => Err(Error::Internal(format!("one-shot: no buffer for rank {r}"))),
         })
+    }
+
+    /// Resolves every rank's kernels for `op` on `dtype` before any rank
+    /// launches (a no-op after the group's warm-up): a rank that failed to
+    /// load its module after others launched would leave them waiting for
+    /// its flags.
+    fn resolve_oneshot(&self, os: &OneShot, op: ReduceOp, dtype: DType) -> Result<()> {
+        for r in 0..self.size() {
+            os.funcs[r].get(op.kernel_op(), dtype, || self.mesh_function(r, "cp_oneshot", op.kernel_op(), dtype))?;
+        }
+        if op == ReduceOp::Avg {
+            self.resolve_scale_div(dtype)?;
+        }
+        Ok(())
     }
 
     /// Rank r's one-shot kernel, then the division of [`ReduceOp::Avg`].

@@ -1,11 +1,35 @@
-//! Embedded reduction kernels (PTX) and their naming scheme.
+//! Embedded reduction kernels (PTX, and machine code for common GPUs) and
+//! their naming scheme.
 //!
 //! The kernels are written in CUDA C in `kernels/reduce.cu`, compiled to PTX
 //! with NVRTC from CUDA 12.0 (`kernels/gen.sh`, target `compute_70`, PTX ISA
-//! 8.0) and committed as `src/kernels/reduce.ptx`.  The driver JIT-compiles the
-//! PTX for the actual GPU at module load, so one PTX file serves sm_70 and
-//! newer.  `kernels/gen.sh --check` verifies the committed PTX is up to date
-//! and assembles with `ptxas` for sm_70, sm_80, sm_86, sm_89 and sm_90.
+//! 8.0) and committed as `src/kernels/*.ptx`: one module of reduction
+//! kernels for the ring (`reduce.ptx`) and one module per element type for
+//! the fused all-reduces (`mesh_{ty}.ptx`). The same PTX is assembled by
+//! `ptxas` (CUDA 12.9) into machine code (cubins) for [`CUBIN_ARCHS`],
+//! committed zstd-compressed as `src/kernels/cubin/sm_XY/{module}.cubin.zst`.
+//! At module load ([`cubin_for`]) a device whose major architecture has a
+//! cubin of the same major and an equal or lower minor gets the cubin (no
+//! JIT: a cubin for sm_XY runs on every sm_XZ with Z >= Y); any other
+//! device, or any device with `CUDA_PEER_FORCE_PTX=1` in the environment,
+//! gets the PTX, which the driver JIT-compiles (and caches, in its JIT
+//! cache) for the actual GPU. `kernels/gen.sh --check` verifies that the
+//! committed PTX and cubins are exactly what the pinned compilers produce,
+//! and that every module assembles for sm_70, sm_80, sm_86, sm_89, sm_90,
+//! sm_100 and sm_120 without spills.
+//!
+//! What the modules hold (sizes at the time of writing: PTX / sm_90 cubin):
+//!
+//! * `reduce`: `cp_reduce2_{op}_{ty}` for 4 ops x 10 types and
+//!   `cp_scale_div_{ty}` for 4 float types (176 KB / 196 KB).
+//! * `mesh_{ty}`: `cp_meshar_{op}_{ty}` and `cp_oneshot_{op}_{ty}` for the 4
+//!   ops (270 KB-1 MB / 210-450 KB). Most of it is the mesh kernel, whose
+//!   rank loop is unrolled for 8 ranks times 4 vectors in flight per thread
+//!   times 16/sizeof(T) elements per vector (so 8-bit and 16-bit types are
+//!   the largest, bf16 most, with its conversions), and the one-shot, which
+//!   keeps 4 vectors in flight with a vector and an element-wise path for
+//!   each load and store. Both unrolls are what the kernels' speed rests
+//!   on, so they are kept as measured.
 //!
 //! Launch convention (reduce2 and scale_div): 1-D grid and block, block size
 //! 256 intended (any block size is correct), any grid size (grid-stride
@@ -20,35 +44,124 @@
 //! * [`scale_div_name`]: `(T* x, u64 n, f64 divisor)`; `x[i] /= divisor`
 //!   (floating-point types only).
 //! * `cp_meshar_{op}_{ty}` (mesh all-reduce) and `cp_oneshot_{op}_{ty}`
-//!   (one-shot all-reduce), in per-type modules ([`mesh_ptx`]); `PtrArray`
+//!   (one-shot all-reduce), in per-type modules ([`mesh_module`]); `PtrArray`
 //!   is `struct { const void* p[8]; }` by value. Signatures and protocols
 //!   are documented in `kernels/reduce.cu`.
 //!
 //! Semantics: integer `sum`/`prod` wrap; floating-point `min`/`max` propagate
 //! NaN; `f16`/`bf16` are computed in `f32` and rounded back (nearest-even)
-//! after every binary op.
+//! after every binary op. The cubins are the same PTX compiled ahead of
+//! time by the same compiler back end as the driver's JIT; the PTX spells
+//! every float operation with its rounding (`add.rn`, `mul.rn`: NVRTC ran
+//! with `--fmad=false`), so no contraction can change a result.
 
-/// PTX text of the reduction kernels (`kernels/reduce.cu` built with
-/// `-DCP_BUILD_REDUCE`).
+/// Architectures with embedded cubins, `(major, minor)`, in the order of
+/// [`KernelModule`]'s cubins (keep in step with `CUBIN_ARCHS` in
+/// `kernels/gen.sh`).
+pub(crate) const CUBIN_ARCHS: [(u32, u32); 5] = [(7, 0), (8, 0), (9, 0), (10, 0), (12, 0)];
+
+/// One embedded kernel module: its PTX and its cubins.
+pub(crate) struct KernelModule {
+    /// File name without extension (`reduce`, `mesh_f32`, ...).
+    pub(crate) name: &'static str,
+    /// Its index in [`modules`].
+    index: usize,
+}
+
+/// The embedded files, by module index. Plain functions that are never
+/// inlined: a static or const holding the bytes (or an inlinable function)
+/// would also be written into the rlib's metadata, doubling its size.
+macro_rules! embedded {
+    ($($i:literal => $name:literal,)*) => {
+        /// Every embedded module: [`REDUCE`] first, then the mesh modules in
+        /// the order of `DType::ALL`.
+        pub(crate) fn modules() -> &'static [KernelModule; 11] {
+            static MODULES: [KernelModule; 11] = [$(KernelModule { name: $name, index: $i }),*];
+            &MODULES
+        }
+
+        #[inline(never)]
+        fn ptx_of(index: usize) -> &'static str {
+            match index {
+                $($i => include_str!(concat!($name, ".ptx")),)*
+                _ => "",
+            }
+        }
+
+        #[inline(never)]
+        fn cubins_of(index: usize) -> [&'static [u8]; CUBIN_ARCHS.len()] {
+            match index {
+                $($i => [
+                    include_bytes!(concat!("cubin/sm_70/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_80/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_90/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_100/", $name, ".cubin.zst")),
+                    include_bytes!(concat!("cubin/sm_120/", $name, ".cubin.zst")),
+                ],)*
+                _ => [&[]; CUBIN_ARCHS.len()],
+            }
+        }
+    };
+}
+
+embedded! {
+    0 => "reduce",
+    1 => "mesh_f32",
+    2 => "mesh_f64",
+    3 => "mesh_f16",
+    4 => "mesh_bf16",
+    5 => "mesh_i32",
+    6 => "mesh_i64",
+    7 => "mesh_u32",
+    8 => "mesh_u64",
+    9 => "mesh_i8",
+    10 => "mesh_u8",
+}
+
+/// PTX text of the reduction kernels (for tests that read it).
+#[cfg(test)]
 pub(crate) const REDUCE_PTX: &str = include_str!("reduce.ptx");
 
-/// PTX text of the mesh all-reduce kernels for element type `ty`
-/// (`kernels/reduce.cu` built with `-DCP_MESH_TY_{ty}`), one module per
-/// type so that a program JIT-compiles only the types it reduces.
-pub(crate) fn mesh_ptx(ty: &str) -> Option<&'static str> {
-    Some(match ty {
-        "f32" => include_str!("mesh_f32.ptx"),
-        "f64" => include_str!("mesh_f64.ptx"),
-        "f16" => include_str!("mesh_f16.ptx"),
-        "bf16" => include_str!("mesh_bf16.ptx"),
-        "i32" => include_str!("mesh_i32.ptx"),
-        "i64" => include_str!("mesh_i64.ptx"),
-        "u32" => include_str!("mesh_u32.ptx"),
-        "u64" => include_str!("mesh_u64.ptx"),
-        "i8" => include_str!("mesh_i8.ptx"),
-        "u8" => include_str!("mesh_u8.ptx"),
-        _ => return None,
-    })
+/// Index in [`modules`] of the reduction kernels (`kernels/reduce.cu` built
+/// with `-DCP_BUILD_REDUCE`).
+pub(crate) const REDUCE: usize = 0;
+
+/// Index in [`modules`] of the mesh and one-shot all-reduce kernels for
+/// element type `ty` (`kernels/reduce.cu` built with `-DCP_MESH_TY_{ty}`),
+/// one module per type.
+pub(crate) fn mesh_module(ty: &str) -> Option<usize> {
+    modules().iter().skip(1).position(|m| m.name.strip_prefix("mesh_") == Some(ty)).map(|i| i + 1)
+}
+
+/// The [`CUBIN_ARCHS`] entry whose cubins run on a device of compute
+/// capability `major.minor`: the same major and the highest minor not above
+/// the device's (a cubin for sm_XY runs on sm_XZ for Z >= Y, never across
+/// majors); `None` where only the PTX can serve.
+pub(crate) fn cubin_for(major: u32, minor: u32) -> Option<usize> {
+    (0..CUBIN_ARCHS.len()).filter(|&i| CUBIN_ARCHS[i].0 == major && CUBIN_ARCHS[i].1 <= minor).max_by_key(|&i| CUBIN_ARCHS[i].1)
+}
+
+/// `sm_XY` for the [`CUBIN_ARCHS`] entry `arch`.
+pub(crate) fn arch_name(arch: usize) -> String {
+    CUBIN_ARCHS.get(arch).map(|(ma, mi)| format!("sm_{ma}{mi}")).unwrap_or_else(|| "sm_?".into())
+}
+
+impl KernelModule {
+    /// PTX text (no NUL bytes), the JIT fallback.
+    pub(crate) fn ptx(&self) -> &'static str {
+        ptx_of(self.index)
+    }
+
+    /// The cubin for the [`CUBIN_ARCHS`] entry `arch`, decompressed.
+    pub(crate) fn cubin(&self, arch: usize) -> Result<Vec<u8>, String> {
+        use std::io::Read;
+        let what = || format!("{}.cubin.zst for {}", self.name, arch_name(arch));
+        let frame = cubins_of(self.index).get(arch).copied().filter(|f| !f.is_empty()).ok_or_else(|| format!("no {}", what()))?;
+        let mut decoder = ruzstd::decoding::StreamingDecoder::new(frame).map_err(|e| format!("{}: {e}", what()))?;
+        let mut out = Vec::with_capacity(frame.len() * 12);
+        decoder.read_to_end(&mut out).map_err(|e| format!("{}: {e}", what()))?;
+        Ok(out)
+    }
 }
 
 /// Largest grid of a mesh kernel (its flag area has a slot per block).
@@ -161,7 +274,7 @@ mod tests {
 
     #[test]
     fn ptx_has_exactly_the_expected_entries() {
-        let entries = ptx_entries(REDUCE_PTX);
+        let entries = ptx_entries(modules()[REDUCE].ptx());
         let found: BTreeSet<String> = entries.iter().cloned().collect();
         assert_eq!(found.len(), entries.len(), "duplicate .entry in PTX");
         let expected = expected_entries();
@@ -175,17 +288,17 @@ mod tests {
     #[test]
     fn mesh_ptx_has_the_mesh_and_oneshot_kernels_per_op_for_its_type() {
         for ty in TYPES {
-            let ptx = mesh_ptx(ty).expect("a mesh module per type");
+            let ptx = modules()[mesh_module(ty).expect("a mesh module per type")].ptx();
             let found: BTreeSet<String> = ptx_entries(ptx).into_iter().collect();
             let expected: BTreeSet<String> =
                 OPS.iter().flat_map(|op| [format!("cp_meshar_{op}_{ty}"), format!("cp_oneshot_{op}_{ty}")]).collect();
             assert_eq!(found, expected, "{ty}");
         }
-        assert!(mesh_ptx("f8").is_none());
+        assert!(mesh_module("f8").is_none());
     }
 
     fn all_ptx() -> Vec<&'static str> {
-        std::iter::once(REDUCE_PTX).chain(TYPES.iter().filter_map(|t| mesh_ptx(t))).collect()
+        modules().iter().map(|m| m.ptx()).collect()
     }
 
     #[test]
@@ -219,6 +332,57 @@ mod tests {
         for ptx in all_ptx() {
             assert!(!ptx.as_bytes().contains(&0));
             assert!(ptx.is_ascii());
+        }
+    }
+
+    #[test]
+    fn modules_follow_the_dtype_order() {
+        assert_eq!(modules()[REDUCE].name, "reduce");
+        for (i, d) in crate::dtype::DType::ALL.iter().enumerate() {
+            assert_eq!(mesh_module(d.name()), Some(i + 1));
+            assert_eq!(modules()[i + 1].name, format!("mesh_{}", d.name()));
+            assert_eq!(d.name(), TYPES[i]);
+        }
+    }
+
+    #[test]
+    fn cubin_choice_follows_the_compatibility_rule() {
+        let arch = |ma, mi| cubin_for(ma, mi).map(arch_name);
+        assert_eq!(arch(7, 0).as_deref(), Some("sm_70"));
+        assert_eq!(arch(7, 5).as_deref(), Some("sm_70"));
+        assert_eq!(arch(8, 0).as_deref(), Some("sm_80"));
+        assert_eq!(arch(8, 6).as_deref(), Some("sm_80"));
+        assert_eq!(arch(8, 9).as_deref(), Some("sm_80"));
+        assert_eq!(arch(9, 0).as_deref(), Some("sm_90"));
+        assert_eq!(arch(10, 0).as_deref(), Some("sm_100"));
+        assert_eq!(arch(10, 3).as_deref(), Some("sm_100"));
+        assert_eq!(arch(12, 0).as_deref(), Some("sm_120"));
+        assert_eq!(arch(12, 1).as_deref(), Some("sm_120"));
+        // Other majors (older, or newer than the cubins) take the PTX.
+        assert_eq!(arch(6, 1), None);
+        assert_eq!(arch(11, 0), None);
+        assert_eq!(arch(13, 0), None);
+    }
+
+    /// `(name, st_value-less)` check of a cubin: an ELF64 image for the
+    /// right `sm` (the low byte of e_flags holds it) naming every entry of
+    /// the module's PTX.
+    #[test]
+    fn cubins_are_elf_images_of_every_entry_for_their_arch() {
+        for m in modules() {
+            let entries = ptx_entries(m.ptx());
+            for (a, &(major, minor)) in CUBIN_ARCHS.iter().enumerate() {
+                let img = m.cubin(a).unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(&img[..4], b"\x7fELF", "{} {}", m.name, arch_name(a));
+                assert_eq!(img[4], 2, "ELF64");
+                let flags = u32::from_le_bytes([img[48], img[49], img[50], img[51]]);
+                let sm = major * 10 + minor;
+                assert!(flags & 0xff == sm || (flags >> 8) & 0xff == sm, "{} {}: e_flags {flags:#x}", m.name, arch_name(a));
+                for e in &entries {
+                    let needle = format!("\0{e}\0");
+                    assert!(img.windows(needle.len()).any(|w| w == needle.as_bytes()), "{} {}: no {e}", m.name, arch_name(a));
+                }
+            }
         }
     }
 }
