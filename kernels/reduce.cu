@@ -346,7 +346,8 @@ CP_SCALE_DIV_KERNEL(bf16)
 // segment, so a barrier between blocks with the same index is enough.
 //
 //   cp_meshar_OP_TY(PtrArray ins, PtrArray outs, PtrArray flags,
-//                   int nranks, int rank, u64 n, u64 seg, int vec)
+//                   int nranks, int rank, u64 n, u64 seg, int vec,
+//                   unsigned* ctl, u64 timeout_ns)
 //     ins/outs: each rank's buffers (outs may equal ins: in place);
 //     flags: each rank's flag area (MESH_FLAG_WORDS u32, zeroed once at
 //            creation; the block counters at its end are this rank's own);
@@ -355,8 +356,10 @@ CP_SCALE_DIV_KERNEL(bf16)
 //   Launch: the same grid on every rank, at most MESH_MAX_BLOCKS blocks,
 //   small enough that every block is resident at once; 1-D blocks of at
 //   least nranks threads.
-//   A barrier that waits more than 10 s traps (the kernel fails with an
-//   error instead of hanging).
+//   ctl, timeout_ns: the group's control block and how long a barrier may
+//   wait (see wait_flag): a barrier that gives up ends the kernel early,
+//   cleanly, with the reason in ctl; the group is then out of step and
+//   the host refuses further calls on it.
 // ---------------------------------------------------------------------------
 
 #if defined(CP_MESH_TY_f32) || defined(CP_MESH_TY_f64) || defined(CP_MESH_TY_f16) ||   \
@@ -389,27 +392,71 @@ static __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-// Spins until *p reaches `value` (acquire, system scope); traps after 10 s.
-static __device__ __forceinline__ void wait_flag(const unsigned int* p, unsigned int value) {
+static __device__ __forceinline__ unsigned int ld_relaxed_sys(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void st_relaxed_sys(unsigned int* p, unsigned int v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// A group's control block, in mapped pinned host memory that every rank's
+// kernels and the host share (see `Ctl` in src/failure.rs):
+//   word CTL_ABORT: nonzero asks every waiting kernel to give up (the host
+//     sets it when a call could not be launched on every rank; a kernel
+//     sets it when it times out, so that its peers give up too);
+//   words CTL_CODE(r), CTL_EPOCH(r): rank r's first failure (CTL_TIMEOUT or
+//     CTL_ABORTED) and the barrier value (the call's epoch) it failed at.
+#define CTL_ABORT 0
+#define CTL_CODE(r) (1 + 2 * (r))
+#define CTL_EPOCH(r) (2 + 2 * (r))
+#define CTL_TIMEOUT 1u
+#define CTL_ABORTED 2u
+
+static __device__ __forceinline__ void ctl_fail(unsigned int* ctl, int rank, unsigned int code, unsigned int epoch) {
+    if (ld_relaxed_sys(ctl + CTL_CODE(rank)) == 0u) {
+        st_relaxed_sys(ctl + CTL_EPOCH(rank), epoch);
+        st_relaxed_sys(ctl + CTL_CODE(rank), code);
+    }
+}
+
+// Spins until *p reaches `value` (acquire, system scope). Gives up, and
+// returns false, when the control block's abort word is set or after
+// `timeout_ns` of waiting (a signed difference of %globaltimer, so a clock
+// that steps back cannot make it fire early), recording why; a timeout also
+// sets the abort word. Never traps: the context survives.
+static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned int value, unsigned int* ctl,
+                                                 u64 timeout_ns, int rank) {
     u64 start = 0;
     unsigned int spins = 0;
     while ((int)(ld_acquire_sys(p) - value) < 0) {
         if ((++spins & 1023u) == 0) {
+            if (ld_relaxed_sys(ctl + CTL_ABORT) != 0u) {
+                ctl_fail(ctl, rank, CTL_ABORTED, value);
+                return false;
+            }
             const u64 now = global_timer_ns();
             if (start == 0) {
                 start = now;
-            } else if (now - start > 10000000000ull) {
-                __trap();
+            } else if ((long long)(now - start) > (long long)timeout_ns) {
+                ctl_fail(ctl, rank, CTL_TIMEOUT, value);
+                st_relaxed_sys(ctl + CTL_ABORT, 1u);
+                return false;
             }
         }
     }
+    return true;
 }
 
 // `flags` is a copy of the flag pointers in shared memory (a dynamic index
-// into the kernel parameter would put the array on the stack).
-static __device__ __forceinline__ void mesh_barrier(unsigned int* const* flags, int nranks, int rank,
-                                    unsigned int value, int slot) {
+// into the kernel parameter would put the array on the stack). Returns
+// whether every wait of the block succeeded (see wait_flag).
+static __device__ __forceinline__ bool mesh_barrier(unsigned int* const* flags, int nranks, int rank,
+                                    unsigned int value, int slot, unsigned int* ctl, u64 timeout_ns) {
     __syncthreads();
+    int ok = 1;
     if ((int)threadIdx.x < nranks) {
         const int p = threadIdx.x;
         const u64 cell = (u64)(slot * MESH_MAX_BLOCKS + blockIdx.x) * MESH_MAX_RANKS;
@@ -420,15 +467,15 @@ static __device__ __forceinline__ void mesh_barrier(unsigned int* const* flags, 
         // flag publishes them at system scope. (A __threadfence_system here
         // cost 2-4 us per call on 2x H200, 1-16 MiB, one run.)
         st_release_sys(theirs, value);
-        wait_flag(mine, value);
+        ok = wait_flag(mine, value, ctl, timeout_ns, rank);
     }
-    __syncthreads();
+    return __syncthreads_and(ok) != 0;
 }
 
 template <class Op>
 static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const PtrArray& outs,
                                    const PtrArray& flags, int nranks, int rank,
-                                   u64 n, u64 seg, int vec) {
+                                   u64 n, u64 seg, int vec, unsigned int* ctl, u64 timeout_ns) {
     typedef typename Op::T T;
     if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
     if (gridDim.x > MESH_MAX_BLOCKS || (int)blockDim.x < nranks) return;
@@ -446,7 +493,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
     }
     __syncthreads();
     const unsigned int v = value;
-    mesh_barrier(sflags, nranks, rank, v, 0);
+    if (!mesh_barrier(sflags, nranks, rank, v, 0, ctl, timeout_ns)) return;
 
     const u64 lo = (u64)rank * seg < n ? (u64)rank * seg : n;
     const u64 hi = lo + seg < n ? lo + seg : n;
@@ -507,7 +554,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
         }
     }
 
-    mesh_barrier(sflags, nranks, rank, v, 1);
+    mesh_barrier(sflags, nranks, rank, v, 1, ctl, timeout_ns);
 }
 
 // ---------------------------------------------------------------------------
@@ -531,7 +578,8 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //
 //   cp_oneshot_OP_TY(PtrArray push, int npush, const void* pull,
 //                    const T* in, T* out, unsigned* counters,
-//                    int nranks, int rank, u64 n, u64 cap)
+//                    int nranks, int rank, u64 n, u64 cap,
+//                    unsigned* ctl, u64 timeout_ns)
 //     push:  the regions this rank stores its slot and flags into (npush);
 //     pull:  the region this rank reads slots and polls flags from;
 //     in/out: element-aligned (out may equal in); 16-byte vector loads
@@ -541,7 +589,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //     cap:   slot bytes, a multiple of 16.
 //   Launch: the same grid on every rank and for every call of the group, at
 //   most ONESHOT_MAX_BLOCKS blocks, all resident at once; 1-D blocks of at
-//   least nranks threads. A wait of more than 10 s traps.
+//   least nranks threads. ctl, timeout_ns: as for the mesh.
 // ---------------------------------------------------------------------------
 #define ONESHOT_MAX_BLOCKS 64
 #define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)
@@ -591,7 +639,8 @@ static __device__ __forceinline__ void store_unit(T* dst, u64 j, V16 v, bool vec
 template <class Op>
 static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int npush, const void* pull,
                                     const typename Op::T* in, typename Op::T* out,
-                                    unsigned int* counters, int nranks, int rank, u64 n, u64 cap) {
+                                    unsigned int* counters, int nranks, int rank, u64 n, u64 cap,
+                                    unsigned int* ctl, u64 timeout_ns) {
     typedef typename Op::T T;
     if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
     if (npush < 0 || npush > MESH_MAX_RANKS || cap < 16 || (cap & 15u) != 0) return;
@@ -651,10 +700,11 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
             // Cumulative release after __syncthreads: see mesh_barrier.
             st_release_sys(f, v);
         }
+        int ok = 1;
         if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank) {
-            wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v);
+            ok = wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v, ctl, timeout_ns, rank);
         }
-        __syncthreads();
+        if (!__syncthreads_and(ok)) return;
         // Reduce every rank's units in rank order.
         for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
             VecView<T> acc[ONESHOT_UNROLL];
@@ -703,15 +753,16 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
 #define CP_MESH_KERNEL(OP, TY)                                                  \
     extern "C" __global__ void cp_meshar_##OP##_##TY(                           \
         PtrArray ins, PtrArray outs, PtrArray flags, int nranks, int rank,      \
-        u64 n, u64 seg, int vec) {                                              \
-        meshar_body<Op_##OP<Ty_##TY> >(ins, outs, flags, nranks, rank, n, seg, vec); \
+        u64 n, u64 seg, int vec, unsigned int* ctl, u64 timeout_ns) {           \
+        meshar_body<Op_##OP<Ty_##TY> >(ins, outs, flags, nranks, rank, n, seg,  \
+                                       vec, ctl, timeout_ns);                   \
     }                                                                           \
     extern "C" __global__ void cp_oneshot_##OP##_##TY(                          \
         PtrArray push, int npush, const void* pull, const Ty_##TY::T* in,       \
         Ty_##TY::T* out, unsigned int* counters, int nranks, int rank, u64 n,   \
-        u64 cap) {                                                              \
+        u64 cap, unsigned int* ctl, u64 timeout_ns) {                           \
         oneshot_body<Op_##OP<Ty_##TY> >(push, npush, pull, in, out, counters,   \
-                                        nranks, rank, n, cap);                  \
+                                        nranks, rank, n, cap, ctl, timeout_ns); \
     }
 
 #define CP_MESH_ALL_OPS(TY)                                                     \

@@ -144,6 +144,28 @@ pub enum Error {
         /// The device that cannot access it.
         device: usize,
     },
+    /// A rank's mesh or one-shot kernel waited longer than the group's
+    /// barrier timeout for a peer and gave up (the peer was never launched,
+    /// or hangs). The kernels ended cleanly and the contexts are usable, but
+    /// the group's ranks are out of step: every later call on the group
+    /// returns this error. Make a new group.
+    #[error("rank {rank} waited {after:?} for its peers at call {call} and gave up; the group is out of step (make a new one)")]
+    PeerTimeout {
+        /// The rank whose kernel gave up first.
+        rank: usize,
+        /// The call's number on the device (the barrier's epoch).
+        call: u32,
+        /// The group's barrier timeout.
+        after: Duration,
+    },
+    /// A group that can no longer run collectives: a call could not be
+    /// launched on every rank (that call returned the launch's error), so
+    /// the kernels already launched were told to give up. Make a new group.
+    #[error("the group failed and is out of step (make a new one): {reason}")]
+    GroupFailed {
+        /// What happened.
+        reason: String,
+    },
     /// A call that cannot be captured into a CUDA graph as it stands (say,
     /// one that would first have to allocate memory).
     #[error("{op} cannot be captured into a CUDA graph: {reason}")]

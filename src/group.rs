@@ -22,6 +22,7 @@ use crate::mesh::Mesh;
 use crate::peer::PeerAccess;
 use crate::ring::Pull;
 use crate::graph::{capture_of, retain, KeepAlive};
+use crate::failure::{Ctl, Fault};
 use crate::reach::ReachCache;
 use crate::sync::Orderer;
 use cuda_peer_sys as sys;
@@ -132,7 +133,16 @@ pub struct GroupOptions {
     /// every module takes seconds per module. (The ring's reduction module
     /// is loaded at creation either way.)
     pub lazy_kernels: bool,
+    /// How long a mesh or one-shot kernel waits at a device-side barrier
+    /// for its peers before it gives up (a rank that was never launched, a
+    /// hung peer). It then ends cleanly, the contexts stay usable, and the
+    /// group reports [`Error::PeerTimeout`] from then on (see
+    /// [`crate::failure`]). Default: [`DEFAULT_BARRIER_TIMEOUT`].
+    pub barrier_timeout: Duration,
 }
+
+/// The default of [`GroupOptions::barrier_timeout`].
+pub const DEFAULT_BARRIER_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for GroupOptions {
     fn default() -> Self {
@@ -142,6 +152,7 @@ impl Default for GroupOptions {
             pull_policies: Vec::new(),
             launch_spin: Some(DEFAULT_LAUNCH_SPIN),
             lazy_kernels: false,
+            barrier_timeout: DEFAULT_BARRIER_TIMEOUT,
         }
     }
 }
@@ -342,6 +353,9 @@ pub struct Group {
     /// The last captures that hold a reference to the group's resources.
     captures: Mutex<Vec<u64>>,
     access: Arc<Vec<PeerAccess>>,
+    /// The fused kernels' control block and the group's failed state
+    /// (`crate::failure`), when the group has fused kernels.
+    pub(crate) ctl: Option<Arc<Ctl>>,
     /// Buffers known to be mapped for the peers' kernels (`crate::reach`).
     pub(crate) reach: ReachCache,
     /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
@@ -402,6 +416,7 @@ impl Group {
             _ => None,
         };
         let serial = stream_locks(&ranks);
+        let ctl = if mesh.is_some() || oneshot.is_some() { Some(Arc::new(Ctl::new(&ranks, opts.barrier_timeout)?)) } else { None };
         let group = Group {
             launchers,
             mesh,
@@ -413,6 +428,7 @@ impl Group {
             serial,
             capturing: AtomicBool::new(false),
             captures: Mutex::new(Vec::new()),
+            ctl,
             reach: ReachCache::default(),
             raw_events: once_cell::sync::OnceCell::new(),
             access: Arc::new(access),
@@ -501,6 +517,8 @@ impl Group {
 
     /// Waits on the host until every rank's stream is idle. Every stream is
     /// waited for, also after one fails; the first error is returned.
+    /// A fused kernel that gave up at a barrier since the last call is
+    /// reported here too ([`Error::PeerTimeout`]).
     pub fn synchronize(&self) -> Result<()> {
         let mut first = Ok(());
         for (r, e) in self.synchronize_each() {
@@ -509,7 +527,32 @@ impl Group {
                 first = Err(e);
             }
         }
-        first
+        first?;
+        self.ctl.as_ref().map_or(Ok(()), |c| c.check())
+    }
+
+    /// For tests of failure handling only: the next fused (mesh or
+    /// one-shot) launch on `rank` takes `fault` instead. Does nothing on a
+    /// group without fused kernels.
+    #[doc(hidden)]
+    pub fn inject_fault(&self, rank: usize, fault: Fault) {
+        if let Some(c) = &self.ctl {
+            c.inject(rank, fault);
+        }
+    }
+
+    /// The address of the control block for rank r's kernels, its barrier
+    /// timeout, and whether this launch is to be skipped (an injected
+    /// fault: `Err` fails it, `Ok(true)` skips it silently).
+    pub(crate) fn ctl_args(&self, r: usize) -> Result<(u64, u64, bool)> {
+        let Some(c) = &self.ctl else {
+            return Err(Error::Internal("fused kernel launched on a group without a control block".into()));
+        };
+        match c.take_fault(r) {
+            Some(Fault::LaunchFails) => Err(Error::Internal(format!("injected launch failure on rank {r}"))),
+            Some(Fault::NeverArrives) => Ok((c.addrs[r], c.timeout_ns, true)),
+            None => Ok((c.addrs[r], c.timeout_ns, false)),
+        }
     }
 
     /// Synchronises every rank's stream, and the work ordered with callers'
@@ -626,6 +669,9 @@ impl Group {
     /// graph may be replayed after the group is dropped.
     pub(crate) fn enter(&self) -> Result<Vec<std::sync::MutexGuard<'_, ()>>> {
         let serial: Vec<_> = self.serial.iter().map(|m| m.lock().unwrap_or_else(|p| p.into_inner())).collect();
+        if let Some(ctl) = &self.ctl {
+            ctl.check()?;
+        }
         let mut capturing = false;
         for rank in &self.ranks {
             let Some((id, graph)) = capture_of(&rank.stream)? else { continue };
@@ -654,7 +700,7 @@ impl Group {
     /// buffers, the scratch, and the peer access the kernels rely on.
     fn keep_alive(&self) -> KeepAlive {
         let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        Arc::new((self.mesh.clone(), self.oneshot.clone(), self.pulls.clone(), scratch, self.access.clone()))
+        Arc::new((self.mesh.clone(), self.oneshot.clone(), self.ctl.clone(), self.pulls.clone(), scratch, self.access.clone()))
     }
 
     /// Whether the group has the mesh all-reduce (used below
@@ -680,16 +726,20 @@ impl Group {
     /// a graph (a replayed graph costs no launches), else one after another
     /// from this thread, last rank first (so this thread ends on rank 0's
     /// context, where the callers' buffer guards record their events).
+    ///
+    /// If any rank's launch fails, the kernels already launched are told to
+    /// give up (the control block's abort word) and the group is marked
+    /// failed: its ranks are out of step (`crate::failure`).
     pub(crate) fn launch_each(&self, launch: &Job<'_>) -> Result<()> {
-        if let Some(l) = &self.launchers {
-            if !self.capturing() {
-                return l.run(launch);
-            }
+        let launched = match &self.launchers {
+            Some(l) if !self.capturing() => l.run(launch),
+            _ => (0..self.size()).rev().try_for_each(launch),
+        };
+        if let (Err(e), Some(ctl)) = (&launched, &self.ctl) {
+            ctl.abort();
+            ctl.fail(Error::GroupFailed { reason: format!("a collective could not be launched on every rank: {e}") });
         }
-        for r in (0..self.size()).rev() {
-            launch(r)?;
-        }
-        Ok(())
+        launched
     }
 
     /// The one-shot state, when an all-reduce of `bytes` per rank takes it.

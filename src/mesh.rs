@@ -97,10 +97,15 @@ impl Group {
         self.launch_each(&|r| {
             let f = mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
             let rank = r as i32;
+            let (ctl, timeout_ns, skip) = self.ctl_args(r)?;
+            if skip {
+                return Ok(());
+            }
             let mut launch = self.ranks[r].stream.launch_builder(f);
-            launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec);
+            launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec).arg(&ctl).arg(&timeout_ns);
             // SAFETY: the signature is (PtrArray, PtrArray, PtrArray, i32, i32,
-            // u64, u64, i32); every pointer holds `count` elements (flags:
+            // u64, u64, i32, u32*, u64); `ctl` is the group's mapped control
+            // block (1 + 2 * ranks words); every pointer holds `count` elements (flags:
             // MESH_FLAG_WORDS words) on a device that every rank's device has
             // P2P access to (enabled and verified when the mesh was set up),
             // and the same grid is launched on every rank, as the kernel's

@@ -254,6 +254,10 @@ impl Group {
         let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (self.size() as i32, r as i32, count as u64, lane.cap as u64);
         let f = os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
+        let (ctl, timeout_ns, skip) = self.ctl_args(r)?;
+        if skip {
+            return Ok(());
+        }
         let mut launch = self.ranks[r].stream.launch_builder(f);
         launch
             .arg(&lane.push[r])
@@ -265,9 +269,12 @@ impl Group {
             .arg(&nranks)
             .arg(&rank)
             .arg(&cnt)
-            .arg(&cap);
+            .arg(&cap)
+            .arg(&ctl)
+            .arg(&timeout_ns);
         // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
-        // u32*, i32, i32, u64, u64). `input`/`output` hold `count` elements
+        // u32*, i32, i32, u64, u64, u32*, u64); `ctl` is the group's mapped
+        // control block (1 + 2 * ranks words). `input`/`output` hold `count` elements
         // of `dtype` on rank r's device (element-aligned: the kernel checks
         // for 16 bytes itself); the lane's push regions and pull region hold
         // ONESHOT_FLAG_BYTES + 2 * n * cap bytes and are reachable from rank

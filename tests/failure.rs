@@ -1,0 +1,104 @@
+//! GPU tests of fused all-reduces (one-shot, mesh) that cannot complete on
+//! every rank (issue 16, item 4): a launch that fails on one rank, and a
+//! rank whose kernel never arrives. The kernels already running must end
+//! cleanly (no trap: a trap would kill the contexts), the call or the next
+//! synchronisation must report a typed error, the failed group must refuse
+//! further calls, and a new group on the same contexts must give exact
+//! results. Faults are injected with the hidden `Group::inject_fault`.
+//! Skips without two GPUs; fails with CUDA_PEER_REQUIRE_GPU=1.
+
+mod common;
+
+use common::gpus;
+use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cuda_peer::failure::Fault;
+use cuda_peer::{Algorithm, Error, Group, GroupOptions, PathPolicy, ReduceOp};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn random_u32(n: usize) -> Vec<u32> {
+    common::random_bytes(n * 4).chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// The fused configurations, with a message size that takes them.
+fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
+    let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions { algorithm, ..GroupOptions::with_policy(policy) };
+    vec![
+        ("one-shot over P2P", with(PathPolicy::P2pOnly, Algorithm::Auto), 1024),
+        ("mesh", with(PathPolicy::P2pOnly, Algorithm::Mesh), (1 << 20) + 3),
+        ("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099),
+    ]
+}
+
+/// One exact all-reduce (wrapping u32 sums) on a fresh group: the contexts
+/// still work.
+fn exact_all_reduce(streams: &[Arc<CudaStream>], opts: &GroupOptions, count: usize, what: &str) {
+    let group = Group::new(streams.to_vec(), opts).unwrap_or_else(|e| panic!("{what}: a new group after the failure: {e}"));
+    let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
+    let expected: Vec<u32> = (0..count).map(|i| inputs[0][i].wrapping_add(inputs[1][i])).collect();
+    let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| streams[r].clone_htod(&inputs[r]).unwrap()).collect();
+    group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap_or_else(|e| panic!("{what}: all-reduce on a new group: {e}"));
+    for r in 0..2 {
+        let out = streams[r].clone_dtoh(&bufs[r]).unwrap();
+        if let Some((first, wrong)) = common::diff(&out, &expected) {
+            panic!("{what}: new group, rank {r}: {wrong} of {count} wrong, first at {first}");
+        }
+    }
+}
+
+fn setup(test: &str) -> Option<(Vec<Arc<CudaContext>>, Vec<Arc<CudaStream>>)> {
+    let ctxs = gpus(test, 2)?;
+    let streams = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
+    Some((ctxs, streams))
+}
+
+#[test]
+fn a_launch_that_fails_on_one_rank_frees_the_others() {
+    let Some((_ctxs, streams)) = setup("a_launch_that_fails_on_one_rank_frees_the_others") else { return };
+    for (what, mut opts, count) in configs() {
+        // Long enough that only the abort word can free rank 0 in time.
+        opts.barrier_timeout = Duration::from_secs(60);
+        let group = Group::new(streams.clone(), &opts).unwrap();
+        let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| streams[r].clone_htod(&random_u32(count)).unwrap()).collect();
+        // Rank 1's launch fails; rank 0's kernel (launched first or at the same
+        // time) is left waiting at its barrier until the host aborts it.
+        group.inject_fault(1, Fault::LaunchFails);
+        let err = group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap_err();
+        assert!(err.to_string().contains("injected launch failure"), "{what}: {err}");
+        let start = Instant::now();
+        let synced = group.synchronize();
+        assert!(start.elapsed() < Duration::from_secs(30), "{what}: rank 0 was not freed by the abort ({:?})", start.elapsed());
+        assert!(matches!(synced, Err(Error::GroupFailed { .. })), "{what}: synchronize after the failure: {synced:?}");
+        let again = group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(again, Error::GroupFailed { .. }), "{what}: a call on the failed group: {again}");
+        drop(group);
+        exact_all_reduce(&streams, &opts, count, what);
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out() {
+    let Some((_ctxs, streams)) = setup("a_rank_that_never_arrives_times_out") else { return };
+    for (what, mut opts, count) in configs() {
+        opts.barrier_timeout = Duration::from_millis(200);
+        let group = Group::new(streams.clone(), &opts).unwrap();
+        let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| streams[r].clone_htod(&random_u32(count)).unwrap()).collect();
+        // A good call first: the timeout does not fire on calls that complete.
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap();
+        group.synchronize().unwrap();
+        group.inject_fault(1, Fault::NeverArrives);
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).expect("the call itself is enqueued");
+        let synced = group.synchronize();
+        match synced {
+            Err(Error::PeerTimeout { rank: 0, call, after }) => {
+                assert_eq!(after, Duration::from_millis(200));
+                assert!(call >= 2, "{what}: the second call's epoch, got {call}");
+            }
+            other => panic!("{what}: expected rank 0 to time out, got {other:?}"),
+        }
+        let again = group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(again, Error::PeerTimeout { .. }), "{what}: a call on the failed group: {again}");
+        drop(group);
+        exact_all_reduce(&streams, &opts, count, what);
+    }
+}
