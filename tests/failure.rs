@@ -46,7 +46,10 @@ fn exact_all_reduce(streams: &[Arc<CudaStream>], opts: &GroupOptions, count: usi
     }
 }
 
-fn setup(test: &str) -> Option<(Vec<Arc<CudaContext>>, Vec<Arc<CudaStream>>)> {
+/// The test's contexts and one new stream on each of the first two.
+type Setup = (Vec<Arc<CudaContext>>, Vec<Arc<CudaStream>>);
+
+fn setup(test: &str) -> Option<Setup> {
     let ctxs = gpus(test, 2)?;
     let streams = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
     Some((ctxs, streams))
