@@ -29,6 +29,8 @@ pub mod dtype;
 pub mod error;
 pub mod group;
 mod graph;
+#[cfg(target_os = "linux")]
+pub mod ipc;
 pub(crate) mod kernels;
 mod mesh;
 mod launch;
