@@ -153,6 +153,22 @@ fn load_module(ctx: &Arc<CudaContext>, cache: &ModuleCache, ptx: &'static str) -
     Ok(m)
 }
 
+/// `{family}_{op}_{ty}` of the mesh module of `dtype` on `ctx` (loaded
+/// once per context).
+pub(crate) fn mesh_kernel(ctx: &Arc<CudaContext>, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
+    let ty = dtype.name();
+    let ptx = kernels::mesh_ptx(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
+    let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
+    let module = load_module(ctx, cache, ptx)?;
+    module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
+}
+
+/// `name` of the reduction module on `ctx` (loaded once per context).
+pub(crate) fn reduce_kernel(ctx: &Arc<CudaContext>, name: &str) -> Result<CudaFunction> {
+    let module = load_module(ctx, &REDUCE_MODULES, kernels::REDUCE_PTX)?;
+    module.load_function(name).map_err(cudarc_err("cuModuleGetFunction"))
+}
+
 /// One kernel family's functions for one rank, by (op, element type),
 /// each looked up on first use and kept: a launch costs an index, not a
 /// name format and a map lookup.
@@ -410,11 +426,7 @@ impl Group {
     /// Loads `{family}_{op}_{ty}` from the mesh module of `dtype` on rank r
     /// (JIT-compiled once per context and type).
     pub(crate) fn mesh_function(&self, r: usize, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
-        let ty = dtype.name();
-        let ptx = kernels::mesh_ptx(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
-        let cache = &MESH_MODULES[DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0)];
-        let module = load_module(&self.ranks[r].ctx, cache, ptx)?;
-        module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
+        mesh_kernel(&self.ranks[r].ctx, family, op, dtype)
     }
 
     fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {

@@ -8,9 +8,27 @@
 //!   ([`Rendezvous`], an [`Exchange`]: all-gathers of small blobs).
 //! * [`fdpass`]: file descriptors between the processes of one host, over
 //!   Unix domain sockets (`SCM_RIGHTS`).
-//! * (to come: shareable device memory and a communicator of processes.)
+//! * [`vmm`]: device memory another process can map ([`DeviceRegion`]).
+//! * [`Comm`]: a communicator of processes, one rank per process on its
+//!   own GPU, with the one-shot all-reduce over peer memory.
+//!
+//! The `cuda-peer-run` launcher (the `run/` crate of the workspace) starts
+//! a program as N processes with torchrun's variables set.
+//!
+//! ```no_run
+//! use cuda_peer::{ipc::{Comm, CommOptions}, ReduceOp};
+//! # fn main() -> Result<(), cuda_peer::Error> {
+//! let comm = Comm::from_env(&CommOptions::default())?; // under cuda-peer-run or torchrun
+//! let mut x = comm.stream().clone_htod(&[comm.rank() as f32; 1024]).unwrap();
+//! comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+//! # Ok(()) }
+//! ```
 
 pub mod bootstrap;
+pub mod comm;
 pub mod fdpass;
+pub mod vmm;
 
 pub use bootstrap::{Bootstrap, Exchange, Rendezvous};
+pub use comm::{Comm, CommOptions};
+pub use vmm::DeviceRegion;
