@@ -179,6 +179,28 @@ pub enum Error {
     /// report it), e.g. a panic caught on a launcher thread.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A launcher variable (`RANK`, `WORLD_SIZE`, `MASTER_PORT`, ...) is
+    /// missing or does not parse.
+    #[error("environment variable {var}: {problem}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// The exchange between processes failed: the rendezvous, a socket, a
+    /// peer that went away or disagrees (the multi-process path, `ipc`).
+    #[error("{op}: {reason}")]
+    Bootstrap {
+        /// The step that failed.
+        op: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A configuration this version does not support yet (say, ranks on
+    /// two hosts, or two ranks on one device, in a multi-process group).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// Any other argument that is out of its range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -22,6 +22,7 @@
 use crate::copy::staged::PinnedBuffer;
 use crate::error::{Error, Result};
 use crate::group::Rank;
+use cudarc::driver::CudaContext;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -66,11 +67,21 @@ impl Ctl {
     /// A zeroed control block mapped for every rank, with barrier timeout
     /// `timeout`.
     pub(crate) fn new(ranks: &[Rank], timeout: Duration) -> Result<Ctl> {
-        let words = 1 + 2 * ranks.len();
-        let host = PinnedBuffer::new_mapped(&ranks[0].ctx, words * 4)?;
-        let addrs = ranks.iter().map(|r| host.device_addr(&r.ctx)).collect::<Result<Vec<_>>>()?;
+        let ctxs: Vec<&CudaContext> = ranks.iter().map(|r| &*r.ctx).collect();
+        Self::for_contexts(&ctxs, ranks.len(), timeout)
+    }
+
+    /// A zeroed control block for `nranks` ranks whose kernels run on
+    /// `ctxs` (`addrs[i]` is its address in `ctxs[i]`), with barrier
+    /// timeout `timeout`. A process of a multi-process communicator has one
+    /// context and the whole communicator's rank count.
+    pub(crate) fn for_contexts(ctxs: &[&CudaContext], nranks: usize, timeout: Duration) -> Result<Ctl> {
+        let first = ctxs.first().ok_or_else(|| Error::Internal("a control block for no context".into()))?;
+        let words = 1 + 2 * nranks;
+        let host = PinnedBuffer::new_mapped(first, words * 4)?;
+        let addrs = ctxs.iter().map(|c| host.device_addr(c)).collect::<Result<Vec<_>>>()?;
         let timeout_ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).clamp(1, i64::MAX as u64);
-        Ok(Ctl { host, addrs, timeout_ns, timeout, failed: Mutex::new(None), faults: ranks.iter().map(|_| AtomicU8::new(0)).collect() })
+        Ok(Ctl { host, addrs, timeout_ns, timeout, failed: Mutex::new(None), faults: (0..nranks).map(|_| AtomicU8::new(0)).collect() })
     }
 
     fn word(&self, i: usize) -> *mut u32 {

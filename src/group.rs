@@ -261,6 +261,21 @@ fn load_modules_everywhere(ctxs: &[&Arc<CudaContext>], nmodules: usize) -> Resul
 /// division kernel).
 const KERNEL_OPS: [&str; 4] = ["sum", "prod", "min", "max"];
 
+/// `{family}_{op}_{ty}` of the mesh module of `dtype` on `ctx` (loaded
+/// once per context).
+pub(crate) fn mesh_kernel(ctx: &Arc<CudaContext>, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
+    let ty = dtype.name();
+    let index = kernels::mesh_module(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
+    let module = load_module(ctx, index)?;
+    module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
+}
+
+/// `name` of the reduction module on `ctx` (loaded once per context).
+pub(crate) fn reduce_kernel(ctx: &Arc<CudaContext>, name: &str) -> Result<CudaFunction> {
+    let module = load_module(ctx, kernels::REDUCE)?;
+    module.load_function(name).map_err(cudarc_err("cuModuleGetFunction"))
+}
+
 /// One kernel family's functions for one rank, by (op, element type),
 /// each looked up on first use and kept: a launch costs an index, not a
 /// name format and a map lookup.
@@ -576,10 +591,7 @@ impl Group {
     /// Loads `{family}_{op}_{ty}` from the mesh module of `dtype` on rank r
     /// (loaded once per context and type).
     pub(crate) fn mesh_function(&self, r: usize, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
-        let ty = dtype.name();
-        let index = kernels::mesh_module(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
-        let module = load_module(&self.ranks[r].ctx, index)?;
-        module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
+        mesh_kernel(&self.ranks[r].ctx, family, op, dtype)
     }
 
     /// Loads every kernel module the group can need on every rank and

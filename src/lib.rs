@@ -31,6 +31,8 @@ pub mod group;
 mod graph;
 pub mod failure;
 mod reach;
+#[cfg(target_os = "linux")]
+pub mod ipc;
 pub(crate) mod kernels;
 mod mesh;
 mod launch;

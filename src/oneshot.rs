@@ -57,6 +57,42 @@ const DEVICE_LANES: [(usize, u32); 2] = [(64 << 10, 4), (usize::MAX, kernels::ON
 /// 4 blocks 12.3 at 64 KiB and 22.0 at 256 KiB, against 18.1-25.2 with 32.
 const HOST_LANES: [(usize, u32); 3] = [(16 << 10, 2), (256 << 10, 4), (usize::MAX, kernels::ONESHOT_HOST_BLOCKS)];
 
+/// One lane's place in a one-shot region (shared by the single-process
+/// group and the multi-process [`crate::ipc::Comm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LaneLayout {
+    /// Largest message in bytes per rank (one round of `cap`, or any for the last lane).
+    pub(crate) max_bytes: usize,
+    /// The lane's grid.
+    pub(crate) blocks: u32,
+    /// Slot bytes (a multiple of 256).
+    pub(crate) cap: usize,
+    /// Byte offset of the lane in a region: its flags, then its slots.
+    pub(crate) offset: usize,
+}
+
+/// The lanes of a one-shot among `n` ranks, with slots in device memory
+/// (`p2p`) or in host memory, and the bytes of one region holding them all.
+pub(crate) fn layout(n: usize, p2p: bool) -> (Vec<LaneLayout>, usize) {
+    let spec: &[(usize, u32)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
+    let last_cap = if p2p { (ONESHOT_SCRATCH_BYTES / (2 * n.max(1))) & !255 } else { HOST_ROUND_BYTES };
+    let mut lanes = Vec::with_capacity(spec.len());
+    let mut bytes = 0;
+    for &(max_bytes, blocks) in spec {
+        let cap = if max_bytes == usize::MAX { last_cap } else { max_bytes.div_ceil(256) * 256 };
+        lanes.push(LaneLayout { max_bytes, blocks, cap, offset: bytes });
+        bytes += kernels::ONESHOT_FLAG_BYTES + 2 * n * cap;
+    }
+    (lanes, bytes)
+}
+
+/// The index of the lane for a message of `bytes` per rank among lanes
+/// ordered by size (the last takes any size).
+pub(crate) fn lane_index(max_bytes: impl Iterator<Item = usize>, bytes: usize, lanes: usize) -> usize {
+    let mut max_bytes = max_bytes;
+    max_bytes.position(|m| bytes <= m).unwrap_or(lanes.saturating_sub(1))
+}
+
 /// Where the slots live.
 pub(crate) enum Medium {
     /// One region per rank in its device memory (kept alive here).
@@ -99,20 +135,11 @@ impl OneShot {
     /// memory when `p2p` (every pair verified), else in mapped host memory.
     pub(crate) fn new(ranks: &[Rank], p2p: bool) -> Result<OneShot> {
         let n = ranks.len();
-        let spec: &[(usize, u32)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
-        let last_cap = if p2p { (ONESHOT_SCRATCH_BYTES / (2 * n)) & !255 } else { HOST_ROUND_BYTES };
-        let caps: Vec<usize> = spec.iter().map(|&(max, _)| if max == usize::MAX { last_cap } else { max.div_ceil(256) * 256 }).collect();
-        // Byte offset of each lane in a region: its flags, then its slots.
-        let mut offsets = Vec::with_capacity(caps.len());
-        let mut bytes = 0;
-        for cap in &caps {
-            offsets.push(bytes as u64);
-            bytes += kernels::ONESHOT_FLAG_BYTES + 2 * n * cap;
-        }
+        let (layout, bytes) = layout(n, p2p);
         let mut counters = Vec::with_capacity(n);
         let mut counter_ptrs = Vec::with_capacity(n);
         for rank in ranks {
-            let words = spec.len() * kernels::ONESHOT_MAX_BLOCKS;
+            let words = layout.len() * kernels::ONESHOT_MAX_BLOCKS;
             let c = rank.stream.alloc_zeros::<u32>(words).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
             counter_ptrs.push(c.device_ptr(&rank.stream).0);
             counters.push(c);
@@ -136,18 +163,18 @@ impl OneShot {
             let push = addrs.iter().map(|&a| vec![a]).collect();
             (Medium::Host(host), push, 1, addrs)
         };
-        let lanes = spec
+        let lanes = layout
             .iter()
             .enumerate()
-            .map(|(l, &(max_bytes, blocks))| {
-                let off = offsets[l];
+            .map(|(l, lane)| {
+                let off = lane.offset as u64;
                 Lane {
-                    max_bytes,
+                    max_bytes: lane.max_bytes,
                     push: push.iter().map(|p| PtrArray::from_slice(&p.iter().map(|a| a + off).collect::<Vec<_>>())).collect(),
                     pull: pull.iter().map(|a| a + off).collect(),
                     counters: counter_ptrs.iter().map(|c| c + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64).collect(),
-                    cap: caps[l],
-                    blocks,
+                    cap: lane.cap,
+                    blocks: lane.blocks,
                 }
             })
             .collect();
@@ -165,8 +192,7 @@ impl OneShot {
 
     /// The lane for a message of `bytes` per rank.
     fn lane(&self, bytes: usize) -> &Lane {
-        let last = self.lanes.len() - 1;
-        &self.lanes[self.lanes.iter().position(|l| bytes <= l.max_bytes).unwrap_or(last)]
+        &self.lanes[lane_index(self.lanes.iter().map(|l| l.max_bytes), bytes, self.lanes.len())]
     }
 }
 
@@ -311,5 +337,26 @@ mod tests {
             assert_eq!(spec.last().map(|l| l.0), Some(usize::MAX));
             assert!(spec.iter().all(|&(_, b)| b >= 1 && b as usize <= kernels::ONESHOT_MAX_BLOCKS));
         }
+    }
+
+    #[test]
+    fn layout_packs_lanes_back_to_back() {
+        for n in 2..=8 {
+            for p2p in [true, false] {
+                let (lanes, bytes) = layout(n, p2p);
+                let mut end = 0;
+                for l in &lanes {
+                    assert_eq!(l.offset, end);
+                    assert_eq!(l.cap % 256, 0);
+                    end += kernels::ONESHOT_FLAG_BYTES + 2 * n * l.cap;
+                }
+                assert_eq!(end, bytes);
+            }
+        }
+        let (lanes, _) = layout(2, true);
+        assert_eq!(lanes.last().map(|l| l.cap), Some(ONESHOT_SCRATCH_BYTES / 4));
+        let maxes = || lanes.iter().map(|l| l.max_bytes);
+        assert_eq!(lane_index(maxes(), 4096, lanes.len()), 0);
+        assert_eq!(lane_index(maxes(), 1 << 30, lanes.len()), lanes.len() - 1);
     }
 }

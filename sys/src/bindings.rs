@@ -526,6 +526,24 @@ impl CUdevice_P2PAttribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUdevice_P2PAttribute_enum(pub ::std::os::raw::c_uint);
 pub use self::CUdevice_P2PAttribute_enum as CUdevice_P2PAttribute;
+pub type CUmemGenericAllocationHandle_v1 = ::std::os::raw::c_ulonglong;
+pub type CUmemGenericAllocationHandle = CUmemGenericAllocationHandle_v1;
+impl CUmemAllocationHandleType_enum {
+    pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum =
+        CUmemAllocationHandleType_enum(0);
+    pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: CUmemAllocationHandleType_enum =
+        CUmemAllocationHandleType_enum(1);
+    pub const CU_MEM_HANDLE_TYPE_WIN32: CUmemAllocationHandleType_enum =
+        CUmemAllocationHandleType_enum(2);
+    pub const CU_MEM_HANDLE_TYPE_WIN32_KMT: CUmemAllocationHandleType_enum =
+        CUmemAllocationHandleType_enum(4);
+    pub const CU_MEM_HANDLE_TYPE_MAX: CUmemAllocationHandleType_enum =
+        CUmemAllocationHandleType_enum(2147483647);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationHandleType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationHandleType_enum as CUmemAllocationHandleType;
 impl CUmemAccess_flags_enum {
     pub const CU_MEM_ACCESS_FLAGS_PROT_NONE: CUmemAccess_flags_enum = CUmemAccess_flags_enum(0);
     pub const CU_MEM_ACCESS_FLAGS_PROT_READ: CUmemAccess_flags_enum = CUmemAccess_flags_enum(1);
@@ -547,6 +565,27 @@ impl CUmemLocationType_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemLocationType_enum(pub ::std::os::raw::c_uint);
 pub use self::CUmemLocationType_enum as CUmemLocationType;
+impl CUmemAllocationType_enum {
+    pub const CU_MEM_ALLOCATION_TYPE_INVALID: CUmemAllocationType_enum =
+        CUmemAllocationType_enum(0);
+    pub const CU_MEM_ALLOCATION_TYPE_PINNED: CUmemAllocationType_enum = CUmemAllocationType_enum(1);
+    pub const CU_MEM_ALLOCATION_TYPE_MAX: CUmemAllocationType_enum =
+        CUmemAllocationType_enum(2147483647);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationType_enum as CUmemAllocationType;
+impl CUmemAllocationGranularity_flags_enum {
+    pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: CUmemAllocationGranularity_flags_enum =
+        CUmemAllocationGranularity_flags_enum(0);
+    pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: CUmemAllocationGranularity_flags_enum =
+        CUmemAllocationGranularity_flags_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationGranularity_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationGranularity_flags_enum as CUmemAllocationGranularity_flags;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemLocation_st {
@@ -564,6 +603,34 @@ impl Default for CUmemLocation_st {
 }
 pub type CUmemLocation_v1 = CUmemLocation_st;
 pub type CUmemLocation = CUmemLocation_v1;
+#[repr(C)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationProp_st {
+    pub type_: CUmemAllocationType,
+    pub requestedHandleTypes: CUmemAllocationHandleType,
+    pub location: CUmemLocation,
+    pub win32HandleMetaData: *mut ::std::os::raw::c_void,
+    pub allocFlags: CUmemAllocationProp_st__bindgen_ty_1,
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationProp_st__bindgen_ty_1 {
+    pub compressionType: ::std::os::raw::c_uchar,
+    pub gpuDirectRDMACapable: ::std::os::raw::c_uchar,
+    pub usage: ::std::os::raw::c_ushort,
+    pub reserved: [::std::os::raw::c_uchar; 4usize],
+}
+impl Default for CUmemAllocationProp_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUmemAllocationProp_v1 = CUmemAllocationProp_st;
+pub type CUmemAllocationProp = CUmemAllocationProp_v1;
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemAccessDesc_st {
@@ -684,6 +751,57 @@ pub struct DriverApi {
         ByteCount: usize,
         hStream: CUstream,
     ) -> CUresult,
+    pub cuMemsetD8Async: unsafe extern "C" fn(
+        dstDevice: CUdeviceptr,
+        uc: ::std::os::raw::c_uchar,
+        N: usize,
+        hStream: CUstream,
+    ) -> CUresult,
+    pub cuMemAddressReserve: unsafe extern "C" fn(
+        ptr: *mut CUdeviceptr,
+        size: usize,
+        alignment: usize,
+        addr: CUdeviceptr,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult,
+    pub cuMemAddressFree: unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult,
+    pub cuMemCreate: unsafe extern "C" fn(
+        handle: *mut CUmemGenericAllocationHandle,
+        size: usize,
+        prop: *const CUmemAllocationProp,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult,
+    pub cuMemRelease: unsafe extern "C" fn(handle: CUmemGenericAllocationHandle) -> CUresult,
+    pub cuMemMap: unsafe extern "C" fn(
+        ptr: CUdeviceptr,
+        size: usize,
+        offset: usize,
+        handle: CUmemGenericAllocationHandle,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult,
+    pub cuMemUnmap: unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult,
+    pub cuMemSetAccess: unsafe extern "C" fn(
+        ptr: CUdeviceptr,
+        size: usize,
+        desc: *const CUmemAccessDesc,
+        count: usize,
+    ) -> CUresult,
+    pub cuMemExportToShareableHandle: unsafe extern "C" fn(
+        shareableHandle: *mut ::std::os::raw::c_void,
+        handle: CUmemGenericAllocationHandle,
+        handleType: CUmemAllocationHandleType,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult,
+    pub cuMemImportFromShareableHandle: unsafe extern "C" fn(
+        handle: *mut CUmemGenericAllocationHandle,
+        osHandle: *mut ::std::os::raw::c_void,
+        shHandleType: CUmemAllocationHandleType,
+    ) -> CUresult,
+    pub cuMemGetAllocationGranularity: unsafe extern "C" fn(
+        granularity: *mut usize,
+        prop: *const CUmemAllocationProp,
+        option: CUmemAllocationGranularity_flags,
+    ) -> CUresult,
     pub cuMemPoolSetAccess: unsafe extern "C" fn(
         pool: CUmemoryPool,
         map: *const CUmemAccessDesc,
@@ -802,6 +920,23 @@ impl DriverApi {
         let cuMemcpyHtoDAsync_v2 = __library.get(b"cuMemcpyHtoDAsync_v2\0").map(|sym| *sym)?;
         let cuMemcpyDtoHAsync_v2 = __library.get(b"cuMemcpyDtoHAsync_v2\0").map(|sym| *sym)?;
         let cuMemcpyDtoDAsync_v2 = __library.get(b"cuMemcpyDtoDAsync_v2\0").map(|sym| *sym)?;
+        let cuMemsetD8Async = __library.get(b"cuMemsetD8Async\0").map(|sym| *sym)?;
+        let cuMemAddressReserve = __library.get(b"cuMemAddressReserve\0").map(|sym| *sym)?;
+        let cuMemAddressFree = __library.get(b"cuMemAddressFree\0").map(|sym| *sym)?;
+        let cuMemCreate = __library.get(b"cuMemCreate\0").map(|sym| *sym)?;
+        let cuMemRelease = __library.get(b"cuMemRelease\0").map(|sym| *sym)?;
+        let cuMemMap = __library.get(b"cuMemMap\0").map(|sym| *sym)?;
+        let cuMemUnmap = __library.get(b"cuMemUnmap\0").map(|sym| *sym)?;
+        let cuMemSetAccess = __library.get(b"cuMemSetAccess\0").map(|sym| *sym)?;
+        let cuMemExportToShareableHandle = __library
+            .get(b"cuMemExportToShareableHandle\0")
+            .map(|sym| *sym)?;
+        let cuMemImportFromShareableHandle = __library
+            .get(b"cuMemImportFromShareableHandle\0")
+            .map(|sym| *sym)?;
+        let cuMemGetAllocationGranularity = __library
+            .get(b"cuMemGetAllocationGranularity\0")
+            .map(|sym| *sym)?;
         let cuMemPoolSetAccess = __library.get(b"cuMemPoolSetAccess\0").map(|sym| *sym)?;
         let cuMemPoolGetAccess = __library.get(b"cuMemPoolGetAccess\0").map(|sym| *sym)?;
         let cuPointerGetAttribute = __library.get(b"cuPointerGetAttribute\0").map(|sym| *sym)?;
@@ -858,6 +993,17 @@ impl DriverApi {
             cuMemcpyHtoDAsync_v2,
             cuMemcpyDtoHAsync_v2,
             cuMemcpyDtoDAsync_v2,
+            cuMemsetD8Async,
+            cuMemAddressReserve,
+            cuMemAddressFree,
+            cuMemCreate,
+            cuMemRelease,
+            cuMemMap,
+            cuMemUnmap,
+            cuMemSetAccess,
+            cuMemExportToShareableHandle,
+            cuMemImportFromShareableHandle,
+            cuMemGetAllocationGranularity,
             cuMemPoolSetAccess,
             cuMemPoolGetAccess,
             cuPointerGetAttribute,
@@ -1041,6 +1187,87 @@ impl DriverApi {
         hStream: CUstream,
     ) -> CUresult {
         (self.cuMemcpyDtoDAsync_v2)(dstDevice, srcDevice, ByteCount, hStream)
+    }
+    pub unsafe fn cuMemsetD8Async(
+        &self,
+        dstDevice: CUdeviceptr,
+        uc: ::std::os::raw::c_uchar,
+        N: usize,
+        hStream: CUstream,
+    ) -> CUresult {
+        (self.cuMemsetD8Async)(dstDevice, uc, N, hStream)
+    }
+    pub unsafe fn cuMemAddressReserve(
+        &self,
+        ptr: *mut CUdeviceptr,
+        size: usize,
+        alignment: usize,
+        addr: CUdeviceptr,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult {
+        (self.cuMemAddressReserve)(ptr, size, alignment, addr, flags)
+    }
+    pub unsafe fn cuMemAddressFree(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
+        (self.cuMemAddressFree)(ptr, size)
+    }
+    pub unsafe fn cuMemCreate(
+        &self,
+        handle: *mut CUmemGenericAllocationHandle,
+        size: usize,
+        prop: *const CUmemAllocationProp,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult {
+        (self.cuMemCreate)(handle, size, prop, flags)
+    }
+    pub unsafe fn cuMemRelease(&self, handle: CUmemGenericAllocationHandle) -> CUresult {
+        (self.cuMemRelease)(handle)
+    }
+    pub unsafe fn cuMemMap(
+        &self,
+        ptr: CUdeviceptr,
+        size: usize,
+        offset: usize,
+        handle: CUmemGenericAllocationHandle,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult {
+        (self.cuMemMap)(ptr, size, offset, handle, flags)
+    }
+    pub unsafe fn cuMemUnmap(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
+        (self.cuMemUnmap)(ptr, size)
+    }
+    pub unsafe fn cuMemSetAccess(
+        &self,
+        ptr: CUdeviceptr,
+        size: usize,
+        desc: *const CUmemAccessDesc,
+        count: usize,
+    ) -> CUresult {
+        (self.cuMemSetAccess)(ptr, size, desc, count)
+    }
+    pub unsafe fn cuMemExportToShareableHandle(
+        &self,
+        shareableHandle: *mut ::std::os::raw::c_void,
+        handle: CUmemGenericAllocationHandle,
+        handleType: CUmemAllocationHandleType,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> CUresult {
+        (self.cuMemExportToShareableHandle)(shareableHandle, handle, handleType, flags)
+    }
+    pub unsafe fn cuMemImportFromShareableHandle(
+        &self,
+        handle: *mut CUmemGenericAllocationHandle,
+        osHandle: *mut ::std::os::raw::c_void,
+        shHandleType: CUmemAllocationHandleType,
+    ) -> CUresult {
+        (self.cuMemImportFromShareableHandle)(handle, osHandle, shHandleType)
+    }
+    pub unsafe fn cuMemGetAllocationGranularity(
+        &self,
+        granularity: *mut usize,
+        prop: *const CUmemAllocationProp,
+        option: CUmemAllocationGranularity_flags,
+    ) -> CUresult {
+        (self.cuMemGetAllocationGranularity)(granularity, prop, option)
     }
     pub unsafe fn cuMemPoolSetAccess(
         &self,

@@ -55,6 +55,17 @@ const FUNCTIONS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventElapsedTime",
+    "cuMemGetAllocationGranularity",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemsetD8Async",
 ];
 
 /// Types used by those calls and by the safe layer, besides what the
@@ -73,6 +84,12 @@ const TYPES: &[&str] = &[
     "CUstreamCaptureStatus",
     "CUuserObject_flags",
     "CUuserObjectRetain_flags",
+    "CUmemAllocationProp",
+    "CUmemAllocationType",
+    "CUmemAllocationHandleType",
+    "CUmemAllocationGranularity_flags",
+    "CUmemGenericAllocationHandle",
+    "CUmemLocation",
 ];
 
 /// Macros (flags) the safe layer needs.

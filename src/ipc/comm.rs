@@ -1,0 +1,802 @@
+//! A communicator of processes, one rank per process, each on its own GPU
+//! of one host, with the one-shot all-reduce of [`crate::oneshot`] between
+//! them: every rank's slots and flags live in a [`DeviceRegion`] of its own
+//! device memory that every peer process imports and maps, and each rank's
+//! kernel pushes its input into its peers' regions.
+//!
+//! Creating a [`Comm`] takes a few steps, each ended by an all-gather of
+//! every rank's outcome, so that a failure on one rank fails every rank at
+//! once (with the failing rank's error) instead of leaving them waiting:
+//!
+//! 1. each rank opens its device, allocates and zeroes its region and
+//!    exports it; ranks share their host, device (PCI bus id) and region
+//!    size. Ranks on several hosts or two ranks on one device are
+//!    [`Error::Unsupported`];
+//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`:
+//!    without it, [`Error::P2pUnavailable`]; the staged path between
+//!    processes is later work) and binds its Unix socket;
+//! 3. each rank sends its region's descriptor to every peer and imports
+//!    theirs ([`super::fdpass`]);
+//! 4. unless [`CommOptions::verify`] is off, a small all-reduce of random
+//!    data on each lane is checked against a CPU reference on every rank,
+//!    bounded by [`CommOptions::timeout`].
+//!
+//! A peer process that dies is noticed at creation within the timeout. In a
+//! collective, the kernel waits for the peers' flags: if a peer died before
+//! raising them, the kernel gives up after 10 s by trapping, which leaves
+//! this process's CUDA context unusable (the error then surfaces at the next
+//! synchronization); with [`CommOptions::check_calls`], a call first
+//! all-gathers its arguments through the rendezvous, so a dead peer (or one
+//! calling with another count, type or op) is an error before anything is
+//! launched, at the cost of a TCP round trip per call.
+
+use super::bootstrap::{Bootstrap, Exchange};
+use super::fdpass::{send_fd, FdListener};
+use super::vmm::DeviceRegion;
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{cudarc_err, Error, Result};
+use crate::failure::Ctl;
+use crate::group::{mesh_kernel, reduce_kernel, FnTable, PtrArray};
+use crate::kernels;
+use crate::oneshot::{lane_index, layout, LaneLayout};
+use crate::sync::{wait_bounded, Orderer};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
+pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
+
+/// Settings of a [`Comm`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommOptions {
+    /// Bound on each creation step that waits for peers or the device (the
+    /// descriptor exchange, the verification).
+    pub timeout: Duration,
+    /// Check every rank's slots with a small all-reduce at creation.
+    pub verify: bool,
+    /// Before each collective, all-gather (call number, count, element
+    /// type, op) through the exchange and fail with [`Error::Bootstrap`]
+    /// where ranks disagree or one is gone. Costs a round trip to rank 0
+    /// per call: for tests and debugging.
+    pub check_calls: bool,
+    /// How long this rank's kernel waits for its peers at the barrier
+    /// before it gives up (a peer that died or stopped calling): the kernel
+    /// ends cleanly, the context stays usable, and the communicator reports
+    /// [`Error::PeerTimeout`] from then on. See [`crate::failure`].
+    pub barrier_timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(60),
+            verify: true,
+            check_calls: false,
+            barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
+        }
+    }
+}
+
+/// One lane of the one-shot, as this rank launches it.
+struct Lane {
+    layout: LaneLayout,
+    /// The peers' regions at this lane, in rank order.
+    push: PtrArray,
+    /// This rank's own region at this lane.
+    pull: u64,
+    /// This rank's block counters of this lane.
+    counters: u64,
+}
+
+/// A communicator of processes: this process's rank, its device and
+/// stream, its own slots and its peers' (see the module docs).
+pub struct Comm {
+    rank: usize,
+    size: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    exchange: Box<dyn Exchange>,
+    lanes: Vec<Lane>,
+    npush: i32,
+    funcs: FnTable,
+    div: FnTable,
+    order: Orderer,
+    /// Number of the last call; held for a whole call.
+    calls: Mutex<u64>,
+    check_calls: bool,
+    /// The kernel's control block and this communicator's failed state.
+    ctl: Ctl,
+    // Dropped after the fields above (the stream is synchronized in Drop).
+    _counters: CudaSlice<u32>,
+    _peers: Vec<DeviceRegion>,
+    _own: DeviceRegion,
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+/// What each rank tells the others in step 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RankInfo {
+    host: String,
+    bus: String,
+    region: usize,
+}
+
+impl RankInfo {
+    fn encode(&self) -> String {
+        format!("{}\n{}\n{}", self.host, self.bus, self.region)
+    }
+
+    fn decode(s: &str) -> Option<RankInfo> {
+        let mut it = s.split('\n');
+        let (host, bus, region) = (it.next()?, it.next()?, it.next()?.parse().ok()?);
+        Some(RankInfo {
+            host: host.into(),
+            bus: bus.into(),
+            region,
+        })
+    }
+}
+
+/// This host's identity: its name and boot id (two containers of one
+/// machine share the boot id but may not share device memory handles, so
+/// the name is part of it).
+fn host_identity() -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    format!(
+        "{}/{}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
+}
+
+/// All-gathers each rank's outcome of a step: `Ok(values)` where every rank
+/// succeeded, else the first failing rank's error (this rank's own first).
+fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<Vec<String>> {
+    let blob = match &mine {
+        Ok(v) => format!("ok\n{v}"),
+        Err(e) => format!("err\n{e}"),
+    };
+    let all = ex.all_gather(blob.as_bytes())?;
+    mine?;
+    let mut values = Vec::with_capacity(all.len());
+    for (r, b) in all.iter().enumerate() {
+        let text = String::from_utf8_lossy(b);
+        match text.split_once('\n') {
+            Some(("ok", v)) => values.push(v.to_string()),
+            Some(("err", why)) => {
+                return Err(Error::Bootstrap {
+                    op: step,
+                    reason: format!("rank {r} failed: {why}"),
+                })
+            }
+            _ => {
+                return Err(Error::Bootstrap {
+                    op: step,
+                    reason: format!("rank {r} sent a malformed reply"),
+                })
+            }
+        }
+    }
+    Ok(values)
+}
+
+/// The checks of step 1 on every rank's info: one host, one device per rank.
+fn check_layout(infos: &[RankInfo]) -> Result<()> {
+    if infos.len() > MAX_RANKS {
+        return Err(Error::Unsupported(format!(
+            "{} ranks in one communicator (at most {MAX_RANKS})",
+            infos.len()
+        )));
+    }
+    for (r, i) in infos.iter().enumerate() {
+        if i.host != infos[0].host {
+            return Err(Error::Unsupported(format!(
+                "ranks on several hosts (rank 0 on {}, rank {r} on {})",
+                infos[0].host, i.host
+            )));
+        }
+        if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus) {
+            return Err(Error::Unsupported(format!(
+                "ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank",
+                i.bus
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The ordinal, in this process, of the device at PCI bus id `bus`.
+fn ordinal_of(bus: &str) -> Result<Option<usize>> {
+    for d in 0..crate::driver::device_count()? {
+        if crate::topology::device_info(d)?
+            .pci_bus_id
+            .eq_ignore_ascii_case(bus)
+        {
+            return Ok(Some(d));
+        }
+    }
+    Ok(None)
+}
+
+impl Comm {
+    /// Reads torchrun's variables ([`Bootstrap::from_env`]), meets the
+    /// other ranks and creates the communicator on device `LOCAL_RANK`.
+    pub fn from_env(opts: &CommOptions) -> Result<Comm> {
+        let boot = Bootstrap::from_env()?;
+        let device = boot.local_rank;
+        let rv = boot.connect()?;
+        Comm::new(Box::new(rv), device, opts)
+    }
+
+    /// Creates the communicator of the ranks of `exchange`, this one on
+    /// device `device` (see the module docs for the steps). Every rank must
+    /// call it at the same time.
+    pub fn new(exchange: Box<dyn Exchange>, device: usize, opts: &CommOptions) -> Result<Comm> {
+        let ex = &*exchange;
+        let (rank, size) = (ex.rank(), ex.size());
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
+        }
+        let (lanes, bytes) = layout(size, true);
+
+        // Step 1: device, own region, identity.
+        let opened = (|| {
+            if size > MAX_RANKS {
+                return Err(Error::Unsupported(format!(
+                    "{size} ranks in one communicator (at most {MAX_RANKS})"
+                )));
+            }
+            let ctx = crate::driver::context(device)?;
+            let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+            let own = DeviceRegion::allocate(&ctx, bytes)?;
+            own.zero(&stream)?;
+            let fd = own.export_fd()?;
+            let bus = crate::topology::device_info(device)?.pci_bus_id;
+            let info = RankInfo {
+                host: host_identity(),
+                bus,
+                region: own.len(),
+            };
+            Ok((ctx, stream, own, fd, info))
+        })();
+        let infos = agree(
+            ex,
+            "communicator: opening the devices",
+            opened.as_ref().map(|o| o.4.encode()).map_err(Clone::clone),
+        )?;
+        let (ctx, stream, own, fd, _) = opened?;
+        let infos: Vec<RankInfo> = infos
+            .iter()
+            .enumerate()
+            .map(|(r, s)| {
+                RankInfo::decode(s).ok_or_else(|| Error::Bootstrap {
+                    op: "communicator",
+                    reason: format!("rank {r}: malformed info"),
+                })
+            })
+            .collect::<Result<_>>()?;
+        check_layout(&infos)?;
+
+        // Step 2: P2P to every peer's device, and this rank's socket.
+        let job = ex.job_id().to_string();
+        let listened = (|| {
+            for (k, info) in infos.iter().enumerate().filter(|&(k, _)| k != rank) {
+                let Some(peer) = ordinal_of(&info.bus)? else {
+                    return Err(Error::P2pUnavailable {
+                        from: device,
+                        to: usize::MAX,
+                        reason: format!("rank {k}'s device {} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)", info.bus),
+                    });
+                };
+                if !crate::peer::can_access_peer(device, peer)? {
+                    return Err(Error::P2pUnavailable {
+                        from: device,
+                        to: peer,
+                        reason: format!("no P2P from rank {rank} to rank {k} (the staged path between processes is not implemented yet)"),
+                    });
+                }
+            }
+            FdListener::bind(&job, rank)
+        })();
+        agree(
+            ex,
+            "communicator: checking P2P",
+            listened
+                .as_ref()
+                .map(|_| String::new())
+                .map_err(Clone::clone),
+        )?;
+        let listener = listened?;
+
+        // Step 3: descriptors out, then in, then mapped.
+        let imported = (|| {
+            for k in (0..size).filter(|&k| k != rank) {
+                send_fd(&job, rank, k, fd.as_fd(), own.len() as u64, opts.timeout)?;
+            }
+            let mut got = listener.receive(size - 1, opts.timeout)?;
+            got.sort_by_key(|g| g.from);
+            let mut peers = Vec::with_capacity(size - 1);
+            for (i, g) in got.iter().enumerate() {
+                let expected = if i < rank { i } else { i + 1 };
+                if g.from != expected || g.tag != infos[expected].region as u64 {
+                    return Err(Error::Bootstrap {
+                        op: "communicator: descriptors",
+                        reason: format!(
+                            "unexpected descriptor from rank {} (tag {})",
+                            g.from, g.tag
+                        ),
+                    });
+                }
+                peers.push(DeviceRegion::import(
+                    &ctx,
+                    g.fd.as_fd(),
+                    infos[expected].region,
+                )?);
+            }
+            Ok(peers)
+        })();
+        drop(listener);
+        drop(fd);
+        agree(
+            ex,
+            "communicator: mapping the peers' memory",
+            imported
+                .as_ref()
+                .map(|_| String::new())
+                .map_err(Clone::clone),
+        )?;
+        let peers = imported?;
+
+        // Counters, and the lanes as this rank launches them.
+        let counters = stream
+            .alloc_zeros::<u32>(lanes.len() * kernels::ONESHOT_MAX_BLOCKS)
+            .map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
+        stream
+            .synchronize()
+            .map_err(cudarc_err("cuStreamSynchronize"))?;
+        let counter_base = counters.device_ptr(&stream).0;
+        let lanes = lanes
+            .into_iter()
+            .enumerate()
+            .map(|(l, layout)| Lane {
+                layout,
+                push: PtrArray::from_slice(
+                    &peers
+                        .iter()
+                        .map(|p| p.device_ptr() + layout.offset as u64)
+                        .collect::<Vec<_>>(),
+                ),
+                pull: own.device_ptr() + layout.offset as u64,
+                counters: counter_base + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64,
+            })
+            .collect();
+        let ctx_for_ctl = ctx.clone();
+        let comm = Comm {
+            rank,
+            size,
+            ctx,
+            stream,
+            exchange,
+            lanes,
+            npush: size as i32 - 1,
+            funcs: FnTable::default(),
+            div: FnTable::default(),
+            order: Orderer::default(),
+            calls: Mutex::new(0),
+            check_calls: opts.check_calls,
+            ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
+            _counters: counters,
+            _peers: peers,
+            _own: own,
+        };
+        // Every rank's region is zeroed and mapped everywhere before any kernel.
+        comm.exchange.barrier()?;
+        if opts.verify {
+            let checked = comm.verify(opts.timeout);
+            agree(
+                &*comm.exchange,
+                "communicator: verification",
+                checked.map(|()| String::new()),
+            )?;
+        }
+        Ok(comm)
+    }
+
+    /// Step 4: an all-reduce of seeded data per lane, checked on the host.
+    fn verify(&self, timeout: Duration) -> Result<()> {
+        for (l, lane) in self.lanes.iter().enumerate() {
+            // A size that takes this lane, and not a multiple of 16 bytes.
+            let count = (lane.layout.max_bytes.min(256 << 10) / 4)
+                .saturating_sub(3)
+                .max(5);
+            let inputs: Vec<Vec<u32>> = (0..self.size)
+                .map(|r| seeded(0x5eed_0000 + l as u64 * 64 + r as u64, count))
+                .collect();
+            let expected: Vec<u32> = (0..count)
+                .map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i])))
+                .collect();
+            let mut buf = self
+                .stream
+                .clone_htod(&inputs[self.rank])
+                .map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
+            self.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            let done = self
+                .ctx
+                .new_event(None)
+                .map_err(cudarc_err("cuEventCreate"))?;
+            done.record(&self.stream)
+                .map_err(cudarc_err("cuEventRecord"))?;
+            wait_bounded(&done, "communicator verification (all-reduce)", timeout)?;
+            let got = self
+                .stream
+                .clone_dtoh(&buf)
+                .map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
+            if let Some(i) = (0..count).find(|&i| got[i] != expected[i]) {
+                return Err(Error::P2pUnavailable {
+                    from: self.ctx.ordinal(),
+                    to: self.ctx.ordinal(),
+                    reason: format!("verification all-reduce of {count} u32 (lane {l}) wrong at {i}: {} instead of {}", got[i], expected[i]),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks (processes) the communicator has.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// This rank's device context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream the collectives run on (ordered after and before the
+    /// buffers' own streams, as cudarc tracks them).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The exchange the communicator was made with (for the caller's own
+    /// all-gathers and barriers; every rank must make the same calls).
+    pub fn exchange(&self) -> &dyn Exchange {
+        &*self.exchange
+    }
+
+    /// Waits for this rank's collectives to finish on the device.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cudarc_err("cuStreamSynchronize"))?;
+        self.order.synchronize()?;
+        // A kernel that gave up waiting for a peer since the last call.
+        self.ctl.check()
+    }
+
+    /// In-place all-reduce: `buf` becomes the reduction, in rank order, of
+    /// every rank's `buf`. Every rank must call it with the same length,
+    /// element type and op, in the same order as its other collectives.
+    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(
+        &self,
+        buf: &mut D,
+        op: ReduceOp,
+    ) -> Result<()> {
+        op.check(T::DTYPE)?;
+        crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
+        let count = buf.len();
+        let mut calls = self.enter(count, T::DTYPE, op)?;
+        if count == 0 {
+            return Ok(());
+        }
+        let (ptr, held) = self.order.write(buf, &self.stream)?;
+        let launched = self.launch::<T>(op, ptr, ptr, count);
+        *calls += 1;
+        launched.and(held.finish())
+    }
+
+    /// Out-of-place all-reduce: `recv` becomes the reduction of every
+    /// rank's `send`, which is unchanged. As for
+    /// [`Self::all_reduce_in_place`].
+    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        recv: &mut D,
+        op: ReduceOp,
+    ) -> Result<()> {
+        op.check(T::DTYPE)?;
+        crate::copy::check_context("all_reduce", "send", &self.ctx, send.stream().context())?;
+        crate::copy::check_context("all_reduce", "recv", &self.ctx, recv.stream().context())?;
+        let count = send.len();
+        if recv.len() != count {
+            return Err(Error::LengthMismatch {
+                op: "all_reduce",
+                expected: count,
+                got: recv.len(),
+            });
+        }
+        let mut calls = self.enter(count, T::DTYPE, op)?;
+        if count == 0 {
+            return Ok(());
+        }
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let launched = self.launch::<T>(op, src, dst, count);
+        *calls += 1;
+        launched.and(read.finish()).and(write.finish())
+    }
+
+    /// Takes the call lock and, with [`CommOptions::check_calls`], checks
+    /// that every rank makes the same call.
+    fn enter(
+        &self,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<std::sync::MutexGuard<'_, u64>> {
+        let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        self.ctl.check()?;
+        if self.check_calls {
+            let mine = format!("{} {count} {} {}", *calls, dtype.name(), op.name());
+            let all = self.exchange.all_gather(mine.as_bytes())?;
+            if let Some(k) = all.iter().position(|b| b != mine.as_bytes()) {
+                return Err(Error::Bootstrap {
+                    op: "all_reduce",
+                    reason: format!(
+                        "ranks disagree: rank {} calls (call, count, type, op) = ({mine}), rank {k} ({})",
+                        self.rank,
+                        String::from_utf8_lossy(&all[k])
+                    ),
+                });
+            }
+        }
+        Ok(calls)
+    }
+
+    /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
+    fn launch<T: Element>(
+        &self,
+        op: ReduceOp,
+        input: u64,
+        output: u64,
+        count: usize,
+    ) -> Result<()> {
+        let dtype = T::DTYPE;
+        let lane = &self.lanes[lane_index(
+            self.lanes.iter().map(|l| l.layout.max_bytes),
+            count * dtype.size(),
+            self.lanes.len(),
+        )];
+        let cfg = LaunchConfig {
+            grid_dim: (lane.layout.blocks, 1, 1),
+            block_dim: (kernels::BLOCK_SIZE, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (nranks, rank, cnt, cap) = (
+            self.size as i32,
+            self.rank as i32,
+            count as u64,
+            lane.layout.cap as u64,
+        );
+        let kop = op.kernel_op();
+        let f = self.funcs.get(kop, dtype, || {
+            mesh_kernel(&self.ctx, "cp_oneshot", kop, dtype)
+        })?;
+        let mut launch = self.stream.launch_builder(f);
+        launch
+            .arg(&lane.push)
+            .arg(&self.npush)
+            .arg(&lane.pull)
+            .arg(&input)
+            .arg(&output)
+            .arg(&lane.counters)
+            .arg(&nranks)
+            .arg(&rank)
+            .arg(&cnt)
+            .arg(&cap)
+            .arg(&self.ctl.addrs[0])
+            .arg(&self.ctl.timeout_ns);
+        // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
+        // u32*, i32, i32, u64, u64, u32*, u64); the control block holds
+        // 1 + 2 * size words, mapped for this device. `input`/`output` hold
+        // `count` elements of `dtype` on this rank's device (checked by the callers); the
+        // lane's push regions (the peers' regions, imported and mapped with
+        // read-write access for this device, P2P checked) and its pull
+        // region (this rank's own) hold ONESHOT_FLAG_BYTES + 2 * n * cap
+        // bytes from the lane's offset (one `layout` on every rank); the
+        // counters hold ONESHOT_MAX_BLOCKS words of this rank. Every rank
+        // runs the lane's grid on each call of the lane (the callers' contract,
+        // checked per call with `check_calls`), and each rank has its own
+        // device, so every rank's blocks can be resident at once.
+        unsafe { launch.launch(cfg) }
+            .map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
+        if op == ReduceOp::Avg && self.size > 1 {
+            let f = self.div.get("div", dtype, || {
+                reduce_kernel(&self.ctx, &kernels::scale_div_name(dtype.name()))
+            })?;
+            let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
+            let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (kernels::BLOCK_SIZE, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let divisor = self.size as f64;
+            let mut launch = self.stream.launch_builder(f);
+            launch.arg(&output).arg(&cnt).arg(&divisor);
+            // SAFETY: signature (T*, u64, double); `output` holds `count` elements on this device.
+            unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // The peers' regions must outlive this rank's kernels that store into them.
+        if let Err(e) = self.stream.synchronize() {
+            log::warn!(
+                "cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}",
+                self.rank
+            );
+        }
+    }
+}
+
+/// `count` pseudo-random words from `seed` (splitmix64): the same on every
+/// rank, so each can compute every rank's input.
+pub fn seeded(seed: u64, count: usize) -> Vec<u32> {
+    let mut x = seed;
+    (0..count)
+        .map(|_| {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) as u32
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(host: &str, bus: &str) -> RankInfo {
+        RankInfo {
+            host: host.into(),
+            bus: bus.into(),
+            region: 2 << 20,
+        }
+    }
+
+    #[test]
+    fn rank_info_round_trips() {
+        let i = info("node/1234", "0000:19:00.0");
+        assert_eq!(RankInfo::decode(&i.encode()), Some(i));
+        assert_eq!(RankInfo::decode("x\ny"), None);
+    }
+
+    #[test]
+    fn layouts_with_shared_devices_or_hosts_are_refused() {
+        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")]).is_ok());
+        assert!(
+            matches!(check_layout(&[info("a", "0"), info("a", "0")]), Err(Error::Unsupported(m)) if m.contains("same device"))
+        );
+        assert!(
+            matches!(check_layout(&[info("a", "0"), info("b", "1")]), Err(Error::Unsupported(m)) if m.contains("several hosts"))
+        );
+        let nine: Vec<_> = (0..9).map(|d| info("a", &d.to_string())).collect();
+        assert!(matches!(check_layout(&nine), Err(Error::Unsupported(_))));
+    }
+
+    #[test]
+    fn seeded_data_is_reproducible() {
+        assert_eq!(seeded(7, 100), seeded(7, 100));
+        assert_ne!(seeded(7, 100), seeded(8, 100));
+    }
+
+    /// Every rank learns of one rank's failure in a step.
+    #[test]
+    fn one_ranks_failure_fails_every_rank() {
+        use super::super::bootstrap::Bootstrap;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let n = 3;
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let rv = Bootstrap::new(r, n, r, n, "127.0.0.1", port)
+                        .unwrap()
+                        .with_timeout(Duration::from_secs(20))
+                        .connect()
+                        .unwrap();
+                    let ok = agree(&rv, "step", Ok(format!("v{r}"))).unwrap();
+                    let mine = if r == 1 {
+                        Err(Error::NoDevice)
+                    } else {
+                        Ok(String::new())
+                    };
+                    (ok, agree(&rv, "step", mine))
+                })
+            })
+            .collect();
+        for h in handles {
+            let (ok, failed) = h.join().unwrap();
+            assert_eq!(ok, vec!["v0", "v1", "v2"]);
+            match failed {
+                Err(Error::NoDevice) => {}
+                Err(Error::Bootstrap { reason, .. }) => {
+                    assert!(reason.contains("rank 1 failed"), "{reason}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// Without a driver, creation fails on every rank with the same kind of
+    /// error, in bounded time, instead of leaving the others waiting.
+    #[test]
+    fn without_a_gpu_creation_fails_on_every_rank() {
+        if crate::driver::device_count()
+            .map(|n| n >= 2)
+            .unwrap_or(false)
+        {
+            return; // a GPU machine: the GPU tests cover creation
+        }
+        use super::super::bootstrap::Bootstrap;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let handles: Vec<_> = (0..2)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let rv = Bootstrap::new(r, 2, r, 2, "127.0.0.1", port)
+                        .unwrap()
+                        .with_timeout(Duration::from_secs(20))
+                        .connect()
+                        .unwrap();
+                    Comm::new(
+                        Box::new(rv),
+                        r,
+                        &CommOptions {
+                            timeout: Duration::from_secs(5),
+                            ..Default::default()
+                        },
+                    )
+                    .map(|_| ())
+                })
+            })
+            .collect();
+        for h in handles {
+            assert!(h.join().unwrap().is_err());
+        }
+    }
+}

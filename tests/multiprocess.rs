@@ -1,0 +1,448 @@
+//! One process per GPU, on the GPU: each test re-executes this test binary
+//! as N children (filtered to itself, with torchrun's variables and
+//! `CUDA_PEER_MP_CHILD` set), which create a `Comm` and check their results
+//! against a CPU reference; the parent checks that every child succeeded in
+//! time. Skipped (a `SKIPPED <name>` line) with fewer GPUs than needed.
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use cuda_peer::cudarc::driver::CudaStream;
+use cuda_peer::ipc::{comm::seeded, Bootstrap, Comm, CommOptions};
+use cuda_peer::{Element, Error, ReduceOp};
+use half::{bf16, f16};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Set in a child: the test it runs.
+const CHILD: &str = "CUDA_PEER_MP_CHILD";
+
+/// Whether this process is a child (then the test body is the child's).
+fn child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+fn rank() -> usize {
+    std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Runs `test` as `n` children of this binary with `extra(rank)` env vars;
+/// returns each child's exit code (None: killed at the deadline) and output.
+fn spawn(
+    test: &str,
+    n: usize,
+    deadline: Duration,
+    extra: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> Vec<(Option<i32>, String)> {
+    let exe = std::env::current_exe().expect("current_exe");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut children: Vec<_> = (0..n)
+        .map(|r| {
+            let mut cmd = Command::new(&exe);
+            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, test)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra(r) {
+                cmd.env(k, v);
+            }
+            cmd.spawn().expect("spawn a child")
+        })
+        .collect();
+    let start = Instant::now();
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; n];
+    while codes.iter().any(Option::is_none) && start.elapsed() < deadline {
+        for (c, code) in children.iter_mut().zip(codes.iter_mut()) {
+            if code.is_none() {
+                if let Ok(Some(s)) = c.try_wait() {
+                    *code = Some(s.code());
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    children
+        .into_iter()
+        .zip(codes)
+        .map(|(mut c, code)| {
+            let code = code.unwrap_or_else(|| {
+                let _ = c.kill();
+                None
+            });
+            let out = c
+                .wait_with_output()
+                .map(|o| {
+                    format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&o.stdout),
+                        String::from_utf8_lossy(&o.stderr)
+                    )
+                })
+                .unwrap_or_default();
+            (code, out)
+        })
+        .collect()
+}
+
+/// Asserts that every child exited 0.
+fn all_succeeded(test: &str, results: &[(Option<i32>, String)]) {
+    for (r, (code, out)) in results.iter().enumerate() {
+        assert_eq!(*code, Some(0), "{test}: rank {r} exited with {code:?} (None: killed at the deadline); its output:\n{out}");
+    }
+}
+
+fn gpu_count(test: &str, min: usize) -> Option<usize> {
+    common::gpus(test, min).map(|g| g.len())
+}
+
+/// Element types with exact small-integer values and a tolerance for `Avg`.
+trait Num: Element + Copy + std::fmt::Debug {
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! num {
+    ($($t:ty),*) => {$(impl Num for $t {
+        fn from_f64(x: f64) -> Self { x as $t }
+        fn to_f64(self) -> f64 { self as f64 }
+    })*};
+}
+num!(f32, f64, i32, i64, u32, u64, i8, u8);
+impl Num for f16 {
+    fn from_f64(x: f64) -> Self {
+        f16::from_f64(x)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+}
+impl Num for bf16 {
+    fn from_f64(x: f64) -> Self {
+        bf16::from_f64(x)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+}
+
+/// Rank r's input: small non-negative integers (1..=5), so that every
+/// reduction of up to 8 ranks is exact in every type except Avg's division.
+fn inputs(seed: u64, n: usize, count: usize) -> Vec<Vec<f64>> {
+    (0..n)
+        .map(|r| {
+            seeded(seed * 16 + r as u64, count)
+                .into_iter()
+                .map(|x| (x % 5 + 1) as f64)
+                .collect()
+        })
+        .collect()
+}
+
+fn reference(op: ReduceOp, ins: &[Vec<f64>], i: usize) -> f64 {
+    let xs = ins.iter().map(|x| x[i]);
+    match op {
+        ReduceOp::Sum => xs.sum(),
+        ReduceOp::Prod => xs.product(),
+        ReduceOp::Min => xs.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => xs.fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg => xs.sum::<f64>() / ins.len() as f64,
+    }
+}
+
+/// Every op on `T`, in place and out of place, at sizes on both lanes and
+/// over several rounds of the large lane.
+fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
+    let n = comm.size();
+    let big = (16usize << 20) / (2 * n) / T::DTYPE.size() * 2 + 7; // two rounds and a bit
+    for op in ReduceOp::ALL {
+        if op.check(T::DTYPE).is_err() {
+            continue;
+        }
+        for count in [1usize, 1000, 70_000 / T::DTYPE.size() * 4 + 3, big] {
+            *seed += 1;
+            let ins = inputs(*seed, n, count);
+            let host: Vec<T> = ins[comm.rank()].iter().map(|&x| T::from_f64(x)).collect();
+            let send = stream.clone_htod(&host).unwrap();
+            let mut recv = stream.clone_htod(&vec![T::from_f64(0.0); count]).unwrap();
+            comm.all_reduce(&send, &mut recv, op).unwrap();
+            let mut inplace = stream.clone_htod(&host).unwrap();
+            comm.all_reduce_in_place(&mut inplace, op).unwrap();
+            for (what, buf) in [("out of place", &recv), ("in place", &inplace)] {
+                let got = stream.clone_dtoh(buf).unwrap();
+                for (i, g) in got.iter().enumerate() {
+                    let want = T::from_f64(reference(op, &ins, i)).to_f64();
+                    let tol = if op == ReduceOp::Avg {
+                        1e-2 * want.abs().max(1.0)
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (g.to_f64() - want).abs() <= tol,
+                        "{} {op:?} {what}, {count} elements: [{i}] = {g:?}, expected {want}",
+                        T::DTYPE.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A child's body of the all-reduce tests.
+fn all_reduce_child() {
+    let comm = Comm::from_env(&CommOptions {
+        check_calls: true,
+        timeout: Duration::from_secs(30),
+        ..Default::default()
+    })
+    .unwrap();
+    let stream = comm.stream().clone();
+    let mut seed = 0;
+    check_type::<f32>(&comm, &stream, &mut seed);
+    check_type::<f64>(&comm, &stream, &mut seed);
+    check_type::<f16>(&comm, &stream, &mut seed);
+    check_type::<bf16>(&comm, &stream, &mut seed);
+    check_type::<i32>(&comm, &stream, &mut seed);
+    check_type::<i64>(&comm, &stream, &mut seed);
+    check_type::<u32>(&comm, &stream, &mut seed);
+    check_type::<u64>(&comm, &stream, &mut seed);
+    check_type::<i8>(&comm, &stream, &mut seed);
+    check_type::<u8>(&comm, &stream, &mut seed);
+    comm.synchronize().unwrap();
+    println!("rank {}: every type and op right", comm.rank());
+}
+
+#[test]
+fn two_processes_all_reduce_every_type_and_op() {
+    if child() {
+        return all_reduce_child();
+    }
+    let name = "two_processes_all_reduce_every_type_and_op";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| vec![]));
+}
+
+#[test]
+fn three_processes_all_reduce_every_type_and_op() {
+    if child() {
+        return all_reduce_child();
+    }
+    let name = "three_processes_all_reduce_every_type_and_op";
+    let Some(gpus) = gpu_count(name, 2) else {
+        return;
+    };
+    // The one-shot needs a device per rank: with 2 GPUs, 2 processes.
+    let n = gpus.min(3);
+    if n < 3 {
+        eprintln!("{name}: {gpus} GPUs, running {n} processes");
+    }
+    all_succeeded(name, &spawn(name, n, Duration::from_secs(300), |_| vec![]));
+}
+
+#[test]
+fn two_ranks_on_one_device_are_a_typed_error() {
+    if child() {
+        let rv = Bootstrap::from_env()
+            .unwrap()
+            .with_timeout(Duration::from_secs(30))
+            .connect()
+            .unwrap();
+        match Comm::new(Box::new(rv), 0, &CommOptions::default()) {
+            Err(Error::Unsupported(m)) if m.contains("same device") => return,
+            other => panic!(
+                "rank {}: expected Error::Unsupported (same device), got {other:?}",
+                rank()
+            ),
+        }
+    }
+    let name = "two_ranks_on_one_device_are_a_typed_error";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
+
+#[test]
+fn a_peer_that_exits_at_creation_fails_the_survivor_in_time() {
+    if child() {
+        if rank() == 1 {
+            // Meets rank 0, then dies before creating the communicator.
+            let rv = Bootstrap::from_env().unwrap().connect().unwrap();
+            drop(rv);
+            std::process::exit(0);
+        }
+        let start = Instant::now();
+        let r = Comm::from_env(&CommOptions {
+            timeout: Duration::from_secs(10),
+            ..Default::default()
+        });
+        assert!(r.is_err(), "rank 0 created a communicator without its peer");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "took {:?}",
+            start.elapsed()
+        );
+        println!("rank 0: {:?} after {:?}", r.err(), start.elapsed());
+        return;
+    }
+    let name = "a_peer_that_exits_at_creation_fails_the_survivor_in_time";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
+
+#[test]
+fn a_peer_that_never_starts_is_a_timeout() {
+    if child() {
+        let start = Instant::now();
+        let r = Bootstrap::from_env()
+            .unwrap()
+            .with_timeout(Duration::from_secs(3))
+            .connect();
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert!(start.elapsed() < Duration::from_secs(20));
+        return;
+    }
+    let name = "a_peer_that_never_starts_is_a_timeout";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    // One child of a world of two.
+    let results = spawn(name, 1, Duration::from_secs(60), |_| {
+        vec![("WORLD_SIZE", "2".into()), ("LOCAL_WORLD_SIZE", "2".into())]
+    });
+    all_succeeded(name, &results);
+}
+
+#[test]
+fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
+    if child() {
+        let comm = Comm::from_env(&CommOptions {
+            check_calls: true,
+            timeout: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .unwrap();
+        let mut x = comm.stream().clone_htod(&[1.0f32; 1000]).unwrap();
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        comm.synchronize().unwrap();
+        if comm.rank() == 1 {
+            std::process::exit(0);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let start = Instant::now();
+        let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+        assert!(matches!(r, Err(Error::Bootstrap { .. })), "{r:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "took {:?}",
+            start.elapsed()
+        );
+        return;
+    }
+    let name = "a_peer_that_exits_after_creation_fails_the_next_checked_call";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
+
+/// Without the per-call check, the survivor's kernel waits for the dead
+/// peer's flags until its barrier timeout, then gives up cleanly: the next
+/// synchronization reports `PeerTimeout`, later calls are refused, and the
+/// context still works.
+#[test]
+fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
+    if child() {
+        let comm = Comm::from_env(&CommOptions {
+            timeout: Duration::from_secs(30),
+            barrier_timeout: Duration::from_millis(500),
+            ..Default::default()
+        })
+        .unwrap();
+        comm.exchange().barrier().unwrap();
+        if comm.rank() == 1 {
+            std::process::exit(0);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let start = Instant::now();
+        let mut x = comm.stream().clone_htod(&[1.0f32; 1000]).unwrap();
+        let r = comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum)
+            .and_then(|()| comm.synchronize());
+        println!("rank 0: {r:?} after {:?}", start.elapsed());
+        assert!(
+            matches!(r, Err(Error::PeerTimeout { rank: 0, .. })),
+            "expected a timeout of rank 0, got {r:?}"
+        );
+        let again = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+        assert!(matches!(again, Err(Error::PeerTimeout { .. })), "{again:?}");
+        // The context survived: plain copies still work.
+        let back = comm.stream().clone_dtoh(&x).unwrap();
+        assert_eq!(back.len(), 1000);
+        std::process::exit(0); // the peer is gone: no collective drop
+    }
+    let name = "a_peer_that_exits_after_creation_times_out_an_unchecked_call";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
+
+#[test]
+fn mismatched_counts_are_detected_by_the_per_call_check() {
+    if child() {
+        let comm = Comm::from_env(&CommOptions {
+            check_calls: true,
+            timeout: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .unwrap();
+        let count = 1000 + comm.rank();
+        let mut x = comm.stream().clone_htod(&vec![1.0f32; count]).unwrap();
+        match comm.all_reduce_in_place(&mut x, ReduceOp::Sum) {
+            Err(Error::Bootstrap { reason, .. }) if reason.contains("disagree") => return,
+            other => panic!("rank {}: {other:?}", comm.rank()),
+        }
+    }
+    let name = "mismatched_counts_are_detected_by_the_per_call_check";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
+
+/// The exchange is usable by the caller after creation, and ranks agree.
+#[test]
+fn the_exchange_serves_the_caller() {
+    if child() {
+        let comm = Comm::from_env(&CommOptions::default()).unwrap();
+        let all = comm.exchange().all_gather(&[comm.rank() as u8]).unwrap();
+        assert_eq!(
+            all,
+            (0..comm.size()).map(|r| vec![r as u8]).collect::<Vec<_>>()
+        );
+        return;
+    }
+    let name = "the_exchange_serves_the_caller";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
