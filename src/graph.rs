@@ -12,13 +12,30 @@
 use crate::driver::{api, bind};
 use crate::error::{check, Result};
 use cuda_peer_sys as sys;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream};
 use std::any::Any;
 use std::ffi::c_void;
 use std::sync::{mpsc, Arc, OnceLock};
 
-/// What a captured call needs to outlive it.
-pub(crate) type KeepAlive = Arc<dyn Any + Send + Sync>;
+/// What a captured call needs to outlive it, and a context to make current
+/// while it is dropped (its `Drop`s free memory through the driver, which
+/// needs a current context; the release thread has none of its own).
+pub(crate) struct KeepAlive {
+    /// Made current on the release thread before `payload` is dropped.
+    pub(crate) ctx: Arc<CudaContext>,
+    /// The resources.
+    pub(crate) payload: Arc<dyn Any + Send + Sync>,
+}
+
+impl KeepAlive {
+    /// Drops the payload with `ctx` current.
+    fn release(self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            log::warn!("cuda-peer: releasing what a graph kept alive: cannot make GPU{}'s context current: {e:?}", self.ctx.ordinal());
+        }
+        drop(self.payload);
+    }
+}
 
 /// The capture `stream` is in, if any: its id and graph.
 pub(crate) fn capture_of(stream: &CudaStream) -> Result<Option<(u64, sys::CUgraph)>> {
@@ -93,7 +110,7 @@ fn reaper() -> Option<&'static mpsc::Sender<Box<KeepAlive>>> {
             let (tx, rx) = mpsc::channel::<Box<KeepAlive>>();
             let spawned = std::thread::Builder::new().name("cuda-peer-graph-release".into()).spawn(move || {
                 for keep in rx {
-                    drop(keep);
+                    keep.release();
                 }
             });
             match spawned {

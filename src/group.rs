@@ -712,7 +712,10 @@ impl Group {
     /// buffers, the scratch, and the peer access the kernels rely on.
     fn keep_alive(&self) -> KeepAlive {
         let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        Arc::new((self.mesh.clone(), self.oneshot.clone(), self.ctl.clone(), self.pulls.clone(), scratch, self.access.clone()))
+        KeepAlive {
+            ctx: self.ranks[0].ctx.clone(),
+            payload: Arc::new((self.mesh.clone(), self.oneshot.clone(), self.ctl.clone(), self.pulls.clone(), scratch, self.access.clone())),
+        }
     }
 
     /// Whether the group has the mesh all-reduce (used below

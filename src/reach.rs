@@ -11,7 +11,9 @@
 //!
 //! Each allocation has a process-wide unique buffer id; verdicts are cached
 //! by (address, buffer id), so a call costs one driver query per buffer once
-//! its buffers have been seen.
+//! its buffers have been seen. Pool memory is judged by the pool's access
+//! list (`cuMemPoolGetAccess`), a VMM mapping by its own
+//! (`cuMemGetAccess`).
 
 use crate::driver::{api, bind};
 use crate::error::{check, Error, Result};
@@ -41,24 +43,35 @@ fn attribute<T: Default>(ptr: u64, attr: sys::CUpointer_attribute) -> Result<T> 
 }
 
 /// Whether memory at `ptr` of `owner`'s device is mapped for kernels of
-/// `peer`'s context.
+/// `peer`'s device. (`CU_POINTER_ATTRIBUTE_ACCESS_FLAGS` cannot tell: on
+/// 2x H200 it answered read-write from every context for every kind of
+/// allocation, with or without access; `bench/experiments/pointer_access`.)
 fn mapped_for(ptr: u64, owner: &CudaContext, peer: &CudaContext) -> Result<bool> {
-    use sys::CUpointer_attribute as A;
     if owner.ordinal() == peer.ordinal() {
         return Ok(true);
     }
-    // cuMemAlloc memory: mapped by context peer access.
-    if attribute::<i32>(ptr, A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE).unwrap_or(0) != 0 {
-        return Ok(true);
+    let api = api()?;
+    let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: peer.ordinal() as i32 };
+    // Pool memory: the pool's access list says.
+    let pool = attribute::<sys::CUmemoryPool>(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE).unwrap_or(std::ptr::null_mut());
+    if !pool.is_null() {
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        let mut loc = location;
+        // SAFETY: reads one flag value for a live pool (it holds `ptr`) and a
+        // device location.
+        check("cuMemPoolGetAccess", unsafe { api.cuMemPoolGetAccess(&mut flags, pool, &mut loc) })?;
+        return Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
     }
-    if attribute::<i32>(ptr, A::CU_POINTER_ATTRIBUTE_IS_MANAGED).unwrap_or(0) != 0 {
-        return Ok(true);
+    // A VMM mapping: its access list says. Anything else (cuMemAlloc,
+    // managed memory) is not a VMM mapping, and context peer access, which
+    // the group enabled, maps it.
+    let mut flags: std::os::raw::c_ulonglong = 0;
+    // SAFETY: writes one integer; any address may be asked about (the call
+    // fails for addresses that are not VMM mappings).
+    match unsafe { api.cuMemGetAccess(&mut flags, &location, ptr) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE.0 as std::os::raw::c_ulonglong),
+        _ => Ok(true),
     }
-    // Pool and VMM memory: ask the driver what the peer's device may do.
-    bind(peer)?;
-    let flags = attribute::<u32>(ptr, A::CU_POINTER_ATTRIBUTE_ACCESS_FLAGS);
-    bind(owner)?;
-    Ok(matches!(flags, Ok(f) if f == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE.0))
 }
 
 impl ReachCache {

@@ -23,7 +23,7 @@ pub mod verify;
 use crate::driver::{api, bind};
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::peer::{raw_ctx, PeerAccess};
-use crate::graph::{capture_of, retain};
+use crate::graph::{capture_of, retain, KeepAlive};
 use crate::sync::{tracking, with_read, with_write, Orderer, Tracking};
 use crate::topology::link_info;
 use cuda_peer_sys as sys;
@@ -303,7 +303,7 @@ impl Link {
                 // A graph that captures the copy uses the pinned buffers
                 // whenever it is replayed: it keeps them alive.
                 if let Some((_, graph)) = capture_of(stream)? {
-                    retain(graph, staging.clone())?;
+                    retain(graph, KeepAlive { ctx: self.src.clone(), payload: staging.clone() })?;
                 }
                 // With event tracking, reading `src` on the staging stream
                 // waited for its writers' events; without, the caller orders

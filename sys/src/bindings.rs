@@ -786,6 +786,11 @@ pub struct DriverApi {
         desc: *const CUmemAccessDesc,
         count: usize,
     ) -> CUresult,
+    pub cuMemGetAccess: unsafe extern "C" fn(
+        flags: *mut ::std::os::raw::c_ulonglong,
+        location: *const CUmemLocation,
+        ptr: CUdeviceptr,
+    ) -> CUresult,
     pub cuMemExportToShareableHandle: unsafe extern "C" fn(
         shareableHandle: *mut ::std::os::raw::c_void,
         handle: CUmemGenericAllocationHandle,
@@ -928,6 +933,7 @@ impl DriverApi {
         let cuMemMap = __library.get(b"cuMemMap\0").map(|sym| *sym)?;
         let cuMemUnmap = __library.get(b"cuMemUnmap\0").map(|sym| *sym)?;
         let cuMemSetAccess = __library.get(b"cuMemSetAccess\0").map(|sym| *sym)?;
+        let cuMemGetAccess = __library.get(b"cuMemGetAccess\0").map(|sym| *sym)?;
         let cuMemExportToShareableHandle = __library
             .get(b"cuMemExportToShareableHandle\0")
             .map(|sym| *sym)?;
@@ -1001,6 +1007,7 @@ impl DriverApi {
             cuMemMap,
             cuMemUnmap,
             cuMemSetAccess,
+            cuMemGetAccess,
             cuMemExportToShareableHandle,
             cuMemImportFromShareableHandle,
             cuMemGetAllocationGranularity,
@@ -1243,6 +1250,14 @@ impl DriverApi {
         count: usize,
     ) -> CUresult {
         (self.cuMemSetAccess)(ptr, size, desc, count)
+    }
+    pub unsafe fn cuMemGetAccess(
+        &self,
+        flags: *mut ::std::os::raw::c_ulonglong,
+        location: *const CUmemLocation,
+        ptr: CUdeviceptr,
+    ) -> CUresult {
+        (self.cuMemGetAccess)(flags, location, ptr)
     }
     pub unsafe fn cuMemExportToShareableHandle(
         &self,

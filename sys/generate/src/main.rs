@@ -30,6 +30,7 @@ const FUNCTIONS: &[&str] = &[
     "cuMemGetInfo_v2",
     "cuMemPoolSetAccess",
     "cuMemPoolGetAccess",
+    "cuMemGetAccess",
     "cuMemHostAlloc",
     "cuMemFreeHost",
     "cuMemHostGetDevicePointer_v2",
