@@ -411,7 +411,7 @@ fn measure(
     if let Some(w) = compare(&got, &pattern, "byte") {
         return Ok((Outcome::WrongData(w), None));
     }
-    let iters = 8;
+    let iters = 16;
     let t = Instant::now();
     for _ in 0..iters {
         copy_once(via, &src, &mut dst, &sb)?;

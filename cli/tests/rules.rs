@@ -10,10 +10,18 @@ use std::path::{Path, PathBuf};
 
 const G: u64 = 1 << 30;
 
+/// The fixture tree `name`: under the crate's directory, or (for test
+/// binaries staged to another machine and run from the workspace root)
+/// under `cli/tests/fixtures` of the current directory.
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
-        .join(name)
+        .join(name);
+    if built.exists() {
+        built
+    } else {
+        Path::new("cli/tests/fixtures").join(name)
+    }
 }
 
 fn facts(name: &str) -> SystemFacts {
