@@ -201,25 +201,40 @@ pub fn spawn_child(
     bytes: usize,
     timeout: Duration,
 ) -> ChildResult {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            return ChildResult {
+                lines: Vec::new(),
+                failure: Some(Outcome::Error(format!("cannot find own executable: {e}"))),
+                elapsed: Duration::ZERO,
+            }
+        }
+    };
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "__check",
+        kind.name(),
+        &from.to_string(),
+        &to.to_string(),
+        "--bytes",
+        &bytes.to_string(),
+    ]);
+    run_with_timeout(cmd, timeout)
+}
+
+/// Runs `cmd`, collects the [`ChildLine`]s it writes on stdout, and kills
+/// it after `timeout`. A child that exits non-zero, is killed by a signal
+/// or times out is reported in [`ChildResult::failure`], with the lines it
+/// wrote before.
+pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> ChildResult {
     let t = Instant::now();
     let fail = |o: Outcome| ChildResult {
         lines: Vec::new(),
         failure: Some(o),
         elapsed: t.elapsed(),
     };
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => return fail(Outcome::Error(format!("cannot find own executable: {e}"))),
-    };
-    let mut child = match Command::new(exe)
-        .args([
-            "__check",
-            kind.name(),
-            &from.to_string(),
-            &to.to_string(),
-            "--bytes",
-            &bytes.to_string(),
-        ])
+    let mut child = match cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
