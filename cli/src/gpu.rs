@@ -161,6 +161,10 @@ pub enum ChildKind {
     Mesh,
     /// Forced one-shot all-reduce.
     OneShot,
+    /// Both, mesh first, in one process (fewer process starts; the doctor
+    /// reruns the one-shot alone when the mesh did not pass, so that a
+    /// fault left by the mesh cannot be blamed on it).
+    Sm,
 }
 
 impl ChildKind {
@@ -170,14 +174,20 @@ impl ChildKind {
             ChildKind::Copy => "copy",
             ChildKind::Mesh => "mesh",
             ChildKind::OneShot => "oneshot",
+            ChildKind::Sm => "sm",
         }
     }
 
     /// Parses the name.
     pub fn parse(s: &str) -> Option<Self> {
-        [ChildKind::Copy, ChildKind::Mesh, ChildKind::OneShot]
-            .into_iter()
-            .find(|k| k.name() == s)
+        [
+            ChildKind::Copy,
+            ChildKind::Mesh,
+            ChildKind::OneShot,
+            ChildKind::Sm,
+        ]
+        .into_iter()
+        .find(|k| k.name() == s)
     }
 }
 
@@ -575,6 +585,15 @@ pub fn run_child(kind: ChildKind, from: usize, to: usize, bytes: usize) -> i32 {
             0
         }
         ChildKind::OneShot => {
+            emit(&ChildLine::OneShot(child_allreduce(
+                from,
+                to,
+                Algorithm::OneShot,
+            )));
+            0
+        }
+        ChildKind::Sm => {
+            emit(&ChildLine::Mesh(child_allreduce(from, to, Algorithm::Mesh)));
             emit(&ChildLine::OneShot(child_allreduce(
                 from,
                 to,

@@ -171,30 +171,31 @@ fn run_checks(
             opts.budget
         ))
     };
-    let mut kinds = vec![gpu::ChildKind::Copy];
-    if peer {
-        kinds.extend([gpu::ChildKind::Mesh, gpu::ChildKind::OneShot]);
-    }
-    for kind in kinds {
+    let mut run = |kind: gpu::ChildKind, checks: &mut Checks| {
         if over() {
+            let s = skipped();
             match kind {
                 gpu::ChildKind::Copy => {
-                    checks.copy_engine = skipped();
-                    checks.staged = skipped();
+                    checks.copy_engine = s.clone();
+                    checks.staged = s;
                 }
-                gpu::ChildKind::Mesh => checks.mesh = skipped(),
-                gpu::ChildKind::OneShot => checks.oneshot = skipped(),
+                gpu::ChildKind::Mesh => checks.mesh = s,
+                gpu::ChildKind::OneShot => checks.oneshot = s,
+                gpu::ChildKind::Sm => {
+                    checks.mesh = s.clone();
+                    checks.oneshot = s;
+                }
             }
-            continue;
+            return;
         }
         let r = gpu::spawn_child(kind, from, to, opts.bytes, opts.timeout);
-        let mut seen = [false; 4];
+        let mut got = [false; 4];
         for line in r.lines {
             match line {
-                gpu::ChildLine::CopyEngine(o) => (checks.copy_engine, seen[0]) = (o, true),
-                gpu::ChildLine::Staged(o) => (checks.staged, seen[1]) = (o, true),
-                gpu::ChildLine::Mesh(o) => (checks.mesh, seen[2]) = (o, true),
-                gpu::ChildLine::OneShot(o) => (checks.oneshot, seen[3]) = (o, true),
+                gpu::ChildLine::CopyEngine(o) => (checks.copy_engine, got[0]) = (o, true),
+                gpu::ChildLine::Staged(o) => (checks.staged, got[1]) = (o, true),
+                gpu::ChildLine::Mesh(o) => (checks.mesh, got[2]) = (o, true),
+                gpu::ChildLine::OneShot(o) => (checks.oneshot, got[3]) = (o, true),
                 gpu::ChildLine::Speeds(s) => speeds = Some(s),
             }
         }
@@ -202,18 +203,31 @@ fn run_checks(
         let fail = r
             .failure
             .unwrap_or_else(|| Outcome::Error("the check process reported nothing".into()));
-        match kind {
-            gpu::ChildKind::Copy => {
-                if !seen[1] {
-                    checks.staged = fail.clone();
-                }
-                if !seen[0] {
-                    checks.copy_engine = fail;
-                }
+        let wanted: &[usize] = match kind {
+            gpu::ChildKind::Copy => &[0, 1],
+            gpu::ChildKind::Mesh => &[2],
+            gpu::ChildKind::OneShot => &[3],
+            gpu::ChildKind::Sm => &[2, 3],
+        };
+        for &w in wanted {
+            if !got[w] {
+                let slot = match w {
+                    0 => &mut checks.copy_engine,
+                    1 => &mut checks.staged,
+                    2 => &mut checks.mesh,
+                    _ => &mut checks.oneshot,
+                };
+                *slot = fail.clone();
             }
-            gpu::ChildKind::Mesh if !seen[2] => checks.mesh = fail,
-            gpu::ChildKind::OneShot if !seen[3] => checks.oneshot = fail,
-            _ => {}
+        }
+    };
+    run(gpu::ChildKind::Copy, &mut checks);
+    if peer {
+        run(gpu::ChildKind::Sm, &mut checks);
+        // A mesh that failed may have left the process's contexts broken:
+        // the one-shot gets a process of its own before it is judged.
+        if checks.mesh != Outcome::Pass {
+            run(gpu::ChildKind::OneShot, &mut checks);
         }
     }
     (checks, speeds)
