@@ -257,7 +257,9 @@ pub fn render(r: &Report) -> String {
             v.from_bdf,
             v.to_bdf,
             v.pci_path.abbrev(),
-            opt(&v.common_ancestor)
+            v.common_ancestor
+                .as_deref()
+                .unwrap_or("no common PCIe bridge")
         );
         let _ = writeln!(s, "  {}", v.summary);
         if let Some(d) = &p.driver {
