@@ -527,6 +527,12 @@ fn child_allreduce(from: usize, to: usize, algorithm: Algorithm) -> Outcome {
         let mut rng = Rng::new((from * 131 + to) as u64);
         // 4 MiB and an odd tail, so vector and scalar paths both run.
         let n = (1 << 20) + 37;
+        let chosen = group.all_reduce_algorithm(n * 4);
+        if chosen != algorithm {
+            return Ok(Outcome::Error(format!(
+                "the group runs {chosen:?} instead of the forced {algorithm:?}"
+            )));
+        }
         let inputs: Vec<Vec<u32>> = (0..2)
             .map(|_| (0..n).map(|_| rng.next_u64() as u32).collect())
             .collect();
