@@ -73,13 +73,14 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
                             driver: None,
                             checks: None,
                             speeds: None,
+                            check_seconds: Vec::new(),
                         });
                         continue;
                     }
                 };
                 let peer = drv.can_access_peer && drv.can_access_peer_back;
                 input.driver = Some(drv);
-                let (checks, speeds) = run_checks(from, to, peer, opts, t);
+                let (checks, speeds, timings) = run_checks(from, to, peer, opts, t);
                 input.checks = Some(checks);
                 input.speeds = speeds;
                 pairs.push(report::PairReport {
@@ -87,6 +88,7 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
                     driver: input.driver.clone(),
                     checks: input.checks.clone(),
                     speeds: input.speeds.clone(),
+                    check_seconds: timings,
                 });
             }
         }
@@ -106,6 +108,7 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
                     driver: None,
                     checks: None,
                     speeds: None,
+                    check_seconds: Vec::new(),
                 });
             }
         }
@@ -156,7 +159,7 @@ fn run_checks(
     peer: bool,
     opts: &DoctorOptions,
     start: Instant,
-) -> (Checks, Option<rules::Speeds>) {
+) -> (Checks, Option<rules::Speeds>, Vec<(String, f64)>) {
     let mut checks = Checks {
         copy_engine: Outcome::Error("not reported".into()),
         mesh: Outcome::Skipped("the driver reports no peer access".into()),
@@ -164,6 +167,7 @@ fn run_checks(
         staged: Outcome::Error("not reported".into()),
     };
     let mut speeds = None;
+    let mut timings = Vec::new();
     let over = || start.elapsed() >= opts.budget;
     let skipped = || {
         Outcome::Skipped(format!(
@@ -189,6 +193,7 @@ fn run_checks(
             return;
         }
         let r = gpu::spawn_child(kind, from, to, opts.bytes, opts.timeout);
+        timings.push((kind.name().to_string(), r.elapsed.as_secs_f64()));
         let mut got = [false; 4];
         for line in r.lines {
             match line {
@@ -230,5 +235,5 @@ fn run_checks(
             run(gpu::ChildKind::OneShot, &mut checks);
         }
     }
-    (checks, speeds)
+    (checks, speeds, timings)
 }

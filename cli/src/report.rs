@@ -46,6 +46,8 @@ pub struct PairReport {
     pub checks: Option<Checks>,
     /// Speeds.
     pub speeds: Option<Speeds>,
+    /// Seconds each check process ran, by check (`copy`, `sm`, `oneshot`).
+    pub check_seconds: Vec<(String, f64)>,
 }
 
 /// The whole report.
@@ -318,6 +320,14 @@ pub fn render(r: &Report) -> String {
                 g(sp.driver_gbs),
                 l(sp.driver_lat_us)
             );
+        }
+        if !p.check_seconds.is_empty() {
+            let t: Vec<String> = p
+                .check_seconds
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.1} s"))
+                .collect();
+            let _ = writeln!(s, "  check processes: {}", t.join(", "));
         }
         for fi in &v.findings {
             write_finding(&mut s, fi);

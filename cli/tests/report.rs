@@ -81,6 +81,7 @@ fn a_healthy_two_gpu_report_renders_and_round_trips() {
                 driver: input.driver,
                 checks: input.checks,
                 speeds: input.speeds,
+                check_seconds: vec![("copy".into(), 2.5), ("sm".into(), 3.0)],
             }
         })
         .collect();
