@@ -27,13 +27,13 @@ struct Args {
     /// Ranks in the group (default: one per GPU). Ranks are laid round-robin over the GPUs.
     #[arg(long)]
     ranks: Option<usize>,
-    /// Bytes per rank.
+    /// Bytes per rank: a multiple of the element type's size.
     #[arg(long, default_value_t = 64 << 20)]
     bytes: usize,
-    /// Element type.
+    /// Element type: f32, f64, f16, bf16, i32, i64, u32, u64, i8 or u8.
     #[arg(long, default_value = "f32")]
     dtype: DType,
-    /// Reduction.
+    /// Reduction: sum, prod, min, max or avg (avg: floating-point types only).
     #[arg(long, default_value = "sum")]
     op: ReduceOp,
     /// Link path policy.
@@ -42,9 +42,9 @@ struct Args {
     /// All-reduce algorithm: auto (by size: one-shot, mesh or ring, where every rank has its own GPU), ring, mesh or oneshot.
     #[arg(long, default_value = "auto")]
     algorithm: Algorithm,
-    /// Timed iterations (after 5 warm-up iterations).
-    #[arg(long, default_value_t = 20)]
-    iters: usize,
+    /// Timed iterations (after 5 warm-up iterations), at least 1.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    iters: u64,
     /// Print the start-up steps' times to stderr (the group is then created with lazy kernels and warmed up explicitly, to time the two apart).
     #[arg(long)]
     timings: bool,
@@ -237,6 +237,19 @@ fn run<T: Num>(args: &Args, group: &Group, streams: &[Arc<CudaStream>]) -> cuda_
 fn main() {
     let t0 = Instant::now();
     let args = Args::parse();
+    // Checked before any GPU is opened: clear errors for bad arguments.
+    if args.bytes % args.dtype.size() != 0 {
+        eprintln!("ring_allreduce: --bytes {} is not a multiple of {}'s size ({} bytes)", args.bytes, args.dtype, args.dtype.size());
+        std::process::exit(64);
+    }
+    if let Err(e) = args.op.check(args.dtype) {
+        eprintln!("ring_allreduce: {e}");
+        std::process::exit(64);
+    }
+    if args.ranks == Some(0) {
+        eprintln!("ring_allreduce: --ranks must be at least 1");
+        std::process::exit(64);
+    }
     if args.timings && log::set_logger(&StderrLog).is_ok() {
         log::set_max_level(log::LevelFilter::Debug);
     }
