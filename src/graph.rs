@@ -15,6 +15,7 @@ use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaStream};
 use std::any::Any;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, OnceLock};
 
 /// What a captured call needs to outlive it, and a context to make current
@@ -27,9 +28,15 @@ pub(crate) struct KeepAlive {
     pub(crate) payload: Arc<dyn Any + Send + Sync>,
 }
 
+/// How many keep-alives graphs have taken, and how many the release thread
+/// has dropped (for tests: [`crate::group::graph_keep_alives`]).
+pub(crate) static RETAINED: AtomicU64 = AtomicU64::new(0);
+pub(crate) static RELEASED: AtomicU64 = AtomicU64::new(0);
+
 impl KeepAlive {
     /// Drops the payload with `ctx` current.
     fn release(self) {
+        RELEASED.fetch_add(1, Relaxed);
         if let Err(e) = self.ctx.bind_to_thread() {
             log::warn!("cuda-peer: releasing what a graph kept alive: cannot make GPU{}'s context current: {e:?}", self.ctx.ordinal());
         }
@@ -79,6 +86,8 @@ pub(crate) fn retain(graph: sys::CUgraph, keep: KeepAlive) -> Result<()> {
     if retained.is_err() {
         // SAFETY: the reference is still ours; releasing it runs `release`.
         unsafe { api.cuUserObjectRelease(object, 1) };
+    } else {
+        RETAINED.fetch_add(1, Relaxed);
     }
     retained
 }

@@ -809,6 +809,15 @@ impl Drop for Group {
     }
 }
 
+/// For tests: how many times a CUDA graph has taken a reference to a
+/// group's or link's resources, and how many of those have been released
+/// since (the graph destroyed, the resources dropped).
+#[doc(hidden)]
+pub fn graph_keep_alives() -> (u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    (crate::graph::RETAINED.load(Relaxed), crate::graph::RELEASED.load(Relaxed))
+}
+
 /// Locks shared by every group that enqueues on a stream, by (CUDA
 /// context, stream) handle; entries go when their last group does.
 type StreamKey = (usize, usize);

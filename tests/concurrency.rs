@@ -14,40 +14,64 @@ use cuda_peer::{Group, GroupOptions, ReduceOp};
 use std::sync::Arc;
 use std::time::Instant;
 
-#[test]
-fn two_groups_on_the_same_streams_from_two_threads() {
-    let Some(ctxs) = gpus("two_groups_on_the_same_streams_from_two_threads", 2) else {
+/// Two groups on the same two streams (the second with its ranks in the
+/// reverse order), `CALLS` in-place all-reduces each, from two threads at
+/// once (`threads`) or alternating on one thread; launcher threads on or
+/// off (`spin`).
+fn two_groups(test: &str, threads: bool, spin: Option<std::time::Duration>) {
+    let Some(ctxs) = gpus(test, 2) else {
         return;
     };
     let streams: Vec<_> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
+    let opts = GroupOptions { launch_spin: spin, ..GroupOptions::default() };
     // Rank order reversed in the second group: its rank 0 is on device 1.
-    let a = Arc::new(Group::new(streams.clone(), &GroupOptions::default()).unwrap());
-    let b = Arc::new(Group::new(vec![streams[1].clone(), streams[0].clone()], &GroupOptions::default()).unwrap());
+    let a = Arc::new(Group::new(streams.clone(), &opts).unwrap());
+    let b = Arc::new(Group::new(vec![streams[1].clone(), streams[0].clone()], &opts).unwrap());
     const CALLS: u32 = 300;
     let count = 1024;
     let start = Instant::now();
-    let run = |group: Arc<Group>, order: [usize; 2]| {
-        let s = streams.clone();
-        std::thread::spawn(move || {
-            // Ranks start from 1 and 2, so after k all-reduces each element
-            // is 3 * 2^(k-1): exact in f64, and a lost or repeated call
-            // changes it.
-            let mut bufs: Vec<CudaSlice<f64>> = (0..2).map(|r| s[order[r]].clone_htod(&vec![(r + 1) as f64; count]).unwrap()).collect();
-            for _ in 0..CALLS {
-                group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap();
-            }
-            let want = 3.0 * 2f64.powi(CALLS as i32 - 1);
-            for (r, &d) in order.iter().enumerate() {
-                let got = s[d].clone_dtoh(&bufs[r]).unwrap();
-                assert!(got.iter().all(|&x| x == want), "rank {r}: {:?} instead of {want}", &got[..4]);
-            }
-        })
+    // Ranks start from 1 and 2, so after k all-reduces each element is
+    // 3 * 2^(k-1): exact in f64, and a lost or repeated call changes it.
+    let bufs = |order: [usize; 2]| -> Vec<CudaSlice<f64>> { (0..2).map(|r| streams[order[r]].clone_htod(&vec![(r + 1) as f64; count]).unwrap()).collect() };
+    let check = |what: &str, order: [usize; 2], bufs: &[CudaSlice<f64>]| {
+        let want = 3.0 * 2f64.powi(CALLS as i32 - 1);
+        for (r, &d) in order.iter().enumerate() {
+            let got = streams[d].clone_dtoh(&bufs[r]).unwrap();
+            assert!(got.iter().all(|&x| x == want), "{what} rank {r}: {:?} instead of {want}", &got[..4]);
+        }
     };
-    let ta = run(a.clone(), [0, 1]);
-    let tb = run(b.clone(), [1, 0]);
-    ta.join().expect("group A's thread");
-    tb.join().expect("group B's thread");
-    eprintln!("  {} all-reduces from two threads in {:?}", 2 * CALLS, start.elapsed());
+    let (mut ba, mut bb) = (bufs([0, 1]), bufs([1, 0]));
+    if threads {
+        std::thread::scope(|s| {
+            let ta = s.spawn(|| (0..CALLS).try_for_each(|k| a.all_reduce_in_place(&mut ba, ReduceOp::Sum).map_err(|e| format!("group A, call {k}: {e}"))));
+            let tb = s.spawn(|| (0..CALLS).try_for_each(|k| b.all_reduce_in_place(&mut bb, ReduceOp::Sum).map_err(|e| format!("group B, call {k}: {e}"))));
+            let (ra, rb) = (ta.join().expect("group A's thread"), tb.join().expect("group B's thread"));
+            ra.and(rb).unwrap_or_else(|e| panic!("{test}: {e}"));
+        });
+    } else {
+        for k in 0..CALLS {
+            a.all_reduce_in_place(&mut ba, ReduceOp::Sum).unwrap_or_else(|e| panic!("{test}: group A, call {k}: {e}"));
+            b.all_reduce_in_place(&mut bb, ReduceOp::Sum).unwrap_or_else(|e| panic!("{test}: group B, call {k}: {e}"));
+        }
+    }
     a.synchronize().unwrap();
     b.synchronize().unwrap();
+    check("group A", [0, 1], &ba);
+    check("group B", [1, 0], &bb);
+    eprintln!("  {test}: {} all-reduces in {:?}", 2 * CALLS, start.elapsed());
+}
+
+#[test]
+fn two_groups_on_the_same_streams_from_two_threads() {
+    two_groups("two_groups_on_the_same_streams_from_two_threads", true, Some(cuda_peer::DEFAULT_LAUNCH_SPIN));
+}
+
+#[test]
+fn two_groups_on_the_same_streams_from_two_threads_without_launchers() {
+    two_groups("two_groups_on_the_same_streams_from_two_threads_without_launchers", true, None);
+}
+
+#[test]
+fn two_groups_on_the_same_streams_alternating_on_one_thread() {
+    two_groups("two_groups_on_the_same_streams_alternating_on_one_thread", false, Some(cuda_peer::DEFAULT_LAUNCH_SPIN));
 }
