@@ -224,7 +224,7 @@ fn serve(s: &Shared, rank: usize, spin: Duration) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && since.elapsed() >= spin {
+            if spins.is_multiple_of(64) && since.elapsed() >= spin {
                 s.parked.store(true, SeqCst);
                 if s.posted.load(SeqCst) == seen && !s.stop.load(SeqCst) {
                     std::thread::park();

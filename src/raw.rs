@@ -283,7 +283,7 @@ impl Group {
         if buf.0 == 0 {
             return Err(Error::InvalidArgument(format!("{OP}: rank {r}'s {what} buffer is a null pointer")));
         }
-        if buf.0 % dtype.size() as u64 != 0 {
+        if !buf.0.is_multiple_of(dtype.size() as u64) {
             return Err(Error::InvalidArgument(format!(
                 "{OP}: rank {r}'s {what} buffer {:#x} is not aligned to its element size ({} bytes)",
                 buf.0,

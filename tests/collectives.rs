@@ -454,7 +454,7 @@ fn interleaved_sizes_back_to_back() {
             calls[which] += 1;
             if k % 3 == 0 {
                 let [a, b] = &mut pp;
-                let (from, to) = if pp_calls % 2 == 0 { (&*a, b) } else { (&*b, a) };
+                let (from, to) = if pp_calls.is_multiple_of(2) { (&*a, b) } else { (&*b, a) };
                 s.group.all_reduce(from, to, ReduceOp::Sum).unwrap();
                 pp_calls += 1;
             }
