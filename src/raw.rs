@@ -109,8 +109,10 @@ impl Group {
     /// Checked, with typed errors: one buffer and one stream per rank, no
     /// null pointer, every pointer aligned to the element size, `op`
     /// defined for `dtype` ([`ReduceOp::check`]), every stream of rank r's
-    /// context, and every buffer known to the driver as memory of rank r's
-    /// device holding `count` elements from the pointer on.
+    /// context, and every buffer device memory of rank r's device (as the
+    /// driver reports it: memory type and device ordinal) holding `count`
+    /// elements from the pointer on (where the driver reports the
+    /// allocation's range).
     ///
     /// # Safety
     ///
@@ -268,8 +270,8 @@ impl Group {
         Ok(())
     }
 
-    /// Checks rank r's buffer: not null, aligned, on rank r's device, and
-    /// (where the driver reports the allocation's range) `bytes` long.
+    /// Checks rank r's buffer: not null, aligned, device memory of rank r's
+    /// device, and (where the driver reports the allocation's range) `bytes` long.
     fn check_raw_buffer(&self, r: usize, what: &'static str, buf: RawBuffer, bytes: usize, dtype: DType) -> Result<()> {
         const OP: &str = "all_reduce_raw";
         if buf.0 == 0 {
@@ -283,40 +285,53 @@ impl Group {
             )));
         }
         let api = crate::driver::api()?;
+        let attribute = |which: sys::CUpointer_attribute, out: *mut std::ffi::c_void| {
+            // SAFETY: `out` points at a value of the type the attribute writes
+            // (an unsigned int, an int, a CUdeviceptr or a size_t, below); any
+            // pointer value may be asked about.
+            unsafe { api.cuPointerGetAttribute(out, which, buf.0) }
+        };
+        // CU_MEMORYTYPE_DEVICE (2 in cuda.h's CUmemorytype): cuMemAlloc, pools and
+        // managed memory. Host memory, even where the device can reach it, is refused.
+        let mut memory_type: std::os::raw::c_uint = 0;
+        check(
+            OP,
+            attribute(
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                (&mut memory_type as *mut std::os::raw::c_uint).cast(),
+            ),
+        )?;
+        if memory_type != 2 {
+            return Err(Error::InvalidArgument(format!(
+                "{OP}: rank {r}'s {what} buffer {:#x} is not device memory",
+                buf.0
+            )));
+        }
         let expected = self.ranks[r].ctx.ordinal();
         let mut ordinal: std::os::raw::c_int = -1;
-        // SAFETY: writes one int; any pointer value may be asked about.
-        check(OP, unsafe {
-            api.cuPointerGetAttribute(
-                (&mut ordinal as *mut std::os::raw::c_int).cast(),
+        check(
+            OP,
+            attribute(
                 sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                buf.0,
-            )
-        })?;
-        if ordinal >= 0 && ordinal as usize != expected {
+                (&mut ordinal as *mut std::os::raw::c_int).cast(),
+            ),
+        )?;
+        if ordinal < 0 || ordinal as usize != expected {
             return Err(Error::WrongDevice {
                 op: OP,
                 what,
                 expected,
-                got: ordinal as usize,
+                got: ordinal.max(0) as usize,
             });
         }
         let (mut start, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-        // SAFETY: each call writes one CUdeviceptr / one size_t.
-        let range = unsafe {
-            (
-                api.cuPointerGetAttribute(
-                    (&mut start as *mut sys::CUdeviceptr).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                    buf.0,
-                ),
-                api.cuPointerGetAttribute(
-                    (&mut size as *mut usize).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                    buf.0,
-                ),
-            )
-        };
+        let range = (
+            attribute(
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                (&mut start as *mut sys::CUdeviceptr).cast(),
+            ),
+            attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE, (&mut size as *mut usize).cast()),
+        );
         if range == (sys::CUresult::CUDA_SUCCESS, sys::CUresult::CUDA_SUCCESS) && size > 0 {
             let room = (start + size as u64).saturating_sub(buf.0);
             if room < bytes as u64 {
