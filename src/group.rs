@@ -810,12 +810,13 @@ impl Drop for Group {
 }
 
 /// For tests: how many times a CUDA graph has taken a reference to a
-/// group's or link's resources, and how many of those have been released
-/// since (the graph destroyed, the resources dropped).
+/// group's or link's resources, how many of those have been released since
+/// (the graph destroyed, the resources dropped), and how many one-shot
+/// states (slots, flags) have been dropped.
 #[doc(hidden)]
-pub fn graph_keep_alives() -> (u64, u64) {
+pub fn graph_keep_alives() -> (u64, u64, u64) {
     use std::sync::atomic::Ordering::Relaxed;
-    (crate::graph::RETAINED.load(Relaxed), crate::graph::RELEASED.load(Relaxed))
+    (crate::graph::RETAINED.load(Relaxed), crate::graph::RELEASED.load(Relaxed), crate::oneshot::DROPPED.load(Relaxed))
 }
 
 /// Locks shared by every group that enqueues on a stream, by (CUDA

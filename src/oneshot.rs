@@ -130,6 +130,16 @@ pub(crate) struct OneShot {
     pub(crate) funcs: Vec<FnTable>,
 }
 
+/// One-shot states dropped so far (for the graph-lifetime test, through
+/// `crate::group::graph_keep_alives`).
+pub(crate) static DROPPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+impl Drop for OneShot {
+    fn drop(&mut self) {
+        DROPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 impl OneShot {
     /// Sets up the slots on `ranks` (2 to 8, one per device): in device
     /// memory when `p2p` (every pair verified), else in mapped host memory.

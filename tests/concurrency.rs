@@ -75,3 +75,35 @@ fn two_groups_on_the_same_streams_from_two_threads_without_launchers() {
 fn two_groups_on_the_same_streams_alternating_on_one_thread() {
     two_groups("two_groups_on_the_same_streams_alternating_on_one_thread", false, Some(cuda_peer::DEFAULT_LAUNCH_SPIN));
 }
+
+/// As `two_groups_on_the_same_streams_from_two_threads`, with each thread
+/// making its own buffers (allocations and copies on the shared streams
+/// while the other thread's collectives are being enqueued).
+#[test]
+fn two_groups_on_the_same_streams_buffers_made_on_the_threads() {
+    let test = "two_groups_on_the_same_streams_buffers_made_on_the_threads";
+    let Some(ctxs) = gpus(test, 2) else {
+        return;
+    };
+    let streams: Vec<_> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
+    let a = Group::new(streams.clone(), &GroupOptions::default()).unwrap();
+    let b = Group::new(vec![streams[1].clone(), streams[0].clone()], &GroupOptions::default()).unwrap();
+    const CALLS: u32 = 300;
+    let run = |group: &Group, order: [usize; 2], name: &str| {
+        let mut bufs: Vec<CudaSlice<f64>> = (0..2).map(|r| streams[order[r]].clone_htod(&vec![(r + 1) as f64; 1024]).unwrap()).collect();
+        for k in 0..CALLS {
+            group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap_or_else(|e| panic!("{test}: group {name}, call {k}: {e}"));
+        }
+        let want = 3.0 * 2f64.powi(CALLS as i32 - 1);
+        for (r, &d) in order.iter().enumerate() {
+            let got = streams[d].clone_dtoh(&bufs[r]).unwrap();
+            assert!(got.iter().all(|&x| x == want), "{test}: group {name} rank {r}: {:?} instead of {want}", &got[..4]);
+        }
+    };
+    std::thread::scope(|s| {
+        let ta = s.spawn(|| run(&a, [0, 1], "A"));
+        let tb = s.spawn(|| run(&b, [1, 0], "B"));
+        ta.join().expect("group A's thread");
+        tb.join().expect("group B's thread");
+    });
+}

@@ -234,11 +234,18 @@ fn graphs_outlive_their_group() {
             // ... and comes back once the graph is gone (released by a thread
             // of the library's after the driver lets go of the graph).
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-            while free_bytes(&ctxs[0]) < with_group + (8 << 20) {
-                let (retained, released) = cuda_peer::group::graph_keep_alives();
+            loop {
+                let now = free_bytes(&ctxs[0]);
+                if now >= with_group + (8 << 20) {
+                    break;
+                }
+                let (retained, released, dropped) = cuda_peer::group::graph_keep_alives();
                 assert!(
                     std::time::Instant::now() < deadline,
-                    "{what}: the group's device memory not returned 10 s after the graph was dropped (keep-alives retained {retained}, released {released})"
+                    "{what}: the group's device memory not returned 10 s after the graph was dropped (free MiB: with the group {}, under the graph {}, now {}; keep-alives retained {retained}, released {released}; one-shot states dropped {dropped})",
+                    with_group >> 20,
+                    held >> 20,
+                    now >> 20
                 );
             }
         }
