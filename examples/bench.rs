@@ -600,10 +600,8 @@ fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>]) -> Res<Backend> {
             println!("#   rank {r} <- rank {}: {} ({})", (r + n - 1) % n, st.path, st.reason);
         }
     }
-    let algos: Vec<String> = [4 * KIB, 256 * KIB, MIB, 16 * MIB, 256 * MIB, GIB]
-        .iter()
-        .map(|&b| format!("{}: {:?}", human(b), group.all_reduce_algorithm(b)))
-        .collect();
+    let algos: Vec<String> =
+        [4 * KIB, 256 * KIB, MIB, 16 * MIB, 256 * MIB, GIB].iter().map(|&b| format!("{}: {:?}", human(b), group.all_reduce_algorithm(b))).collect();
     println!("#   all_reduce algorithm by size: {}", algos.join(", "));
     Ok(Backend { imp, streams, engine: Engine::Peer(Box::new(group)) })
 }
@@ -980,8 +978,7 @@ fn find_nccl() -> Option<PathBuf> {
         }
     }
     dirs.extend(
-        ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/local/cuda/lib64", "/usr/local/lib"]
-            .map(PathBuf::from),
+        ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/local/cuda/lib64", "/usr/local/lib"].map(PathBuf::from),
     );
     if dirs.iter().any(|d| d.join("libnccl.so").exists()) {
         return None;
@@ -1214,9 +1211,7 @@ fn copy_sweep(args: &Args, ctxs: &[Arc<CudaContext>]) -> Res<()> {
     let mut progress = Progress { done: 0, total: paths.len() * pairs.len() * sizes.len() * 3 };
     let mut csv = Csv::create(&copy_csv(args), COPY_CSV_HEADER)?;
     println!("#");
-    println!(
-        "# copies: driver-no-peer first (no peer access enabled yet), then staged, then p2p; GB/s counts the bytes of every direction"
-    );
+    println!("# copies: driver-no-peer first (no peer access enabled yet), then staged, then p2p; GB/s counts the bytes of every direction");
     println!("#{:>15} {:>4} {:>4} {:>4} {:>12} {:>10} {:>8} {:>7}", "path", "src", "dst", "dir", "bytes", "time_us", "GB/s", "#wrong");
     for path in paths {
         for &(i, j) in &pairs {
@@ -1265,9 +1260,7 @@ fn print_summary(args: &Args, enqueue: &[(Impl, f64)]) -> Res<()> {
     let get = |imp: Impl, dt: &str, bytes: usize| ar.get(&(imp.name().to_string(), dt.to_string(), bytes)).copied();
     println!("#");
     println!("# summary, all_reduce: cuda-peer-p2p vs nccl, cuda-peer-staged vs nccl-no-p2p");
-    println!(
-        "#   t_ratio = cuda-peer time / NCCL time (< 1: cuda-peer faster); bw_ratio = cuda-peer busbw / NCCL busbw (> 1: cuda-peer faster)"
-    );
+    println!("#   t_ratio = cuda-peer time / NCCL time (< 1: cuda-peer faster); bw_ratio = cuda-peer busbw / NCCL busbw (> 1: cuda-peer faster)");
     println!(
         "#{:>5} {:>10} | {:>9} {:>9} {:>7} {:>8} {:>8} {:>8} | {:>9} {:>9} {:>7} {:>8} {:>8} {:>8}",
         "dtype",
@@ -1295,8 +1288,7 @@ fn print_summary(args: &Args, enqueue: &[(Impl, f64)]) -> Res<()> {
                         write!(line, " {t0:>9.2} {t1:>9.2} {:>7.2} {b0:>8.2} {b1:>8.2} {:>8.2}", t0 / t1, b0 / b1)?;
                     }
                     (a, b) => {
-                        let cell =
-                            |x: Option<(f64, f64)>, f: fn((f64, f64)) -> f64| x.map(|v| format!("{:.2}", f(v))).unwrap_or("-".into());
+                        let cell = |x: Option<(f64, f64)>, f: fn((f64, f64)) -> f64| x.map(|v| format!("{:.2}", f(v))).unwrap_or("-".into());
                         write!(
                             line,
                             " {:>9} {:>9} {:>7} {:>8} {:>8} {:>8}",
@@ -1316,10 +1308,7 @@ fn print_summary(args: &Args, enqueue: &[(Impl, f64)]) -> Res<()> {
     if !enqueue.is_empty() {
         let list: Vec<String> = enqueue.iter().map(|(imp, us)| format!("{} {us:.2} us", imp.name())).collect();
         println!("#");
-        println!(
-            "# host time to enqueue one 4 KiB f32 all_reduce on all ranks (1000 calls in batches of 50, no GPU wait): {}",
-            list.join(", ")
-        );
+        println!("# host time to enqueue one 4 KiB f32 all_reduce on all ranks (1000 calls in batches of 50, no GPU wait): {}", list.join(", "));
     }
     Ok(())
 }
@@ -1333,12 +1322,7 @@ fn run(args: &Args) -> Res<()> {
     let ctxs = contexts(args)?;
     let n = ctxs.len();
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
-    println!(
-        "# bench: {} ({n} GPUs: {}), CUDA driver {}",
-        args.machine,
-        ctxs[0].name().unwrap_or_default(),
-        driver::driver_version().unwrap_or(0)
-    );
+    println!("# bench: {} ({n} GPUs: {}), CUDA driver {}", args.machine, ctxs[0].name().unwrap_or_default(), driver::driver_version().unwrap_or(0));
     println!(
         "# #wrong: every element of every rank's output checked up to {} MiB per buffer; larger outputs: {WINDOWS} evenly spaced windows of {WINDOW} elements per rank (~1M, first and last included) ('sampled')",
         FULL_CHECK_BYTES / MIB
@@ -1390,7 +1374,11 @@ fn run_peer(args: &Args, imp: Impl, ctxs: &[Arc<CudaContext>], plan: &Plan, prog
     let backend = peer_backend(imp, ctxs)?;
     sweep(&backend, args, plan, progress, &mut Csv::append(csv)?)?;
     let us = enqueue_us(&backend)?;
-    println!("# {}: enqueue {us:.2} us per 4 KiB all_reduce, of which cudarc's event tracking of the buffers alone takes {:.2} us", imp.name(), tracking_us(&backend)?);
+    println!(
+        "# {}: enqueue {us:.2} us per 4 KiB all_reduce, of which cudarc's event tracking of the buffers alone takes {:.2} us",
+        imp.name(),
+        tracking_us(&backend)?
+    );
     Ok(us)
 }
 

@@ -71,10 +71,8 @@ fn main() {
 fn run(args: &Args) -> Res<()> {
     let ctxs: Vec<Arc<CudaContext>> = (0..2).map(driver::context).collect::<Result<_, _>>()?;
     let streams: Vec<Arc<CudaStream>> = ctxs.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
-    let funcs = ctxs
-        .iter()
-        .map(|c| Ok(c.load_module(cuda_peer::cudarc::nvrtc::Ptx::from_src(NOOP_PTX))?.load_function("noop")?))
-        .collect::<Res<Vec<_>>>()?;
+    let funcs =
+        ctxs.iter().map(|c| Ok(c.load_module(cuda_peer::cudarc::nvrtc::Ptx::from_src(NOOP_PTX))?.load_function("noop")?)).collect::<Res<Vec<_>>>()?;
     let events = ctxs.iter().map(|c| c.new_event(None)).collect::<Result<Vec<_>, _>>()?;
     let drain = || -> Res<()> {
         for s in &streams {
@@ -117,7 +115,17 @@ fn run(args: &Args) -> Res<()> {
     ctxs[0].bind_to_thread()?;
     rows.push(("cuStreamWaitEvent, other GPU's event", time(n, || Ok(streams[0].wait(&events[1])?), drain)?));
     rows.push(("cuLaunchKernel (cudarc builder), one GPU", time(n, || launch(0), drain)?));
-    rows.push(("cuLaunchKernel, both GPUs (per pair)", time(n, || { launch(1)?; launch(0) }, drain)?));
+    rows.push((
+        "cuLaunchKernel, both GPUs (per pair)",
+        time(
+            n,
+            || {
+                launch(1)?;
+                launch(0)
+            },
+            drain,
+        )?,
+    ));
     let raw_launch = |r: usize| -> Res<()> {
         let mut p = [&arg as *const u64 as *mut std::ffi::c_void];
         // SAFETY: `noop` takes one u64 (p points at `arg`, alive here) and
@@ -249,7 +257,12 @@ fn run(args: &Args) -> Res<()> {
     }
     let groups = [true, false]
         .iter()
-        .map(|&l| Group::new(streams.clone(), &GroupOptions { launch_spin: if l { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() }))
+        .map(|&l| {
+            Group::new(
+                streams.clone(),
+                &GroupOptions { launch_spin: if l { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() },
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
     let mut steady = Vec::new();
@@ -266,7 +279,12 @@ fn run(args: &Args) -> Res<()> {
             let host = t.elapsed().as_secs_f64();
             group.synchronize()?;
             let wall = t.elapsed().as_secs_f64();
-            steady.push(format!("{:8.3} {:8.3}  rep {rep}, {}", host * 1e6 / 2000.0, wall * 1e6 / 2000.0, if g == 0 { "launcher threads" } else { "no launcher threads" }));
+            steady.push(format!(
+                "{:8.3} {:8.3}  rep {rep}, {}",
+                host * 1e6 / 2000.0,
+                wall * 1e6 / 2000.0,
+                if g == 0 { "launcher threads" } else { "no launcher threads" }
+            ));
         }
     }
     println!("# 4 KiB all_reduce_in_place, 2000 back to back: host us per call, wall us per call (until both GPUs finish)");

@@ -47,27 +47,16 @@ fn fill(bytes: &mut [u8], seed: u64) {
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 /// One all-reduce of `count` elements of `T` with `op`: (digest of rank 0's
 /// result, every rank identical).
-fn digest<T: Element>(
-    group: &Group,
-    streams: &[Arc<CudaStream>],
-    op: ReduceOp,
-    count: usize,
-    seed: u64,
-) -> cuda_peer::Result<(u64, bool)> {
+fn digest<T: Element>(group: &Group, streams: &[Arc<CudaStream>], op: ReduceOp, count: usize, seed: u64) -> cuda_peer::Result<(u64, bool)> {
     let mut bufs: Vec<CudaSlice<T>> = Vec::with_capacity(streams.len());
     for (r, s) in streams.iter().enumerate() {
         let mut host: Vec<T> = vec![<T as bytemuck::Zeroable>::zeroed(); count];
-        fill(
-            bytemuck::cast_slice_mut(&mut host),
-            seed ^ ((r as u64 + 1) << 32),
-        );
+        fill(bytemuck::cast_slice_mut(&mut host), seed ^ ((r as u64 + 1) << 32));
         bufs.push(s.clone_htod(&host).map_err(err("upload"))?);
     }
     group.all_reduce_in_place(&mut bufs, op)?;
@@ -77,26 +66,14 @@ fn digest<T: Element>(
         let got = s.clone_dtoh(b).map_err(err("download"))?;
         match &first {
             None => first = Some(got),
-            Some(f) => {
-                same &= bytemuck::cast_slice::<T, u8>(f) == bytemuck::cast_slice::<T, u8>(&got)
-            }
+            Some(f) => same &= bytemuck::cast_slice::<T, u8>(f) == bytemuck::cast_slice::<T, u8>(&got),
         }
     }
-    let bytes = first
-        .as_deref()
-        .map(bytemuck::cast_slice::<T, u8>)
-        .unwrap_or(&[]);
+    let bytes = first.as_deref().map(bytemuck::cast_slice::<T, u8>).unwrap_or(&[]);
     Ok((fnv1a(bytes), same))
 }
 
-fn digest_of(
-    dtype: DType,
-    group: &Group,
-    streams: &[Arc<CudaStream>],
-    op: ReduceOp,
-    count: usize,
-    seed: u64,
-) -> cuda_peer::Result<(u64, bool)> {
+fn digest_of(dtype: DType, group: &Group, streams: &[Arc<CudaStream>], op: ReduceOp, count: usize, seed: u64) -> cuda_peer::Result<(u64, bool)> {
     match dtype {
         DType::F32 => digest::<f32>(group, streams, op, count, seed),
         DType::F64 => digest::<f64>(group, streams, op, count, seed),
@@ -127,23 +104,10 @@ fn main() {
     let result = (|| -> cuda_peer::Result<bool> {
         let ranks = args.ranks.unwrap_or(gpus);
         let ctx = driver::all_contexts()?;
-        let streams: Vec<Arc<CudaStream>> = (0..ranks)
-            .map(|r| ctx[r % gpus].new_stream())
-            .collect::<Result<_, _>>()
-            .map_err(err("stream"))?;
+        let streams: Vec<Arc<CudaStream>> = (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
         let mut all_same = true;
-        for (name, algorithm) in [
-            ("oneshot", Algorithm::OneShot),
-            ("mesh", Algorithm::Mesh),
-            ("ring", Algorithm::Ring),
-        ] {
-            let group = match Group::new(
-                streams.clone(),
-                &GroupOptions {
-                    algorithm,
-                    ..GroupOptions::default()
-                },
-            ) {
+        for (name, algorithm) in [("oneshot", Algorithm::OneShot), ("mesh", Algorithm::Mesh), ("ring", Algorithm::Ring)] {
+            let group = match Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::default() }) {
                 Ok(g) => g,
                 Err(e) => {
                     println!("{name}: not possible here ({e})");
@@ -159,12 +123,7 @@ fn main() {
                         let seed = (dtype as u64) << 16 | (op as u64) << 8 | i as u64;
                         let (d, same) = digest_of(dtype, &group, &streams, op, count, seed)?;
                         all_same &= same;
-                        println!(
-                            "{name} {} {} {count} {d:016x} {}",
-                            dtype.name(),
-                            op.name(),
-                            if same { "ranks-equal" } else { "RANKS-DIFFER" }
-                        );
+                        println!("{name} {} {} {count} {d:016x} {}", dtype.name(), op.name(), if same { "ranks-equal" } else { "RANKS-DIFFER" });
                     }
                 }
             }

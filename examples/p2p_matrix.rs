@@ -49,9 +49,7 @@ fn enqueue(path: &str, p: &mut Pair, links: &mut [Option<Link>; 2], dir: usize) 
     let stream = p.streams[to].clone();
     match path {
         "staged" | "p2p" => links[dir].as_mut().expect("link").copy(&p.bufs[from], &mut p.dsts[to], &stream),
-        _ => stream
-            .memcpy_dtod(&p.bufs[from], &mut p.dsts[to])
-            .map_err(|e| cuda_peer::Error::driver("cuMemcpyPeerAsync", e.0 as u32)),
+        _ => stream.memcpy_dtod(&p.bufs[from], &mut p.dsts[to]).map_err(|e| cuda_peer::Error::driver("cuMemcpyPeerAsync", e.0 as u32)),
     }
 }
 
@@ -131,7 +129,8 @@ fn run(args: &Args) -> Result<()> {
                 };
                 let mut links: [Option<Link>; 2] = [None, None];
                 if let Some(pol) = policy {
-                    match (Link::open(&ctx[i], &ctx[j], &LinkOptions::with_policy(pol)), Link::open(&ctx[j], &ctx[i], &LinkOptions::with_policy(pol))) {
+                    match (Link::open(&ctx[i], &ctx[j], &LinkOptions::with_policy(pol)), Link::open(&ctx[j], &ctx[i], &LinkOptions::with_policy(pol)))
+                    {
                         (Ok(a), Ok(b)) => {
                             if *path == "p2p" {
                                 status[i][j] = format!("{} ({})", a.path(), a.status().reason);
@@ -170,13 +169,28 @@ fn run(args: &Args) -> Result<()> {
     }
     if args.json {
         let mut out = serde_json::Map::new();
-        out.insert("devices".into(), serde_json::json!(topo.devices.iter().map(|d| serde_json::json!({"ordinal": d.ordinal, "name": d.name, "pci_bus_id": d.pci_bus_id})).collect::<Vec<_>>()));
-        out.insert("can_access_peer".into(), serde_json::json!((0..n).map(|i| (0..n).map(|j| i == j || topo.link(i, j).map(|l| l.can_access_peer).unwrap_or(false)).collect::<Vec<_>>()).collect::<Vec<_>>()));
+        out.insert(
+            "devices".into(),
+            serde_json::json!(topo
+                .devices
+                .iter()
+                .map(|d| serde_json::json!({"ordinal": d.ordinal, "name": d.name, "pci_bus_id": d.pci_bus_id}))
+                .collect::<Vec<_>>()),
+        );
+        out.insert(
+            "can_access_peer".into(),
+            serde_json::json!((0..n)
+                .map(|i| (0..n).map(|j| i == j || topo.link(i, j).map(|l| l.can_access_peer).unwrap_or(false)).collect::<Vec<_>>())
+                .collect::<Vec<_>>()),
+        );
         out.insert("link_status".into(), serde_json::json!(status));
         out.insert("bytes".into(), serde_json::json!(args.bytes));
         for (pi, path) in PATHS.iter().enumerate() {
             let m = |f: fn(&Cell) -> f64| (0..n).map(|i| (0..n).map(|j| f(&results[pi][i][j])).collect::<Vec<_>>()).collect::<Vec<_>>();
-            out.insert(path.to_string(), serde_json::json!({"unidirectional_gbs": m(|c| c.uni), "bidirectional_gbs": m(|c| c.bi), "latency_us": m(|c| c.lat)}));
+            out.insert(
+                path.to_string(),
+                serde_json::json!({"unidirectional_gbs": m(|c| c.uni), "bidirectional_gbs": m(|c| c.bi), "latency_us": m(|c| c.lat)}),
+            );
         }
         println!("{}", serde_json::Value::Object(out));
         return Ok(());

@@ -156,8 +156,7 @@ fn run<T: Num>(args: &Args, group: &Group, streams: &[Arc<CudaStream>]) -> cuda_
     let bytes = count * std::mem::size_of::<T>();
     let mut rng = rand::rng();
     let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..count).map(|_| T::from_f64(draw(&mut rng, T::DTYPE, args.op, n))).collect()).collect();
-    let mut bufs: Vec<CudaSlice<T>> =
-        inputs.iter().zip(streams).map(|(d, s)| s.clone_htod(d)).collect::<Result<_, _>>().map_err(err("upload"))?;
+    let mut bufs: Vec<CudaSlice<T>> = inputs.iter().zip(streams).map(|(d, s)| s.clone_htod(d)).collect::<Result<_, _>>().map_err(err("upload"))?;
 
     // Check once, against the CPU reference.
     group.all_reduce_in_place(&mut bufs, args.op)?;
@@ -216,17 +215,7 @@ fn run<T: Num>(args: &Args, group: &Group, streams: &[Arc<CudaStream>]) -> cuda_
     let algbw = bytes as f64 / us / 1e3;
     let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
     println!("{:>12} {:>10} {:>6} {:>6} {:>10} {:>9} {:>9} {:>7}", "bytes", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong");
-    println!(
-        "{:>12} {:>10} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>7}",
-        bytes,
-        count,
-        T::DTYPE.name(),
-        args.op.name(),
-        us,
-        algbw,
-        busbw,
-        wrong
-    );
+    println!("{:>12} {:>10} {:>6} {:>6} {:>10.1} {:>9.2} {:>9.2} {:>7}", bytes, count, T::DTYPE.name(), args.op.name(), us, algbw, busbw, wrong);
     println!("(GB/s; time is the mean of {} back-to-back all-reduces, #wrong from the checked run)", args.iters);
     if wrong > 0 {
         return Err(cuda_peer::Error::InvalidArgument(format!("{wrong} wrong elements")));
@@ -268,10 +257,10 @@ fn main() {
         let ranks = args.ranks.unwrap_or(gpus);
         let t = Instant::now();
         let ctx = driver::all_contexts()?;
-        let streams: Vec<Arc<CudaStream>> =
-            (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
+        let streams: Vec<Arc<CudaStream>> = (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
         let t_ctx = ms(t);
-        let opts = GroupOptions { algorithm: args.algorithm, lazy_kernels: args.lazy_kernels || args.timings, ..GroupOptions::with_policy(args.path) };
+        let opts =
+            GroupOptions { algorithm: args.algorithm, lazy_kernels: args.lazy_kernels || args.timings, ..GroupOptions::with_policy(args.path) };
         let t = Instant::now();
         let group = Group::new(streams.clone(), &opts)?;
         let t_group = ms(t);
@@ -306,7 +295,8 @@ fn main() {
         }?;
         let t_run = ms(t);
         if args.timings {
-            let image = if std::env::var_os(cuda_peer::group::FORCE_PTX_ENV).is_some_and(|v| !v.is_empty() && v != "0") { "ptx-forced" } else { "default" };
+            let image =
+                if std::env::var_os(cuda_peer::group::FORCE_PTX_ENV).is_some_and(|v| !v.is_empty() && v != "0") { "ptx-forced" } else { "default" };
             eprintln!(
                 "timings_ms dtype={} kernels={image} lazy={} contexts={t_ctx:.1} group_new={t_group:.1} warm_up={t_warm:.1} run={t_run:.1} main_total={:.1}",
                 args.dtype.name(),

@@ -12,16 +12,16 @@
 //! exactly once, in a fixed order, then copied. A group may be shared
 //! between threads; its collectives are then enqueued one at a time.
 
+use crate::copy::check_context;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::group::Group;
 use crate::ring::PullOp;
 use crate::schedule::{self, Action};
-use crate::copy::check_context;
 use crate::sync::Held;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
-use std::sync::Arc;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// `result`, once every buffer is ordered after the enqueued work (the
 /// first error wins).
@@ -370,7 +370,9 @@ impl Group {
             if self.capturing() {
                 return Err(Error::Capture {
                     op: "reduce_scatter",
-                    reason: format!("its scratch ({bytes} bytes per rank) is allocated by an eager call of this size or larger, made before the capture"),
+                    reason: format!(
+                        "its scratch ({bytes} bytes per rank) is allocated by an eager call of this size or larger, made before the capture"
+                    ),
                 });
             }
             // Graphs captured earlier keep the old scratch alive themselves.

@@ -74,10 +74,7 @@ impl std::fmt::Display for DType {
 impl std::str::FromStr for DType {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::Result<Self> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown element type {s:?}")))
+        DType::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| crate::Error::InvalidArgument(format!("unknown element type {s:?}")))
     }
 }
 
@@ -140,10 +137,7 @@ impl std::fmt::Display for ReduceOp {
 impl std::str::FromStr for ReduceOp {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::Result<Self> {
-        ReduceOp::ALL
-            .into_iter()
-            .find(|o| o.name() == s)
-            .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown reduction {s:?}")))
+        ReduceOp::ALL.into_iter().find(|o| o.name() == s).ok_or_else(|| crate::Error::InvalidArgument(format!("unknown reduction {s:?}")))
     }
 }
 

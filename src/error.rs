@@ -291,10 +291,7 @@ mod tests {
         assert!(text.starts_with("cuCtxEnablePeerAccess failed: "), "{text}");
         // Without a driver the name falls back to the number; with one it is the name.
         let code = sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS.0;
-        assert!(
-            text.contains("CUDA_ERROR_TOO_MANY_PEERS") || text.contains(&format!("CUresult({code})")),
-            "{text}"
-        );
+        assert!(text.contains("CUDA_ERROR_TOO_MANY_PEERS") || text.contains(&format!("CUresult({code})")), "{text}");
     }
 
     #[test]
@@ -309,9 +306,7 @@ mod tests {
 
     #[test]
     fn cudarc_errors_keep_their_code() {
-        let e = cudarc_err("memcpy")(cudarc::driver::DriverError(
-            cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
-        ));
+        let e = cudarc_err("memcpy")(cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE));
         assert_eq!(e.cu_result(), Some(sys::CUresult::CUDA_ERROR_INVALID_VALUE.0));
     }
 

@@ -124,7 +124,9 @@ impl Ctl {
         let codes: Vec<(usize, u32, u32)> = (0..ranks).map(|r| (r, self.read(ctl_code(r)), self.read(ctl_epoch(r)))).collect();
         let e = match codes.iter().find(|c| c.1 == CTL_TIMEOUT) {
             Some(&(rank, _, epoch)) => Error::PeerTimeout { rank, call: epoch, after: self.timeout },
-            None => Error::GroupFailed { reason: format!("aborted; ranks that gave up: {:?}", codes.iter().filter(|c| c.1 == CTL_ABORTED).map(|c| c.0).collect::<Vec<_>>()) },
+            None => Error::GroupFailed {
+                reason: format!("aborted; ranks that gave up: {:?}", codes.iter().filter(|c| c.1 == CTL_ABORTED).map(|c| c.0).collect::<Vec<_>>()),
+            },
         };
         *failed = Some(e.clone());
         Err(e)
@@ -157,7 +159,13 @@ mod tests {
         assert_eq!(CTL_ABORT, 0);
         assert_eq!((ctl_code(0), ctl_epoch(0), ctl_code(7), ctl_epoch(7)), (1, 2, 15, 16));
         let src = include_str!("../kernels/reduce.cu");
-        for needle in ["#define CTL_ABORT 0", "#define CTL_CODE(r) (1 + 2 * (r))", "#define CTL_EPOCH(r) (2 + 2 * (r))", "#define CTL_TIMEOUT 1u", "#define CTL_ABORTED 2u"] {
+        for needle in [
+            "#define CTL_ABORT 0",
+            "#define CTL_CODE(r) (1 + 2 * (r))",
+            "#define CTL_EPOCH(r) (2 + 2 * (r))",
+            "#define CTL_TIMEOUT 1u",
+            "#define CTL_ABORTED 2u",
+        ] {
             assert!(src.contains(needle), "{needle}");
         }
         assert_eq!((CTL_TIMEOUT, CTL_ABORTED), (1, 2));

@@ -54,7 +54,14 @@ pub(crate) fn capture_of(stream: &CudaStream) -> Result<Option<(u64, sys::CUgrap
     // the driver writes the status, the id and the graph handle, and is
     // told (null) not to return the dependency list.
     check("cuStreamGetCaptureInfo", unsafe {
-        api.cuStreamGetCaptureInfo_v2(stream.cu_stream() as sys::CUstream, &mut status, &mut id, &mut graph, std::ptr::null_mut(), std::ptr::null_mut())
+        api.cuStreamGetCaptureInfo_v2(
+            stream.cu_stream() as sys::CUstream,
+            &mut status,
+            &mut id,
+            &mut graph,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
     })?;
     Ok((status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE && !graph.is_null()).then_some((id, graph)))
 }

@@ -16,18 +16,18 @@ use crate::copy::{decide, LinkOptions, LinkStatus, Path};
 use crate::driver::{api, bind};
 use crate::dtype::DType;
 use crate::error::{check, cudarc_err, Error, Result};
+use crate::failure::{Ctl, Fault};
+use crate::graph::{capture_of, retain, KeepAlive};
 use crate::kernels;
 use crate::launch::{Job, Launchers};
 use crate::mesh::Mesh;
+use crate::oneshot::OneShot;
 use crate::peer::PeerAccess;
-use crate::ring::Pull;
-use crate::graph::{capture_of, retain, KeepAlive};
-use crate::failure::{Ctl, Fault};
 use crate::reach::ReachCache;
+use crate::ring::Pull;
 use crate::sync::Orderer;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use crate::oneshot::OneShot;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -212,12 +212,19 @@ fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> 
             .and_then(|image| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(|e| format!("cuModuleLoadData: {e:?}")));
         match result {
             Ok(m) => loaded = Some((m, kernels::arch_name(arch))),
-            Err(e) => log::warn!("cuda-peer: GPU{}: cubin {} of {} unusable ({e}); JIT-compiling the PTX", ctx.ordinal(), kernels::arch_name(arch), module.name),
+            Err(e) => log::warn!(
+                "cuda-peer: GPU{}: cubin {} of {} unusable ({e}); JIT-compiling the PTX",
+                ctx.ordinal(),
+                kernels::arch_name(arch),
+                module.name
+            ),
         }
     }
     let (m, how) = match loaded {
         Some(l) => l,
-        None => (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx())).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string()),
+        None => {
+            (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx())).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string())
+        }
     };
     log::debug!("cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms", ctx.ordinal(), module.name, start.elapsed().as_secs_f64() * 1e3);
     let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
@@ -525,7 +532,11 @@ impl Group {
                 (0..n).filter(|&p| p != q).collect()
             } else {
                 let succ = (q + 1) % n;
-                if succ != q && self.pulls[succ].status.path == Path::P2p { vec![succ] } else { Vec::new() }
+                if succ != q && self.pulls[succ].status.path == Path::P2p {
+                    vec![succ]
+                } else {
+                    Vec::new()
+                }
             }
         })
     }
@@ -791,11 +802,8 @@ impl Group {
         }
         bind(&self.ranks[r].ctx)?;
         // SAFETY: both ranges hold `bytes` bytes on rank r's device.
-        check("cuMemcpyDtoDAsync", unsafe {
-            api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, self.ranks[r].stream.cu_stream() as sys::CUstream)
-        })
+        check("cuMemcpyDtoDAsync", unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, self.ranks[r].stream.cu_stream() as sys::CUstream) })
     }
-
 }
 
 impl Drop for Group {

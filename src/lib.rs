@@ -27,18 +27,18 @@ pub mod copy;
 pub mod driver;
 pub mod dtype;
 pub mod error;
-pub mod group;
-mod graph;
 pub mod failure;
-mod reach;
+mod graph;
+pub mod group;
 #[cfg(target_os = "linux")]
 pub mod ipc;
 pub(crate) mod kernels;
-mod mesh;
 mod launch;
+mod mesh;
 pub mod oneshot;
 pub mod peer;
 pub mod raw;
+mod reach;
 mod ring;
 pub mod schedule;
 mod sync;
@@ -50,9 +50,12 @@ pub use cuda_peer_sys as sys;
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
-pub use cudarc;
 pub use copy::{Link, LinkOptions, Path, PathPolicy};
+pub use cudarc;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
+pub use group::{
+    Algorithm, Group, GroupOptions, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES,
+    ONESHOT_AUTO_MAX_BYTES,
+};
 pub use raw::{RawBuffer, RawStream};
-pub use group::{Algorithm, Group, GroupOptions, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES, ONESHOT_AUTO_MAX_BYTES};

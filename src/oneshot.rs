@@ -212,7 +212,13 @@ impl Group {
     /// thread, for rank 0) takes its own buffer's pointer, launches, and
     /// records the buffer's event: cudarc's event tracking of the buffers
     /// then runs in parallel too.
-    pub(crate) fn oneshot_in_place<T: Element, D: DevicePtrMut<T> + Send>(&self, os: &OneShot, op: ReduceOp, bufs: &mut [D], count: usize) -> Result<()> {
+    pub(crate) fn oneshot_in_place<T: Element, D: DevicePtrMut<T> + Send>(
+        &self,
+        os: &OneShot,
+        op: ReduceOp,
+        bufs: &mut [D],
+        count: usize,
+    ) -> Result<()> {
         self.resolve_oneshot(os, op, T::DTYPE)?;
         let cells = cells(bufs);
         self.launch_each(&|r| {

@@ -96,11 +96,7 @@ fn default_pool(ctx: &CudaContext) -> Result<Option<sys::CUmemoryPool>> {
     let mut pools = 0;
     // SAFETY: writes one int for a valid device.
     check("cuDeviceGetAttribute", unsafe {
-        api.cuDeviceGetAttribute(
-            &mut pools,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
-            ctx.cu_device(),
-        )
+        api.cuDeviceGetAttribute(&mut pools, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, ctx.cu_device())
     })?;
     if pools == 0 {
         return Ok(None);

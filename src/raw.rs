@@ -171,9 +171,7 @@ impl Group {
                 return Err(Error::InvalidArgument(format!("{OP}: {len} {what} for a group of {n} ranks")));
             }
         }
-        let bytes = count
-            .checked_mul(dtype.size())
-            .ok_or_else(|| Error::InvalidArgument(format!("{OP}: {count} elements of {dtype} overflow")))?;
+        let bytes = count.checked_mul(dtype.size()).ok_or_else(|| Error::InvalidArgument(format!("{OP}: {count} elements of {dtype} overflow")))?;
         for r in 0..n {
             self.check_raw_stream(r, streams[r])?;
             self.check_raw_buffer(r, "send", send[r], bytes, dtype)?;
@@ -181,9 +179,7 @@ impl Group {
                 self.check_raw_buffer(r, "recv", recv[r], bytes, dtype)?;
                 let (s, d) = (send[r].0, recv[r].0);
                 if s < d + bytes as u64 && d < s + bytes as u64 {
-                    return Err(Error::InvalidArgument(format!(
-                        "{OP}: rank {r}'s send and recv buffers overlap without being identical"
-                    )));
+                    return Err(Error::InvalidArgument(format!("{OP}: rank {r}'s send and recv buffers overlap without being identical")));
                 }
             }
         }
@@ -214,7 +210,8 @@ impl Group {
                 // group's live stream of it.
                 unsafe { cu::event::record(ev, streams[r].0) }.map_err(cudarc_err("cuEventRecord (caller's stream)"))?;
                 // SAFETY: as above.
-                unsafe { cu::stream::wait_event(own, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.map_err(cudarc_err("cuStreamWaitEvent"))?;
+                unsafe { cu::stream::wait_event(own, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                    .map_err(cudarc_err("cuStreamWaitEvent"))?;
             }
         }
         let ins: Vec<u64> = send.iter().map(|b| b.0).collect();
@@ -294,52 +291,25 @@ impl Group {
         // CU_MEMORYTYPE_DEVICE (2 in cuda.h's CUmemorytype): cuMemAlloc, pools and
         // managed memory. Host memory, even where the device can reach it, is refused.
         let mut memory_type: std::os::raw::c_uint = 0;
-        check(
-            OP,
-            attribute(
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                (&mut memory_type as *mut std::os::raw::c_uint).cast(),
-            ),
-        )?;
+        check(OP, attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (&mut memory_type as *mut std::os::raw::c_uint).cast()))?;
         if memory_type != 2 {
-            return Err(Error::InvalidArgument(format!(
-                "{OP}: rank {r}'s {what} buffer {:#x} is not device memory",
-                buf.0
-            )));
+            return Err(Error::InvalidArgument(format!("{OP}: rank {r}'s {what} buffer {:#x} is not device memory", buf.0)));
         }
         let expected = self.ranks[r].ctx.ordinal();
         let mut ordinal: std::os::raw::c_int = -1;
-        check(
-            OP,
-            attribute(
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                (&mut ordinal as *mut std::os::raw::c_int).cast(),
-            ),
-        )?;
+        check(OP, attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (&mut ordinal as *mut std::os::raw::c_int).cast()))?;
         if ordinal < 0 || ordinal as usize != expected {
-            return Err(Error::WrongDevice {
-                op: OP,
-                what,
-                expected,
-                got: ordinal.max(0) as usize,
-            });
+            return Err(Error::WrongDevice { op: OP, what, expected, got: ordinal.max(0) as usize });
         }
         let (mut start, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         let range = (
-            attribute(
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                (&mut start as *mut sys::CUdeviceptr).cast(),
-            ),
+            attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, (&mut start as *mut sys::CUdeviceptr).cast()),
             attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE, (&mut size as *mut usize).cast()),
         );
         if range == (sys::CUresult::CUDA_SUCCESS, sys::CUresult::CUDA_SUCCESS) && size > 0 {
             let room = (start + size as u64).saturating_sub(buf.0);
             if room < bytes as u64 {
-                return Err(Error::LengthMismatch {
-                    op: OP,
-                    expected: bytes / dtype.size(),
-                    got: (room / dtype.size() as u64) as usize,
-                });
+                return Err(Error::LengthMismatch { op: OP, expected: bytes / dtype.size(), got: (room / dtype.size() as u64) as usize });
             }
         }
         Ok(())

@@ -68,9 +68,7 @@ impl Group {
         let pull = &self.pulls[r];
         let stream = &self.ranks[r].stream;
         match (pull.status.path, what) {
-            (Path::Local | Path::P2p, PullOp::Reduce { dst, pred: p, own, count }) => {
-                self.launch_reduce2(r, op, dtype, dst, p, own, count)
-            }
+            (Path::Local | Path::P2p, PullOp::Reduce { dst, pred: p, own, count }) => self.launch_reduce2(r, op, dtype, dst, p, own, count),
             (Path::Local, PullOp::Copy { dst, pred: p, bytes }) => self.local_copy(r, dst, p, bytes),
             (Path::P2p, PullOp::Copy { dst, pred: p, bytes }) => {
                 if bytes == 0 {

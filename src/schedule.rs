@@ -67,18 +67,14 @@ pub fn all_reduce(n: usize) -> Vec<Vec<Action>> {
 /// Ring all-gather on `n` ranks: rank r starts with block r and pulls block
 /// (r-1-t) mod n at step t.
 pub fn all_gather(n: usize) -> Vec<Vec<Action>> {
-    (0..n.saturating_sub(1))
-        .map(|t| (0..n).map(|r| Action::Copy(wrap(r as isize - 1 - t as isize, n))).collect())
-        .collect()
+    (0..n.saturating_sub(1)).map(|t| (0..n).map(|r| Action::Copy(wrap(r as isize - 1 - t as isize, n))).collect()).collect()
 }
 
 /// Ring reduce-scatter on `n` ranks ending with block r on rank r: at step
 /// s rank r reduces block (r-2-s) mod n. Out of place: the partial results
 /// alternate between two buffers per rank (see [`partial_buffer`]).
 pub fn reduce_scatter(n: usize) -> Vec<Vec<Action>> {
-    (0..n.saturating_sub(1))
-        .map(|s| (0..n).map(|r| Action::Reduce(wrap(r as isize - 2 - s as isize, n))).collect())
-        .collect()
+    (0..n.saturating_sub(1)).map(|s| (0..n).map(|r| Action::Reduce(wrap(r as isize - 2 - s as isize, n))).collect()).collect()
 }
 
 /// For [`reduce_scatter`] on `n` ranks: which of a rank's two partial
@@ -102,12 +98,7 @@ pub fn reduce(n: usize, root: usize, chunks: usize) -> Vec<Vec<Option<Action>>> 
     chain(n, chunks, |r| wrap(r as isize - root as isize - 1, n), Action::Reduce)
 }
 
-fn chain(
-    n: usize,
-    chunks: usize,
-    position: impl Fn(usize) -> usize,
-    act: fn(usize) -> Action,
-) -> Vec<Vec<Option<Action>>> {
+fn chain(n: usize, chunks: usize, position: impl Fn(usize) -> usize, act: fn(usize) -> Action) -> Vec<Vec<Option<Action>>> {
     if n < 2 || chunks == 0 {
         return Vec::new();
     }

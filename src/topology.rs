@@ -141,11 +141,7 @@ impl Topology {
 
     /// Writes a matrix of `cell(link)` per ordered pair, `X` on the diagonal,
     /// in the layout of `nvidia-smi topo -p2p`.
-    pub fn write_matrix(
-        &self,
-        f: &mut dyn fmt::Write,
-        cell: &dyn Fn(&LinkInfo) -> String,
-    ) -> fmt::Result {
+    pub fn write_matrix(&self, f: &mut dyn fmt::Write, cell: &dyn Fn(&LinkInfo) -> String) -> fmt::Result {
         let n = self.devices.len();
         write!(f, "      ")?;
         for j in 0..n {
@@ -203,14 +199,7 @@ mod tests {
             total_memory: 143_771 << 20,
             memory_pools: true,
         };
-        let link = |from, to| LinkInfo {
-            from,
-            to,
-            can_access_peer: ok,
-            performance_rank: 0,
-            native_atomics: ok,
-            cuda_array_access: ok,
-        };
+        let link = |from, to| LinkInfo { from, to, can_access_peer: ok, performance_rank: 0, native_atomics: ok, cuda_array_access: ok };
         Topology { devices: vec![dev(0), dev(1)], links: vec![link(0, 1), link(1, 0)] }
     }
 

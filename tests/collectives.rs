@@ -172,7 +172,8 @@ fn setup_with(ctx: &[Arc<CudaContext>], n: usize, (tag, policies, algorithm): Pa
     let opts = GroupOptions { pull_policies: policies.clone(), algorithm, launch_spin, ..GroupOptions::default() };
     let group = Group::new(streams.clone(), &opts).expect("group");
     let paths: Vec<String> = (0..n).map(|r| group.link_status(r).unwrap().path.to_string()).collect();
-    let _ = writeln!(std::io::stderr(), "  group n={n} {tag}: mesh={} oneshot_on_host={:?} pulls={paths:?}", group.uses_mesh(), group.oneshot_on_host());
+    let _ =
+        writeln!(std::io::stderr(), "  group n={n} {tag}: mesh={} oneshot_on_host={:?} pulls={paths:?}", group.uses_mesh(), group.oneshot_on_host());
     match algorithm {
         Algorithm::Mesh => assert!(group.uses_mesh() && group.all_reduce_algorithm(4096) == Algorithm::Mesh),
         Algorithm::OneShot => {

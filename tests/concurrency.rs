@@ -32,7 +32,8 @@ fn two_groups(test: &str, threads: bool, spin: Option<std::time::Duration>) {
     let start = Instant::now();
     // Ranks start from 1 and 2, so after k all-reduces each element is
     // 3 * 2^(k-1): exact in f64, and a lost or repeated call changes it.
-    let bufs = |order: [usize; 2]| -> Vec<CudaSlice<f64>> { (0..2).map(|r| streams[order[r]].clone_htod(&vec![(r + 1) as f64; count]).unwrap()).collect() };
+    let bufs =
+        |order: [usize; 2]| -> Vec<CudaSlice<f64>> { (0..2).map(|r| streams[order[r]].clone_htod(&vec![(r + 1) as f64; count]).unwrap()).collect() };
     let check = |what: &str, order: [usize; 2], bufs: &[CudaSlice<f64>]| {
         let want = 3.0 * 2f64.powi(CALLS as i32 - 1);
         for (r, &d) in order.iter().enumerate() {
@@ -43,8 +44,10 @@ fn two_groups(test: &str, threads: bool, spin: Option<std::time::Duration>) {
     let (mut ba, mut bb) = (bufs([0, 1]), bufs([1, 0]));
     if threads {
         std::thread::scope(|s| {
-            let ta = s.spawn(|| (0..CALLS).try_for_each(|k| a.all_reduce_in_place(&mut ba, ReduceOp::Sum).map_err(|e| format!("group A, call {k}: {e}"))));
-            let tb = s.spawn(|| (0..CALLS).try_for_each(|k| b.all_reduce_in_place(&mut bb, ReduceOp::Sum).map_err(|e| format!("group B, call {k}: {e}"))));
+            let ta =
+                s.spawn(|| (0..CALLS).try_for_each(|k| a.all_reduce_in_place(&mut ba, ReduceOp::Sum).map_err(|e| format!("group A, call {k}: {e}"))));
+            let tb =
+                s.spawn(|| (0..CALLS).try_for_each(|k| b.all_reduce_in_place(&mut bb, ReduceOp::Sum).map_err(|e| format!("group B, call {k}: {e}"))));
             let (ra, rb) = (ta.join().expect("group A's thread"), tb.join().expect("group B's thread"));
             ra.and(rb).unwrap_or_else(|e| panic!("{test}: {e}"));
         });

@@ -104,7 +104,10 @@ fn single_stream_buffers_of_other_context_objects_are_ordered() {
             for r in 0..2 {
                 let out = user[r].clone_dtoh(if in_place { &send[r] } else { &recv[r] }).unwrap();
                 if let Some((first, wrong)) = common::diff(&out, &expected) {
-                    panic!("{name}, in place {in_place}, rank {r}: {wrong} of {count} wrong, first at {first}: {} != {}", out[first], expected[first]);
+                    panic!(
+                        "{name}, in place {in_place}, rank {r}: {wrong} of {count} wrong, first at {first}: {} != {}",
+                        out[first], expected[first]
+                    );
                 }
                 if !in_place {
                     assert_eq!(user[r].clone_dtoh(&send[r]).unwrap(), inputs[r], "{name}: send buffer of rank {r} changed");

@@ -23,9 +23,10 @@ use std::sync::Arc;
 fn capture(streams: &[Arc<CudaStream>], call: impl FnOnce() -> cuda_peer::Result<()>) -> CudaGraph {
     let s0 = &streams[0];
     s0.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("begin capture");
-    let mut res: Result<(), String> = s0.record_event(None).map_err(|e| format!("fork event: {e:?}")).and_then(|fork| {
-        streams[1..].iter().try_for_each(|s| s.wait(&fork).map_err(|e| format!("joining the capture: {e:?}")))
-    });
+    let mut res: Result<(), String> = s0
+        .record_event(None)
+        .map_err(|e| format!("fork event: {e:?}"))
+        .and_then(|fork| streams[1..].iter().try_for_each(|s| s.wait(&fork).map_err(|e| format!("joining the capture: {e:?}"))));
     res = res.and_then(|()| call().map_err(|e| format!("collective under capture: {e}")));
     for s in &streams[1..] {
         res = res.and_then(|()| s0.join(s).map_err(|e| format!("joining back: {e:?}")));
@@ -229,7 +230,11 @@ fn graphs_outlive_their_group() {
             // mesh's flags and the one-shot's slots) is still held while the
             // graph lives...
             let held = free_bytes(&ctxs[0]);
-            assert!(held <= with_group + (2 << 20), "{what}: {} MiB of the group's device memory freed under a live graph", (held - with_group) >> 20);
+            assert!(
+                held <= with_group + (2 << 20),
+                "{what}: {} MiB of the group's device memory freed under a live graph",
+                (held - with_group) >> 20
+            );
             drop(graph);
             // ... and comes back once the graph is gone (released by a thread
             // of the library's after the driver lets go of the graph).

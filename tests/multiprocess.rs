@@ -24,26 +24,14 @@ fn child() -> bool {
 }
 
 fn rank() -> usize {
-    std::env::var("RANK")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0)
+    std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)
 }
 
 /// Runs `test` as `n` children of this binary with `extra(rank)` env vars;
 /// returns each child's exit code (None: killed at the deadline) and output.
-fn spawn(
-    test: &str,
-    n: usize,
-    deadline: Duration,
-    extra: impl Fn(usize) -> Vec<(&'static str, String)>,
-) -> Vec<(Option<i32>, String)> {
+fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> Vec<(&'static str, String)>) -> Vec<(Option<i32>, String)> {
     let exe = std::env::current_exe().expect("current_exe");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut children: Vec<_> = (0..n)
         .map(|r| {
             let mut cmd = Command::new(&exe);
@@ -85,13 +73,7 @@ fn spawn(
             });
             let out = c
                 .wait_with_output()
-                .map(|o| {
-                    format!(
-                        "{}{}",
-                        String::from_utf8_lossy(&o.stdout),
-                        String::from_utf8_lossy(&o.stderr)
-                    )
-                })
+                .map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
                 .unwrap_or_default();
             (code, out)
         })
@@ -142,14 +124,7 @@ impl Num for bf16 {
 /// Rank r's input: small non-negative integers (1..=5), so that every
 /// reduction of up to 8 ranks is exact in every type except Avg's division.
 fn inputs(seed: u64, n: usize, count: usize) -> Vec<Vec<f64>> {
-    (0..n)
-        .map(|r| {
-            seeded(seed * 16 + r as u64, count)
-                .into_iter()
-                .map(|x| (x % 5 + 1) as f64)
-                .collect()
-        })
-        .collect()
+    (0..n).map(|r| seeded(seed * 16 + r as u64, count).into_iter().map(|x| (x % 5 + 1) as f64).collect()).collect()
 }
 
 fn reference(op: ReduceOp, ins: &[Vec<f64>], i: usize) -> f64 {
@@ -185,16 +160,8 @@ fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
                 let got = stream.clone_dtoh(buf).unwrap();
                 for (i, g) in got.iter().enumerate() {
                     let want = T::from_f64(reference(op, &ins, i)).to_f64();
-                    let tol = if op == ReduceOp::Avg {
-                        1e-2 * want.abs().max(1.0)
-                    } else {
-                        0.0
-                    };
-                    assert!(
-                        (g.to_f64() - want).abs() <= tol,
-                        "{} {op:?} {what}, {count} elements: [{i}] = {g:?}, expected {want}",
-                        T::DTYPE.name()
-                    );
+                    let tol = if op == ReduceOp::Avg { 1e-2 * want.abs().max(1.0) } else { 0.0 };
+                    assert!((g.to_f64() - want).abs() <= tol, "{} {op:?} {what}, {count} elements: [{i}] = {g:?}, expected {want}", T::DTYPE.name());
                 }
             }
         }
@@ -203,12 +170,7 @@ fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
 
 /// A child's body of the all-reduce tests.
 fn all_reduce_child() {
-    let comm = Comm::from_env(&CommOptions {
-        check_calls: true,
-        timeout: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .unwrap();
+    let comm = Comm::from_env(&CommOptions { check_calls: true, timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
     let stream = comm.stream().clone();
     let mut seed = 0;
     check_type::<f32>(&comm, &stream, &mut seed);
@@ -257,17 +219,10 @@ fn three_processes_all_reduce_every_type_and_op() {
 #[test]
 fn two_ranks_on_one_device_are_a_typed_error() {
     if child() {
-        let rv = Bootstrap::from_env()
-            .unwrap()
-            .with_timeout(Duration::from_secs(30))
-            .connect()
-            .unwrap();
+        let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(30)).connect().unwrap();
         match Comm::new(Box::new(rv), 0, &CommOptions::default()) {
             Err(Error::Unsupported(m)) if m.contains("same device") => return,
-            other => panic!(
-                "rank {}: expected Error::Unsupported (same device), got {other:?}",
-                rank()
-            ),
+            other => panic!("rank {}: expected Error::Unsupported (same device), got {other:?}", rank()),
         }
     }
     let name = "two_ranks_on_one_device_are_a_typed_error";
@@ -287,16 +242,9 @@ fn a_peer_that_exits_at_creation_fails_the_survivor_in_time() {
             std::process::exit(0);
         }
         let start = Instant::now();
-        let r = Comm::from_env(&CommOptions {
-            timeout: Duration::from_secs(10),
-            ..Default::default()
-        });
+        let r = Comm::from_env(&CommOptions { timeout: Duration::from_secs(10), ..Default::default() });
         assert!(r.is_err(), "rank 0 created a communicator without its peer");
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "took {:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
         println!("rank 0: {:?} after {:?}", r.err(), start.elapsed());
         return;
     }
@@ -311,10 +259,7 @@ fn a_peer_that_exits_at_creation_fails_the_survivor_in_time() {
 fn a_peer_that_never_starts_is_a_timeout() {
     if child() {
         let start = Instant::now();
-        let r = Bootstrap::from_env()
-            .unwrap()
-            .with_timeout(Duration::from_secs(3))
-            .connect();
+        let r = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(3)).connect();
         assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
         assert!(start.elapsed() < Duration::from_secs(20));
         return;
@@ -324,21 +269,14 @@ fn a_peer_that_never_starts_is_a_timeout() {
         return;
     }
     // One child of a world of two.
-    let results = spawn(name, 1, Duration::from_secs(60), |_| {
-        vec![("WORLD_SIZE", "2".into()), ("LOCAL_WORLD_SIZE", "2".into())]
-    });
+    let results = spawn(name, 1, Duration::from_secs(60), |_| vec![("WORLD_SIZE", "2".into()), ("LOCAL_WORLD_SIZE", "2".into())]);
     all_succeeded(name, &results);
 }
 
 #[test]
 fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
     if child() {
-        let comm = Comm::from_env(&CommOptions {
-            check_calls: true,
-            timeout: Duration::from_secs(30),
-            ..Default::default()
-        })
-        .unwrap();
+        let comm = Comm::from_env(&CommOptions { check_calls: true, timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
         let mut x = comm.stream().clone_htod(&[1.0f32; 1000]).unwrap();
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
         comm.synchronize().unwrap();
@@ -349,11 +287,7 @@ fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
         let start = Instant::now();
         let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
         assert!(matches!(r, Err(Error::Bootstrap { .. })), "{r:?}");
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "took {:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
         return;
     }
     let name = "a_peer_that_exits_after_creation_fails_the_next_checked_call";
@@ -370,12 +304,9 @@ fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
 #[test]
 fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
     if child() {
-        let comm = Comm::from_env(&CommOptions {
-            timeout: Duration::from_secs(30),
-            barrier_timeout: Duration::from_millis(500),
-            ..Default::default()
-        })
-        .unwrap();
+        let comm =
+            Comm::from_env(&CommOptions { timeout: Duration::from_secs(30), barrier_timeout: Duration::from_millis(500), ..Default::default() })
+                .unwrap();
         comm.exchange().barrier().unwrap();
         if comm.rank() == 1 {
             std::process::exit(0);
@@ -383,14 +314,9 @@ fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
         std::thread::sleep(Duration::from_millis(500));
         let start = Instant::now();
         let mut x = comm.stream().clone_htod(&[1.0f32; 1000]).unwrap();
-        let r = comm
-            .all_reduce_in_place(&mut x, ReduceOp::Sum)
-            .and_then(|()| comm.synchronize());
+        let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.synchronize());
         println!("rank 0: {r:?} after {:?}", start.elapsed());
-        assert!(
-            matches!(r, Err(Error::PeerTimeout { rank: 0, .. })),
-            "expected a timeout of rank 0, got {r:?}"
-        );
+        assert!(matches!(r, Err(Error::PeerTimeout { rank: 0, .. })), "expected a timeout of rank 0, got {r:?}");
         let again = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
         assert!(matches!(again, Err(Error::PeerTimeout { .. })), "{again:?}");
         // The context survived: plain copies still work.
@@ -408,12 +334,7 @@ fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
 #[test]
 fn mismatched_counts_are_detected_by_the_per_call_check() {
     if child() {
-        let comm = Comm::from_env(&CommOptions {
-            check_calls: true,
-            timeout: Duration::from_secs(30),
-            ..Default::default()
-        })
-        .unwrap();
+        let comm = Comm::from_env(&CommOptions { check_calls: true, timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
         let count = 1000 + comm.rank();
         let mut x = comm.stream().clone_htod(&vec![1.0f32; count]).unwrap();
         match comm.all_reduce_in_place(&mut x, ReduceOp::Sum) {
@@ -434,10 +355,7 @@ fn the_exchange_serves_the_caller() {
     if child() {
         let comm = Comm::from_env(&CommOptions::default()).unwrap();
         let all = comm.exchange().all_gather(&[comm.rank() as u8]).unwrap();
-        assert_eq!(
-            all,
-            (0..comm.size()).map(|r| vec![r as u8]).collect::<Vec<_>>()
-        );
+        assert_eq!(all, (0..comm.size()).map(|r| vec![r as u8]).collect::<Vec<_>>());
         return;
     }
     let name = "the_exchange_serves_the_caller";

@@ -121,11 +121,7 @@ fn run<T: Elem>(s: &Setup, count: usize, in_place: bool, tag: &str) {
     let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..count).map(|_| T::random(&mut rng)).collect()).collect();
     let want: Vec<T> = (0..count).map(|i| (1..n).fold(inputs[0][i], |acc, r| T::sum(acc, inputs[r][i]))).collect();
     let sends: Vec<DeviceAlloc> = s.ctxs.iter().map(|c| DeviceAlloc::new(c, bytes)).collect();
-    let recvs: Vec<DeviceAlloc> = if in_place {
-        Vec::new()
-    } else {
-        s.ctxs.iter().map(|c| DeviceAlloc::new(c, bytes)).collect()
-    };
+    let recvs: Vec<DeviceAlloc> = if in_place { Vec::new() } else { s.ctxs.iter().map(|c| DeviceAlloc::new(c, bytes)).collect() };
     let outs = if in_place { &sends } else { &recvs };
     for a in sends.iter().chain(&recvs) {
         a.poison();
@@ -145,8 +141,7 @@ fn run<T: Elem>(s: &Setup, count: usize, in_place: bool, tag: &str) {
         if in_place {
             s.group.all_reduce_raw(&send_bufs, count, T::DTYPE, ReduceOp::Sum, &streams)
         } else {
-            s.group
-                .all_reduce_raw_out_of_place(&send_bufs, &recv_bufs, count, T::DTYPE, ReduceOp::Sum, &streams)
+            s.group.all_reduce_raw_out_of_place(&send_bufs, &recv_bufs, count, T::DTYPE, ReduceOp::Sum, &streams)
         }
     };
     res.unwrap_or_else(|e| panic!("{tag}: {e}"));
@@ -165,14 +160,7 @@ fn run<T: Elem>(s: &Setup, count: usize, in_place: bool, tag: &str) {
     }
     for r in 0..n {
         let bad: Vec<usize> = (0..count).filter(|&i| !T::close(got[r][i], want[i], n)).collect();
-        assert!(
-            bad.is_empty(),
-            "{tag} rank {r}: {} of {count} wrong, first at {}: {:?} != {:?}",
-            bad.len(),
-            bad[0],
-            got[r][bad[0]],
-            want[bad[0]]
-        );
+        assert!(bad.is_empty(), "{tag} rank {r}: {} of {count} wrong, first at {}: {:?} != {:?}", bad.len(), bad[0], got[r][bad[0]], want[bad[0]]);
         assert_eq!(common::diff(&got[r], &got[0]), None, "{tag}: rank {r} differs from rank 0");
         if !in_place {
             assert_eq!(common::diff(&sent[r], &inputs[r]), None, "{tag}: rank {r}'s send buffer changed");
@@ -205,41 +193,16 @@ fn raw_all_reduce_every_algorithm() {
     assert_eq!(auto.group.all_reduce_algorithm(4096), Algorithm::OneShot);
     sizes_and_types(&auto, "auto", &[4096, 16 << 20, (4 << 20) + 4]);
     let forced = [
-        (
-            "ring",
-            GroupOptions {
-                algorithm: Algorithm::Ring,
-                ..GroupOptions::default()
-            },
-        ),
-        (
-            "staged-ring",
-            GroupOptions {
-                algorithm: Algorithm::Ring,
-                ..GroupOptions::with_policy(PathPolicy::StagedOnly)
-            },
-        ),
-        (
-            "host-oneshot",
-            GroupOptions {
-                algorithm: Algorithm::OneShot,
-                ..GroupOptions::with_policy(PathPolicy::StagedOnly)
-            },
-        ),
+        ("ring", GroupOptions { algorithm: Algorithm::Ring, ..GroupOptions::default() }),
+        ("staged-ring", GroupOptions { algorithm: Algorithm::Ring, ..GroupOptions::with_policy(PathPolicy::StagedOnly) }),
+        ("host-oneshot", GroupOptions { algorithm: Algorithm::OneShot, ..GroupOptions::with_policy(PathPolicy::StagedOnly) }),
     ];
     for (tag, opts) in forced {
         let s = setup(two, 2, &opts);
         sizes_and_types(&s, tag, &[4096, 1 << 20]);
     }
     if p2p {
-        let s = setup(
-            two,
-            2,
-            &GroupOptions {
-                algorithm: Algorithm::Mesh,
-                ..GroupOptions::default()
-            },
-        );
+        let s = setup(two, 2, &GroupOptions { algorithm: Algorithm::Mesh, ..GroupOptions::default() });
         sizes_and_types(&s, "mesh", &[4096, 16 << 20]);
     }
     // Three ranks on the GPUs there are: the ring (several ranks per device on two GPUs).
@@ -279,9 +242,7 @@ fn raw_all_reduce_back_to_back_on_the_callers_streams() {
             result::memcpy_dtoh_async(&mut got, bufs[r].ptr, streams[r].0).expect("download");
             result::stream::synchronize(streams[r].0).expect("sync");
         }
-        let want: Vec<u32> = (0..count)
-            .map(|i| start[0][i].wrapping_add(start[1][i]).wrapping_mul(1 << (calls - 1)))
-            .collect();
+        let want: Vec<u32> = (0..count).map(|i| start[0][i].wrapping_add(start[1][i]).wrapping_mul(1 << (calls - 1))).collect();
         assert_eq!(common::diff(&got, &want), None, "rank {r}");
     }
 }
@@ -309,18 +270,9 @@ fn raw_all_reduce_refuses_bad_input() {
     invalid(call(&bufs, count, DType::U32, ReduceOp::Sum, &streams[..1]), "one stream for two ranks");
     invalid(call(&[bufs[0], RawBuffer(0)], count, DType::U32, ReduceOp::Sum, &streams), "null pointer");
     invalid(call(&[bufs[0], RawBuffer(bufs[1].0 + 2)], 8, DType::U32, ReduceOp::Sum, &streams), "misaligned");
-    invalid(
-        call(&bufs, count, DType::U32, ReduceOp::Sum, &[streams[1], streams[0]]),
-        "streams of the wrong contexts",
-    );
-    assert!(matches!(
-        call(&bufs, count, DType::U32, ReduceOp::Avg, &streams),
-        Err(Error::UnsupportedOp { .. })
-    ));
-    assert!(matches!(
-        call(&[bufs[1], bufs[0]], count, DType::U32, ReduceOp::Sum, &streams),
-        Err(Error::WrongDevice { .. })
-    ));
+    invalid(call(&bufs, count, DType::U32, ReduceOp::Sum, &[streams[1], streams[0]]), "streams of the wrong contexts");
+    assert!(matches!(call(&bufs, count, DType::U32, ReduceOp::Avg, &streams), Err(Error::UnsupportedOp { .. })));
+    assert!(matches!(call(&[bufs[1], bufs[0]], count, DType::U32, ReduceOp::Sum, &streams), Err(Error::WrongDevice { .. })));
     match call(&bufs, count + 1, DType::U32, ReduceOp::Sum, &streams) {
         Err(Error::LengthMismatch { expected, got, .. }) => assert_eq!((expected, got), (count + 1, count)),
         other => panic!("buffer too short: expected LengthMismatch, got {other:?}"),

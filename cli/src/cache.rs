@@ -46,35 +46,19 @@ pub struct Cache {
 impl Cache {
     /// A cache of `verdicts` under `key`.
     pub fn new(key: CacheKey, verdicts: &[PairVerdict]) -> Self {
-        let written_at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+        let written_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let pairs = verdicts
             .iter()
-            .map(|v| CachedPair {
-                from: v.from_bdf.clone(),
-                to: v.to_bdf.clone(),
-                path: v.use_path,
-                summary: v.summary.clone(),
-            })
+            .map(|v| CachedPair { from: v.from_bdf.clone(), to: v.to_bdf.clone(), path: v.use_path, summary: v.summary.clone() })
             .collect();
-        Cache {
-            version: 1,
-            key,
-            written_at,
-            pairs,
-        }
+        Cache { version: 1, key, written_at, pairs }
     }
 }
 
 /// `$XDG_CACHE_HOME/cuda-peer/doctor.json`, else `$HOME/.cache/cuda-peer/doctor.json`
 /// (the variables passed in, so tests need not touch the environment).
 pub fn cache_path(xdg_cache_home: Option<&str>, home: Option<&str>) -> Option<PathBuf> {
-    let base = match (
-        xdg_cache_home.filter(|s| !s.is_empty()),
-        home.filter(|s| !s.is_empty()),
-    ) {
+    let base = match (xdg_cache_home.filter(|s| !s.is_empty()), home.filter(|s| !s.is_empty())) {
         (Some(x), _) => PathBuf::from(x),
         (None, Some(h)) => Path::new(h).join(".cache"),
         (None, None) => return None,
@@ -105,14 +89,6 @@ pub fn decide(cache: &Cache, key: &CacheKey, from: &str, to: &str) -> Option<Use
     if cache.version != 1 || cache.key != *key {
         return None;
     }
-    let (from, to) = (
-        crate::sysfs::normalize_bdf(from),
-        crate::sysfs::normalize_bdf(to),
-    );
-    cache
-        .pairs
-        .iter()
-        .find(|p| p.from == from && p.to == to)
-        .map(|p| p.path)
-        .filter(|p| *p != UsePath::Unknown)
+    let (from, to) = (crate::sysfs::normalize_bdf(from), crate::sysfs::normalize_bdf(to));
+    cache.pairs.iter().find(|p| p.from == from && p.to == to).map(|p| p.path).filter(|p| *p != UsePath::Unknown)
 }

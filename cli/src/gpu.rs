@@ -7,9 +7,7 @@ use crate::sysfs::normalize_bdf;
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cuda_peer::sys;
 use cuda_peer::topology::{self, DeviceInfo};
-use cuda_peer::{
-    driver, Algorithm, Error, Group, GroupOptions, Link, LinkOptions, PathPolicy, ReduceOp,
-};
+use cuda_peer::{driver, Algorithm, Error, Group, GroupOptions, Link, LinkOptions, PathPolicy, ReduceOp};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
@@ -22,9 +20,7 @@ pub fn devices() -> Result<Vec<DeviceInfo>, String> {
     if n == 0 {
         return Err(Error::NoDevice.to_string());
     }
-    (0..n)
-        .map(|i| topology::device_info(i).map_err(|e| e.to_string()))
-        .collect()
+    (0..n).map(|i| topology::device_info(i).map_err(|e| e.to_string())).collect()
 }
 
 fn p2p_attr(from: usize, to: usize, attr: sys::CUdevice_P2PAttribute) -> Option<i32> {
@@ -60,35 +56,17 @@ impl NvmlHandle {
         let (Ok(da), Ok(db)) = (nvml.device_by_pci_bus_id(a), nvml.device_by_pci_bus_id(b)) else {
             return (Vec::new(), None);
         };
-        let status = [
-            ("read", I::Read),
-            ("write", I::Write),
-            ("nvlink", I::NvLink),
-            ("atomics", I::Atomics),
-        ]
-        .into_iter()
-        .map(|(k, i)| {
-            (
-                k.to_string(),
-                da.p2p_status(&db, i)
-                    .map(|s| format!("{s:?}"))
-                    .unwrap_or_else(|e| format!("error: {e}")),
-            )
-        })
-        .collect();
-        let topo = da
-            .topology_common_ancestor(db)
-            .map(|l| format!("{l:?}"))
-            .ok();
+        let status = [("read", I::Read), ("write", I::Write), ("nvlink", I::NvLink), ("atomics", I::Atomics)]
+            .into_iter()
+            .map(|(k, i)| (k.to_string(), da.p2p_status(&db, i).map(|s| format!("{s:?}")).unwrap_or_else(|e| format!("error: {e}"))))
+            .collect();
+        let topo = da.topology_common_ancestor(db).map(|l| format!("{l:?}")).ok();
         (status, topo)
     }
 
     /// NVML's driver version.
     pub fn driver_version(&self) -> Option<String> {
-        self.0
-            .as_ref()
-            .ok()
-            .and_then(|n| n.sys_driver_version().ok())
+        self.0.as_ref().ok().and_then(|n| n.sys_driver_version().ok())
     }
 
     /// GPU and memory utilisation (%) and performance state of the GPU at `bdf`.
@@ -96,39 +74,21 @@ impl NvmlHandle {
         let nvml = self.0.as_ref().map_err(|e| e.clone())?;
         let d = nvml.device_by_pci_bus_id(bdf).map_err(|e| e.to_string())?;
         let u = d.utilization_rates().map_err(|e| e.to_string())?;
-        let p = d
-            .performance_state()
-            .map(|p| format!("{p:?}"))
-            .unwrap_or_else(|e| e.to_string());
+        let p = d.performance_state().map(|p| format!("{p:?}")).unwrap_or_else(|e| e.to_string());
         Ok((u.gpu, u.memory, p))
     }
 }
 
 /// The driver's answers for `from` -> `to`, with NVML's.
-pub fn driver_pair(
-    from: usize,
-    to: usize,
-    infos: &[DeviceInfo],
-    nvml: &NvmlHandle,
-) -> Result<DriverPair, String> {
+pub fn driver_pair(from: usize, to: usize, infos: &[DeviceInfo], nvml: &NvmlHandle) -> Result<DriverPair, String> {
     let ab = topology::link_info(from, to).map_err(|e| e.to_string())?;
     let ba = topology::link_info(to, from).map_err(|e| e.to_string())?;
-    let bdf = |i: usize| {
-        infos
-            .get(i)
-            .map(|d| normalize_bdf(&d.pci_bus_id))
-            .unwrap_or_default()
-    };
+    let bdf = |i: usize| infos.get(i).map(|d| normalize_bdf(&d.pci_bus_id)).unwrap_or_default();
     let (nvml_p2p, nvml_topology) = nvml.pair(&bdf(from), &bdf(to));
     Ok(DriverPair {
         can_access_peer: ab.can_access_peer,
         can_access_peer_back: ba.can_access_peer,
-        access_supported: p2p_attr(
-            from,
-            to,
-            sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
-        )
-        .map(|v| v != 0),
+        access_supported: p2p_attr(from, to, sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED).map(|v| v != 0),
         performance_rank: Some(ab.performance_rank),
         native_atomics: Some(ab.native_atomics),
         cuda_array_access: Some(ab.cuda_array_access),
@@ -180,14 +140,7 @@ impl ChildKind {
 
     /// Parses the name.
     pub fn parse(s: &str) -> Option<Self> {
-        [
-            ChildKind::Copy,
-            ChildKind::Mesh,
-            ChildKind::OneShot,
-            ChildKind::Sm,
-        ]
-        .into_iter()
-        .find(|k| k.name() == s)
+        [ChildKind::Copy, ChildKind::Mesh, ChildKind::OneShot, ChildKind::Sm].into_iter().find(|k| k.name() == s)
     }
 }
 
@@ -204,13 +157,7 @@ pub struct ChildResult {
 
 /// Runs `cuda-peer __check KIND FROM TO --bytes N` as a child of this
 /// process (the same binary) and kills it after `timeout`.
-pub fn spawn_child(
-    kind: ChildKind,
-    from: usize,
-    to: usize,
-    bytes: usize,
-    timeout: Duration,
-) -> ChildResult {
+pub fn spawn_child(kind: ChildKind, from: usize, to: usize, bytes: usize, timeout: Duration) -> ChildResult {
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
@@ -222,14 +169,7 @@ pub fn spawn_child(
         }
     };
     let mut cmd = Command::new(exe);
-    cmd.args([
-        "__check",
-        kind.name(),
-        &from.to_string(),
-        &to.to_string(),
-        "--bytes",
-        &bytes.to_string(),
-    ]);
+    cmd.args(["__check", kind.name(), &from.to_string(), &to.to_string(), "--bytes", &bytes.to_string()]);
     run_with_timeout(cmd, timeout)
 }
 
@@ -239,23 +179,10 @@ pub fn spawn_child(
 /// wrote before.
 pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> ChildResult {
     let t = Instant::now();
-    let fail = |o: Outcome| ChildResult {
-        lines: Vec::new(),
-        failure: Some(o),
-        elapsed: t.elapsed(),
-    };
-    let mut child = match cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
+    let fail = |o: Outcome| ChildResult { lines: Vec::new(), failure: Some(o), elapsed: t.elapsed() };
+    let mut child = match cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn() {
         Ok(c) => c,
-        Err(e) => {
-            return fail(Outcome::Error(format!(
-                "cannot start the check process: {e}"
-            )))
-        }
+        Err(e) => return fail(Outcome::Error(format!("cannot start the check process: {e}"))),
     };
     // Drain both pipes on threads so a chatty child cannot block on a full pipe.
     let mut out = child.stdout.take();
@@ -292,38 +219,16 @@ pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> ChildResult {
     };
     let stdout = out_t.join().unwrap_or_default();
     let stderr = err_t.join().unwrap_or_default();
-    let lines = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let lines = stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let failure = match status {
         None => Some(Outcome::Timeout),
         Some(s) if s.success() => None,
         Some(s) => {
-            let tail: String = stderr
-                .lines()
-                .rev()
-                .take(3)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join(" | ");
-            Some(Outcome::Error(format!(
-                "check process ended with {s}{}",
-                if tail.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {tail}")
-                }
-            )))
+            let tail: String = stderr.lines().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ");
+            Some(Outcome::Error(format!("check process ended with {s}{}", if tail.is_empty() { String::new() } else { format!(": {tail}") })))
         }
     };
-    ChildResult {
-        lines,
-        failure,
-        elapsed: t.elapsed(),
-    }
+    ChildResult { lines, failure, elapsed: t.elapsed() }
 }
 
 fn emit(line: &ChildLine) {
@@ -340,10 +245,7 @@ pub struct Rng(u64);
 impl Rng {
     /// Seeded from the clock and `salt`.
     pub fn new(salt: u64) -> Self {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         Rng(t ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15))
     }
 
@@ -370,11 +272,7 @@ impl Rng {
 /// Compares two buffers; `Some("k of n bytes wrong, first at i")` when they differ.
 pub fn compare<T: PartialEq>(got: &[T], want: &[T], unit: &str) -> Option<String> {
     if got.len() != want.len() {
-        return Some(format!(
-            "{} {unit}s back, expected {}",
-            got.len(),
-            want.len()
-        ));
+        return Some(format!("{} {unit}s back, expected {}", got.len(), want.len()));
     }
     let mut wrong = 0usize;
     let mut first = None;
@@ -399,33 +297,17 @@ enum Via<'a> {
     Driver,
 }
 
-fn copy_once(
-    via: &mut Via<'_>,
-    src: &CudaSlice<u8>,
-    dst: &mut CudaSlice<u8>,
-    stream: &Arc<CudaStream>,
-) -> R<()> {
+fn copy_once(via: &mut Via<'_>, src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>, stream: &Arc<CudaStream>) -> R<()> {
     match via {
         Via::Link(l) => l.copy(src, dst, stream).map_err(|e| e.to_string()),
-        Via::Driver => stream
-            .memcpy_dtod(src, dst)
-            .map_err(de("cuMemcpyDtoDAsync")),
+        Via::Driver => stream.memcpy_dtod(src, dst).map_err(de("cuMemcpyDtoDAsync")),
     }
 }
 
 /// Copies a random pattern `bytes` long across, compares every byte, then
 /// measures bandwidth (GB/s at `bytes`) and the latency of 4-byte copies (us).
-fn measure(
-    via: &mut Via<'_>,
-    a: &Arc<CudaContext>,
-    b: &Arc<CudaContext>,
-    bytes: usize,
-    rng: &mut Rng,
-) -> R<(Outcome, Option<(f64, f64)>)> {
-    let (sa, sb) = (
-        a.new_stream().map_err(de("cuStreamCreate"))?,
-        b.new_stream().map_err(de("cuStreamCreate"))?,
-    );
+fn measure(via: &mut Via<'_>, a: &Arc<CudaContext>, b: &Arc<CudaContext>, bytes: usize, rng: &mut Rng) -> R<(Outcome, Option<(f64, f64)>)> {
+    let (sa, sb) = (a.new_stream().map_err(de("cuStreamCreate"))?, b.new_stream().map_err(de("cuStreamCreate"))?);
     let pattern = rng.bytes(bytes);
     let src = sa.clone_htod(&pattern).map_err(de("cuMemcpyHtoD"))?;
     let mut dst = sb.alloc_zeros::<u8>(bytes).map_err(de("cuMemAlloc"))?;
@@ -469,10 +351,7 @@ fn child_copy(from: usize, to: usize, bytes: usize) -> R<()> {
     let a = driver::context(from).map_err(|e| e.to_string())?;
     let b = driver::context(to).map_err(|e| e.to_string())?;
     let mut rng = Rng::new((from * 31 + to) as u64);
-    let mut speeds = Speeds {
-        bytes,
-        ..Default::default()
-    };
+    let mut speeds = Speeds { bytes, ..Default::default() };
     if let (_, Some((g, l))) = as_outcome(measure(&mut Via::Driver, &a, &b, bytes, &mut rng)) {
         speeds.driver_gbs = Some(g);
         speeds.driver_lat_us = Some(l);
@@ -490,13 +369,8 @@ fn child_copy(from: usize, to: usize, bytes: usize) -> R<()> {
     emit(&ChildLine::Speeds(speeds.clone()));
     let p2p = match Link::open(&a, &b, &LinkOptions::with_policy(PathPolicy::P2pOnly)) {
         Ok(mut link) => as_outcome(measure(&mut Via::Link(&mut link), &a, &b, bytes, &mut rng)),
-        Err(Error::PeerUnsupported { .. }) => (
-            Outcome::Skipped("the driver reports no peer access".into()),
-            None,
-        ),
-        Err(Error::P2pUnavailable { reason, .. }) if reason.contains("wrong") => {
-            (Outcome::WrongData(reason), None)
-        }
+        Err(Error::PeerUnsupported { .. }) => (Outcome::Skipped("the driver reports no peer access".into()), None),
+        Err(Error::P2pUnavailable { reason, .. }) if reason.contains("wrong") => (Outcome::WrongData(reason), None),
         Err(e) => (Outcome::Error(e.to_string()), None),
     };
     if let Some((g, l)) = p2p.1 {
@@ -512,15 +386,10 @@ fn child_copy(from: usize, to: usize, bytes: usize) -> R<()> {
 /// forced and P2P only; random u32 data, checked exactly against a CPU
 /// wrapping sum on both ranks.
 fn child_allreduce(from: usize, to: usize, algorithm: Algorithm) -> Outcome {
-    let opts = GroupOptions {
-        algorithm,
-        ..GroupOptions::with_policy(PathPolicy::P2pOnly)
-    };
+    let opts = GroupOptions { algorithm, ..GroupOptions::with_policy(PathPolicy::P2pOnly) };
     let group = match Group::from_devices(&[from, to], &opts) {
         Ok(g) => g,
-        Err(Error::PeerUnsupported { .. }) => {
-            return Outcome::Skipped("the driver reports no peer access".into())
-        }
+        Err(Error::PeerUnsupported { .. }) => return Outcome::Skipped("the driver reports no peer access".into()),
         Err(e) => return Outcome::Error(e.to_string()),
     };
     let run = || -> R<Outcome> {
@@ -529,48 +398,28 @@ fn child_allreduce(from: usize, to: usize, algorithm: Algorithm) -> Outcome {
         let n = (1 << 20) + 37;
         let chosen = group.all_reduce_algorithm(n * 4);
         if chosen != algorithm {
-            return Ok(Outcome::Error(format!(
-                "the group runs {chosen:?} instead of the forced {algorithm:?}"
-            )));
+            return Ok(Outcome::Error(format!("the group runs {chosen:?} instead of the forced {algorithm:?}")));
         }
-        let inputs: Vec<Vec<u32>> = (0..2)
-            .map(|_| (0..n).map(|_| rng.next_u64() as u32).collect())
-            .collect();
-        let want: Vec<u32> = (0..n)
-            .map(|i| inputs[0][i].wrapping_add(inputs[1][i]))
-            .collect();
+        let inputs: Vec<Vec<u32>> = (0..2).map(|_| (0..n).map(|_| rng.next_u64() as u32).collect()).collect();
+        let want: Vec<u32> = (0..n).map(|i| inputs[0][i].wrapping_add(inputs[1][i])).collect();
         let mut bufs = Vec::new();
         for (r, input) in inputs.iter().enumerate() {
             let s = group.stream(r).ok_or("no stream")?;
             bufs.push(s.clone_htod(input).map_err(de("cuMemcpyHtoD"))?);
         }
         for r in 0..2 {
-            group
-                .stream(r)
-                .ok_or("no stream")?
-                .synchronize()
-                .map_err(de("cuStreamSynchronize"))?;
+            group.stream(r).ok_or("no stream")?.synchronize().map_err(de("cuStreamSynchronize"))?;
         }
-        group
-            .all_reduce_in_place(&mut bufs, ReduceOp::Sum)
-            .map_err(|e| e.to_string())?;
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).map_err(|e| e.to_string())?;
         group.synchronize().map_err(|e| e.to_string())?;
         let mut wrong = Vec::new();
         for (r, buf) in bufs.iter().enumerate() {
-            let got = group
-                .stream(r)
-                .ok_or("no stream")?
-                .clone_dtoh(buf)
-                .map_err(de("cuMemcpyDtoH"))?;
+            let got = group.stream(r).ok_or("no stream")?.clone_dtoh(buf).map_err(de("cuMemcpyDtoH"))?;
             if let Some(w) = compare(&got, &want, "element") {
                 wrong.push(format!("rank {r} (GPU {}): {w}", [from, to][r]));
             }
         }
-        Ok(if wrong.is_empty() {
-            Outcome::Pass
-        } else {
-            Outcome::WrongData(wrong.join("; "))
-        })
+        Ok(if wrong.is_empty() { Outcome::Pass } else { Outcome::WrongData(wrong.join("; ")) })
     };
     run().unwrap_or_else(Outcome::Error)
 }
@@ -591,20 +440,12 @@ pub fn run_child(kind: ChildKind, from: usize, to: usize, bytes: usize) -> i32 {
             0
         }
         ChildKind::OneShot => {
-            emit(&ChildLine::OneShot(child_allreduce(
-                from,
-                to,
-                Algorithm::OneShot,
-            )));
+            emit(&ChildLine::OneShot(child_allreduce(from, to, Algorithm::OneShot)));
             0
         }
         ChildKind::Sm => {
             emit(&ChildLine::Mesh(child_allreduce(from, to, Algorithm::Mesh)));
-            emit(&ChildLine::OneShot(child_allreduce(
-                from,
-                to,
-                Algorithm::OneShot,
-            )));
+            emit(&ChildLine::OneShot(child_allreduce(from, to, Algorithm::OneShot)));
             0
         }
     }
@@ -645,13 +486,7 @@ pub fn wake(infos: &[DeviceInfo], nvml: &NvmlHandle) -> Vec<Wake> {
             })();
             std::thread::sleep(Duration::from_millis(100));
             let after = nvml.utilization(&bdf);
-            Wake {
-                ordinal: d.ordinal,
-                bdf,
-                before,
-                context,
-                after,
-            }
+            Wake { ordinal: d.ordinal, bdf, before, context, after }
         })
         .collect()
 }

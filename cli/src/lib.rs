@@ -41,10 +41,7 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
     let devices = gpu::devices();
     let infos = devices.as_ref().map(|d| d.as_slice()).unwrap_or(&[]);
     let wake = (opts.wake && !infos.is_empty()).then(|| gpu::wake(infos, &nvml));
-    let bdfs: Vec<String> = infos
-        .iter()
-        .map(|d| sysfs::normalize_bdf(&d.pci_bus_id))
-        .collect();
+    let bdfs: Vec<String> = infos.iter().map(|d| sysfs::normalize_bdf(&d.pci_bus_id)).collect();
     let facts = sysfs::SystemFacts::read(&opts.root, &bdfs);
     let mut pairs = Vec::new();
     let mut notes = Vec::new();
@@ -96,13 +93,7 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
         // No driver or no GPU: judge the pairs sysfs shows, from the facts alone.
         for (from, a) in facts.gpus.iter().enumerate() {
             for (to, b) in facts.gpus.iter().enumerate().filter(|(t, _)| *t != from) {
-                let input = PairInput {
-                    from,
-                    to,
-                    from_bdf: a.bdf.clone(),
-                    to_bdf: b.bdf.clone(),
-                    ..Default::default()
-                };
+                let input = PairInput { from, to, from_bdf: a.bdf.clone(), to_bdf: b.bdf.clone(), ..Default::default() };
                 pairs.push(report::PairReport {
                     verdict: rules::judge(&facts, &input),
                     driver: None,
@@ -115,26 +106,13 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
     }
     let verdicts: Vec<PairVerdict> = pairs.iter().map(|p| p.verdict.clone()).collect();
     let exit_code = rules::exit_code(&verdicts, have_gpu);
-    let driver_version = facts
-        .driver
-        .version
-        .clone()
-        .or_else(|| nvml.driver_version());
+    let driver_version = facts.driver.version.clone().or_else(|| nvml.driver_version());
     let mut cache_written = None;
-    if let (true, Some(path), Some(dv), Some(boot)) =
-        (have_gpu, &opts.cache_path, &driver_version, &facts.boot_id)
-    {
-        let key = cache::CacheKey {
-            driver_version: dv.clone(),
-            boot_id: boot.clone(),
-            bus_ids: bdfs.clone(),
-        };
+    if let (true, Some(path), Some(dv), Some(boot)) = (have_gpu, &opts.cache_path, &driver_version, &facts.boot_id) {
+        let key = cache::CacheKey { driver_version: dv.clone(), boot_id: boot.clone(), bus_ids: bdfs.clone() };
         match cache::write(path, &cache::Cache::new(key, &verdicts)) {
             Ok(()) => cache_written = Some(path.display().to_string()),
-            Err(e) => notes.push(format!(
-                "could not write the verdict cache {}: {e}",
-                path.display()
-            )),
+            Err(e) => notes.push(format!("could not write the verdict cache {}: {e}", path.display())),
         }
     }
     report::Report {
@@ -153,13 +131,7 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
     }
 }
 
-fn run_checks(
-    from: usize,
-    to: usize,
-    peer: bool,
-    opts: &DoctorOptions,
-    start: Instant,
-) -> (Checks, Option<rules::Speeds>, Vec<(String, f64)>) {
+fn run_checks(from: usize, to: usize, peer: bool, opts: &DoctorOptions, start: Instant) -> (Checks, Option<rules::Speeds>, Vec<(String, f64)>) {
     let mut checks = Checks {
         copy_engine: Outcome::Error("not reported".into()),
         mesh: Outcome::Skipped("the driver reports no peer access".into()),
@@ -169,12 +141,7 @@ fn run_checks(
     let mut speeds = None;
     let mut timings = Vec::new();
     let over = || start.elapsed() >= opts.budget;
-    let skipped = || {
-        Outcome::Skipped(format!(
-            "the doctor's time budget ({:?}) ran out",
-            opts.budget
-        ))
-    };
+    let skipped = || Outcome::Skipped(format!("the doctor's time budget ({:?}) ran out", opts.budget));
     let mut run = |kind: gpu::ChildKind, checks: &mut Checks| {
         if over() {
             let s = skipped();
@@ -205,9 +172,7 @@ fn run_checks(
             }
         }
         // What the child did not report before it died or timed out takes its end.
-        let fail = r
-            .failure
-            .unwrap_or_else(|| Outcome::Error("the check process reported nothing".into()));
+        let fail = r.failure.unwrap_or_else(|| Outcome::Error("the check process reported nothing".into()));
         let wanted: &[usize] = match kind {
             gpu::ChildKind::Copy => &[0, 1],
             gpu::ChildKind::Mesh => &[2],

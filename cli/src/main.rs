@@ -61,34 +61,18 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
-        Cmd::Check {
-            kind,
-            from,
-            to,
-            bytes,
-        } => match gpu::ChildKind::parse(&kind) {
+        Cmd::Check { kind, from, to, bytes } => match gpu::ChildKind::parse(&kind) {
             Some(k) => gpu::run_child(k, from, to, bytes),
             None => {
                 eprintln!("cuda-peer __check: unknown check {kind:?}");
                 2
             }
         },
-        Cmd::Doctor {
-            json,
-            wake,
-            timeout,
-            bytes,
-            budget,
-            no_cache,
-            root,
-        } => {
+        Cmd::Doctor { json, wake, timeout, bytes, budget, no_cache, root } => {
             let cache_path = if no_cache {
                 None
             } else {
-                cache::cache_path(
-                    std::env::var("XDG_CACHE_HOME").ok().as_deref(),
-                    std::env::var("HOME").ok().as_deref(),
-                )
+                cache::cache_path(std::env::var("XDG_CACHE_HOME").ok().as_deref(), std::env::var("HOME").ok().as_deref())
             };
             let opts = DoctorOptions {
                 root,

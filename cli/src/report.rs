@@ -88,9 +88,7 @@ fn size(b: u64) -> String {
 }
 
 fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
-    v.as_ref()
-        .map(|x| x.to_string())
-        .unwrap_or_else(|| "?".into())
+    v.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "?".into())
 }
 
 fn write_finding(s: &mut String, f: &Finding) {
@@ -121,28 +119,10 @@ pub fn render(r: &Report) -> String {
             None => "kernel module not found",
         }
     );
-    let _ = writeln!(
-        s,
-        "  kernel command line: {}",
-        if f.cmdline.raw.is_empty() {
-            "?"
-        } else {
-            &f.cmdline.raw
-        }
-    );
+    let _ = writeln!(s, "  kernel command line: {}", if f.cmdline.raw.is_empty() { "?" } else { &f.cmdline.raw });
     let iommu = if f.iommu.enabled() {
-        let kinds: std::collections::BTreeSet<String> = f
-            .iommu
-            .groups
-            .iter()
-            .filter_map(|g| g.kind.clone())
-            .collect();
-        format!(
-            "on ({} units, {} groups, types: {})",
-            f.iommu.units.len(),
-            f.iommu.groups.len(),
-            kinds.into_iter().collect::<Vec<_>>().join(", ")
-        )
+        let kinds: std::collections::BTreeSet<String> = f.iommu.groups.iter().filter_map(|g| g.kind.clone()).collect();
+        format!("on ({} units, {} groups, types: {})", f.iommu.units.len(), f.iommu.groups.len(), kinds.into_iter().collect::<Vec<_>>().join(", "))
     } else {
         "off (no IOMMU groups)".into()
     };
@@ -158,8 +138,7 @@ pub fn render(r: &Report) -> String {
         let _ = writeln!(
             s,
             "  GPU {} {}: NUMA {}, link {} x{} (max {} x{}), BAR1 {}{}, IOMMU group {}",
-            name.map(|n| n.ordinal.to_string())
-                .unwrap_or_else(|| "-".into()),
+            name.map(|n| n.ordinal.to_string()).unwrap_or_else(|| "-".into()),
             g.bdf,
             opt(&g.numa_node),
             opt(&g.link_speed),
@@ -167,16 +146,11 @@ pub fn render(r: &Report) -> String {
             opt(&g.max_link_speed),
             opt(&g.max_link_width),
             g.bar1_bytes.map(size).unwrap_or_else(|| "?".into()),
-            name.map(|n| format!(" of {} memory", size(n.memory_bytes)))
-                .unwrap_or_default(),
+            name.map(|n| format!(" of {} memory", size(n.memory_bytes))).unwrap_or_default(),
             opt(&g.iommu_group),
         );
         let rebar = match &g.rebar {
-            RebarState::Present(b) => b
-                .iter()
-                .map(|(i, c, m)| format!("BAR{i} {} (max {})", size(*c), size(*m)))
-                .collect::<Vec<_>>()
-                .join(", "),
+            RebarState::Present(b) => b.iter().map(|(i, c, m)| format!("BAR{i} {} (max {})", size(*c), size(*m))).collect::<Vec<_>>().join(", "),
             RebarState::Absent => "not supported".into(),
             RebarState::Unreadable(_) => "unreadable (needs root)".into(),
         };
@@ -185,14 +159,7 @@ pub fn render(r: &Report) -> String {
             .iter()
             .map(|b| match &b.acs {
                 Some(AcsState::Present { .. }) if b.acs.as_ref().is_some_and(|a| a.redirects()) => {
-                    format!(
-                        "{} [ACS {}]",
-                        b.bdf,
-                        b.acs
-                            .as_ref()
-                            .map(|a| a.control_names().join("+"))
-                            .unwrap_or_default()
-                    )
+                    format!("{} [ACS {}]", b.bdf, b.acs.as_ref().map(|a| a.control_names().join("+")).unwrap_or_default())
                 }
                 Some(AcsState::Unreadable(_)) => format!("{} [ACS ?]", b.bdf),
                 _ => b.bdf.clone(),
@@ -203,21 +170,14 @@ pub fn render(r: &Report) -> String {
             "      {}: {} -> {}; Resizable BAR: {rebar}",
             name.map(|n| n.name.as_str()).unwrap_or("NVIDIA GPU"),
             opt(&g.host_bridge),
-            if path.is_empty() {
-                "?".into()
-            } else {
-                path.join(" -> ")
-            }
+            if path.is_empty() { "?".into() } else { path.join(" -> ") }
         );
     }
     if let Some(why) = &r.no_gpu_reason {
         let _ = writeln!(s, "\nNo usable GPU: {why}");
     }
     if let Some(w) = &r.wake {
-        let _ = writeln!(
-            s,
-            "\nWake (NVML utilisation GPU%/memory%/P-state, before -> after):"
-        );
+        let _ = writeln!(s, "\nWake (NVML utilisation GPU%/memory%/P-state, before -> after):");
         for x in w {
             let u = |v: &Result<(u32, u32, String), String>| match v {
                 Ok((g, m, p)) => format!("{g}%/{m}%/{p}"),
@@ -227,14 +187,7 @@ pub fn render(r: &Report) -> String {
                 Ok(ms) => format!("context created and destroyed in {ms:.0} ms"),
                 Err(e) => format!("context failed: {e}"),
             };
-            let _ = writeln!(
-                s,
-                "  GPU {} {}: {} -> {}; {c}",
-                x.ordinal,
-                x.bdf,
-                u(&x.before),
-                u(&x.after)
-            );
+            let _ = writeln!(s, "  GPU {} {}: {} -> {}; {c}", x.ordinal, x.bdf, u(&x.before), u(&x.after));
         }
     }
     if !r.machine_findings.is_empty() {
@@ -259,18 +212,11 @@ pub fn render(r: &Report) -> String {
             v.from_bdf,
             v.to_bdf,
             v.pci_path.abbrev(),
-            v.common_ancestor
-                .as_deref()
-                .unwrap_or("no common PCIe bridge")
+            v.common_ancestor.as_deref().unwrap_or("no common PCIe bridge")
         );
         let _ = writeln!(s, "  {}", v.summary);
         if let Some(d) = &p.driver {
-            let nv = d
-                .nvml_p2p
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(" ");
+            let nv = d.nvml_p2p.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
             let _ = writeln!(
                 s,
                 "  driver: can access peer {}/{} (both ways), access supported {}, performance rank {}, native atomics {}, array access {}; NVML: {} {}",
@@ -286,9 +232,9 @@ pub fn render(r: &Report) -> String {
         }
         if let Some(c) = &p.checks {
             let detail = |o: &crate::rules::Outcome| match o {
-                crate::rules::Outcome::WrongData(d)
-                | crate::rules::Outcome::Error(d)
-                | crate::rules::Outcome::Skipped(d) => format!("{} ({d})", o.word()),
+                crate::rules::Outcome::WrongData(d) | crate::rules::Outcome::Error(d) | crate::rules::Outcome::Skipped(d) => {
+                    format!("{} ({d})", o.word())
+                }
                 _ => o.word().to_string(),
             };
             let _ = writeln!(
@@ -301,14 +247,8 @@ pub fn render(r: &Report) -> String {
             );
         }
         if let Some(sp) = &p.speeds {
-            let g = |v: Option<f64>| {
-                v.map(|x| format!("{x:.1} GB/s"))
-                    .unwrap_or_else(|| "-".into())
-            };
-            let l = |v: Option<f64>| {
-                v.map(|x| format!("{x:.1} us"))
-                    .unwrap_or_else(|| "-".into())
-            };
+            let g = |v: Option<f64>| v.map(|x| format!("{x:.1} GB/s")).unwrap_or_else(|| "-".into());
+            let l = |v: Option<f64>| v.map(|x| format!("{x:.1} us")).unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 s,
                 "  speed ({} MiB one way / 4 B latency): P2P {} / {}; staged {} / {}; driver without peer access {} / {}",
@@ -322,11 +262,7 @@ pub fn render(r: &Report) -> String {
             );
         }
         if !p.check_seconds.is_empty() {
-            let t: Vec<String> = p
-                .check_seconds
-                .iter()
-                .map(|(k, v)| format!("{k} {v:.1} s"))
-                .collect();
+            let t: Vec<String> = p.check_seconds.iter().map(|(k, v)| format!("{k} {v:.1} s")).collect();
             let _ = writeln!(s, "  check processes: {}", t.join(", "));
         }
         for fi in &v.findings {
@@ -347,10 +283,6 @@ pub fn render(r: &Report) -> String {
         1 => "something is degraded",
         _ => "nothing usable, or no GPU",
     };
-    let _ = writeln!(
-        s,
-        "\n{verdict} (exit {}, {:.1} s)",
-        r.exit_code, r.elapsed_s
-    );
+    let _ = writeln!(s, "\n{verdict} (exit {}, {:.1} s)", r.exit_code, r.elapsed_s);
     s
 }

@@ -30,9 +30,7 @@ pub struct DriverPair {
 impl DriverPair {
     /// Whether NVML says the pair is connected by NVLink.
     pub fn nvlink(&self) -> bool {
-        self.nvml_p2p
-            .iter()
-            .any(|(k, v)| k == "nvlink" && v == "Ok")
+        self.nvml_p2p.iter().any(|(k, v)| k == "nvlink" && v == "Ok")
     }
 }
 
@@ -66,10 +64,7 @@ impl Outcome {
 
     /// Whether the check failed (wrong data, timeout or error).
     pub fn failed(&self) -> bool {
-        matches!(
-            self,
-            Outcome::WrongData(_) | Outcome::Timeout | Outcome::Error(_)
-        )
+        matches!(self, Outcome::WrongData(_) | Outcome::Timeout | Outcome::Error(_))
     }
 }
 
@@ -129,11 +124,7 @@ pub struct Finding {
 }
 
 fn finding(severity: Severity, what: impl Into<String>, fix: Option<String>) -> Finding {
-    Finding {
-        severity,
-        what: what.into(),
-        fix,
-    }
+    Finding { severity, what: what.into(), fix }
 }
 
 /// The verdict's level.
@@ -221,41 +212,19 @@ fn gib(b: u64) -> String {
 fn is_geforce_like(g: &GpuPci) -> bool {
     // Data-centre parts (A100 0x20xx, H100/H200 0x23xx, ...) have P2P on in the
     // stock driver; GeForce/RTX cards (0x22xx, 0x24xx-0x28xx, 0x2bxx) do not.
-    let id = g
-        .device_id
-        .as_deref()
-        .and_then(|d| u16::from_str_radix(d.trim_start_matches("0x"), 16).ok());
-    matches!(
-        id,
-        Some(0x2200..=0x22ff)
-            | Some(0x2400..=0x28ff)
-            | Some(0x2b00..=0x2bff)
-            | Some(0x1b00..=0x1fff)
-    )
+    let id = g.device_id.as_deref().and_then(|d| u16::from_str_radix(d.trim_start_matches("0x"), 16).ok());
+    matches!(id, Some(0x2200..=0x22ff) | Some(0x2400..=0x28ff) | Some(0x2b00..=0x2bff) | Some(0x1b00..=0x1fff))
 }
 
 /// The system facts' findings for the pair `a` -> `b`. `nvlink`: P2P goes
 /// over NVLink, so PCIe matters only as a fallback.
-pub fn system_findings(
-    facts: &SystemFacts,
-    a: &GpuPci,
-    b: &GpuPci,
-    vram: [Option<u64>; 2],
-    nvlink: bool,
-) -> Vec<Finding> {
+pub fn system_findings(facts: &SystemFacts, a: &GpuPci, b: &GpuPci, vram: [Option<u64>; 2], nvlink: bool) -> Vec<Finding> {
     let mut out = Vec::new();
     let pcie = |s: Severity| if nvlink { Severity::Info } else { s };
-    let nvl_note = if nvlink {
-        " (P2P between these GPUs goes over NVLink, so this matters only for staged copies)"
-    } else {
-        ""
-    };
+    let nvl_note = if nvlink { " (P2P between these GPUs goes over NVLink, so this matters only for staged copies)" } else { "" };
     // IOMMU.
     for g in [a, b] {
-        let group = g
-            .iommu_group
-            .and_then(|id| facts.iommu.groups.iter().find(|x| x.id == id))
-            .or_else(|| facts.iommu.group_of(&g.bdf));
+        let group = g.iommu_group.and_then(|id| facts.iommu.groups.iter().find(|x| x.id == id)).or_else(|| facts.iommu.group_of(&g.bdf));
         if let Some(group) = group.filter(|x| x.translating()) {
             let kind = group.kind.clone().unwrap_or_default();
             let intel = facts.iommu.units.iter().any(|u| u.starts_with("dmar"));
@@ -268,7 +237,10 @@ pub fn system_findings(
             };
             out.push(finding(
                 pcie(Severity::Warn),
-                format!("IOMMU is translating ({kind}) on group {} ({}): peer writes through it are dropped or zero-filled on many boards{nvl_note}", group.id, g.bdf),
+                format!(
+                    "IOMMU is translating ({kind}) on group {} ({}): peer writes through it are dropped or zero-filled on many boards{nvl_note}",
+                    group.id, g.bdf
+                ),
                 Some(fix),
             ));
         }
@@ -282,10 +254,7 @@ pub fn system_findings(
             let (sev, why) = if below_switch {
                 (pcie(Severity::Warn), "redirects peer traffic between the GPUs up through the root complex (slower, and subject to the IOMMU)")
             } else {
-                (
-                    Severity::Info,
-                    "is on, but the GPUs' traffic crosses the root complex anyway",
-                )
+                (Severity::Info, "is on, but the GPUs' traffic crosses the root complex anyway")
             };
             out.push(finding(
                 sev,
@@ -352,7 +321,10 @@ pub fn system_findings(
             if s != max {
                 out.push(finding(
                     Severity::Info,
-                    format!("{} runs its link at {s} of {max}: GPUs lower their link speed when idle; it matters only if it stays low under load", g.bdf),
+                    format!(
+                        "{} runs its link at {s} of {max}: GPUs lower their link speed when idle; it matters only if it stays low under load",
+                        g.bdf
+                    ),
                     None,
                 ));
             }
@@ -372,7 +344,11 @@ pub fn machine_findings(facts: &SystemFacts) -> Vec<Finding> {
         ));
     }
     if let Some(c) = &facts.env.container {
-        out.push(finding(Severity::Info, format!("running in a container ({c}): sysfs facts are the host's, as far as the container can see them"), None));
+        out.push(finding(
+            Severity::Info,
+            format!("running in a container ({c}): sysfs facts are the host's, as far as the container can see them"),
+            None,
+        ));
     }
     if facts.driver.open_module == Some(false) && facts.gpus.iter().any(is_geforce_like) {
         out.push(finding(
@@ -382,25 +358,15 @@ pub fn machine_findings(facts: &SystemFacts) -> Vec<Finding> {
         ));
     }
     if facts.driver.version_line.is_none() {
-        out.push(finding(
-            Severity::Info,
-            "no NVIDIA kernel module is loaded (/proc/driver/nvidia/version is missing)",
-            None,
-        ));
+        out.push(finding(Severity::Info, "no NVIDIA kernel module is loaded (/proc/driver/nvidia/version is missing)", None));
     }
     out
 }
 
 /// Judges one ordered pair.
 pub fn judge(facts: &SystemFacts, input: &PairInput) -> PairVerdict {
-    let a = facts
-        .gpu(&input.from_bdf)
-        .cloned()
-        .unwrap_or_else(|| empty_gpu(&input.from_bdf));
-    let b = facts
-        .gpu(&input.to_bdf)
-        .cloned()
-        .unwrap_or_else(|| empty_gpu(&input.to_bdf));
+    let a = facts.gpu(&input.from_bdf).cloned().unwrap_or_else(|| empty_gpu(&input.from_bdf));
+    let b = facts.gpu(&input.to_bdf).cloned().unwrap_or_else(|| empty_gpu(&input.to_bdf));
     let nvlink = input.driver.as_ref().is_some_and(DriverPair::nvlink);
     let path = pair_path(&a, &b);
     let mut findings = system_findings(facts, &a, &b, input.vram, nvlink);
@@ -438,11 +404,7 @@ fn empty_gpu(bdf: &str) -> GpuPci {
 }
 
 fn suspects(findings: &[Finding]) -> String {
-    let s: Vec<&str> = findings
-        .iter()
-        .filter(|f| f.severity >= Severity::Warn)
-        .map(|f| f.what.as_str())
-        .collect();
+    let s: Vec<&str> = findings.iter().filter(|f| f.severity >= Severity::Warn).map(|f| f.what.as_str()).collect();
     if s.is_empty() {
         String::new()
     } else {
@@ -452,49 +414,22 @@ fn suspects(findings: &[Finding]) -> String {
 
 fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, String) {
     let Some(drv) = &input.driver else {
-        return (
-            Level::Untested,
-            UsePath::Unknown,
-            "not tested: no usable CUDA driver or GPU".into(),
-        );
+        return (Level::Untested, UsePath::Unknown, "not tested: no usable CUDA driver or GPU".into());
     };
-    if let Some(n) = drv
-        .nvml_p2p
-        .iter()
-        .filter(|(_, v)| v != "Ok")
-        .map(|(k, v)| format!("{k}: {v}"))
-        .reduce(|x, y| x + ", " + &y)
-    {
-        findings.push(finding(
-            Severity::Info,
-            format!("NVML P2P status: {n}"),
-            None,
-        ));
+    if let Some(n) = drv.nvml_p2p.iter().filter(|(_, v)| v != "Ok").map(|(k, v)| format!("{k}: {v}")).reduce(|x, y| x + ", " + &y) {
+        findings.push(finding(Severity::Info, format!("NVML P2P status: {n}"), None));
     }
     let staged_ok = input.checks.as_ref().is_none_or(|c| !c.staged.failed());
     let staged_or_none = |why: String| {
         if staged_ok {
-            (
-                Level::Degraded,
-                UsePath::Staged,
-                format!("{why}: staged through host memory is used"),
-            )
+            (Level::Degraded, UsePath::Staged, format!("{why}: staged through host memory is used"))
         } else {
-            (
-                Level::Unusable,
-                UsePath::None,
-                format!("{why}, and the staged path failed too"),
-            )
+            (Level::Unusable, UsePath::None, format!("{why}, and the staged path failed too"))
         }
     };
     if !(drv.can_access_peer && drv.can_access_peer_back) {
         let why = "the driver reports no peer access between these GPUs".to_string();
-        let reasons = drv
-            .nvml_p2p
-            .iter()
-            .filter(|(k, v)| k == "read" && v != "Ok")
-            .map(|(_, v)| v.clone())
-            .next();
+        let reasons = drv.nvml_p2p.iter().filter(|(k, v)| k == "read" && v != "Ok").map(|(_, v)| v.clone()).next();
         let fix = match reasons.as_deref() {
             Some("ChipsetNotSupported") | Some("IohTopologyNotSupported") => "the chipset or CPU topology does not allow P2P: put both GPUs under one PCIe switch or one CPU root complex",
             Some("GpuNotSupported") | Some("DisabledByRegkey") => "the driver disables P2P for this GPU model: on GeForce cards, the open kernel modules with the P2P patch turn it on (with Resizable BAR on and the IOMMU off or in passthrough)",
@@ -505,11 +440,7 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
         return (l, p, s + &suspects(findings));
     }
     let Some(checks) = &input.checks else {
-        return (
-            Level::Untested,
-            UsePath::Unknown,
-            "the driver reports peer access; functional checks not run".into(),
-        );
+        return (Level::Untested, UsePath::Unknown, "the driver reports peer access; functional checks not run".into());
     };
     if checks.copy_engine.failed() {
         let what = match &checks.copy_engine {
@@ -518,36 +449,31 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
             Outcome::Error(e) => format!("copy-engine peer copies fail: {e}"),
             _ => String::new(),
         };
-        findings.push(finding(Severity::Problem, what.clone(), Some("fix the causes listed; until then cuda-peer's Auto links fall back to staged copies by themselves".into())));
+        findings.push(finding(
+            Severity::Problem,
+            what.clone(),
+            Some("fix the causes listed; until then cuda-peer's Auto links fall back to staged copies by themselves".into()),
+        ));
         let (l, p, s) = staged_or_none(format!("the driver claims P2P but {what}"));
         return (l, p, s + &suspects(findings));
     }
-    let sm: Vec<String> = [
-        ("mesh (SM peer loads and stores)", &checks.mesh),
-        (
-            "one-shot (SM peer stores, system-scope flags)",
-            &checks.oneshot,
-        ),
-    ]
-    .iter()
-    .filter(|(_, o)| o.failed())
-    .map(|(n, o)| {
-        format!(
-            "{n}: {}",
-            match o {
-                Outcome::WrongData(d) => format!("wrong data, {d}"),
-                Outcome::Timeout => "timed out".into(),
-                Outcome::Error(e) => e.clone(),
-                _ => String::new(),
-            }
-        )
-    })
-    .collect();
+    let sm: Vec<String> = [("mesh (SM peer loads and stores)", &checks.mesh), ("one-shot (SM peer stores, system-scope flags)", &checks.oneshot)]
+        .iter()
+        .filter(|(_, o)| o.failed())
+        .map(|(n, o)| {
+            format!(
+                "{n}: {}",
+                match o {
+                    Outcome::WrongData(d) => format!("wrong data, {d}"),
+                    Outcome::Timeout => "timed out".into(),
+                    Outcome::Error(e) => e.clone(),
+                    _ => String::new(),
+                }
+            )
+        })
+        .collect();
     if !sm.is_empty() {
-        let what = format!(
-            "copy-engine P2P passes but SM peer access fails ({})",
-            sm.join("; ")
-        );
+        let what = format!("copy-engine P2P passes but SM peer access fails ({})", sm.join("; "));
         findings.push(finding(
             Severity::Problem,
             what.clone(),
@@ -570,23 +496,14 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
             return (Level::Ok, UsePath::P2p, format!("P2P verified (copy engine and SM loads/stores), {p2p:.1} GB/s against {st:.1} GB/s staged"));
         }
     }
-    (
-        Level::Ok,
-        UsePath::P2p,
-        "P2P verified (copy engine and SM loads/stores); speed not measured".into(),
-    )
+    (Level::Ok, UsePath::P2p, "P2P verified (copy engine and SM loads/stores); speed not measured".into())
 }
 
 /// The process exit status for a set of verdicts: 0 when every pair is
 /// usable at full speed, 1 when something is degraded, 2 when nothing is
 /// usable or nothing could be tested.
 pub fn exit_code(verdicts: &[PairVerdict], have_gpu: bool) -> i32 {
-    if !have_gpu
-        || (!verdicts.is_empty()
-            && verdicts
-                .iter()
-                .all(|v| matches!(v.level, Level::Unusable | Level::Untested)))
-    {
+    if !have_gpu || (!verdicts.is_empty() && verdicts.iter().all(|v| matches!(v.level, Level::Unusable | Level::Untested))) {
         2
     } else if verdicts.iter().all(|v| v.level == Level::Ok) {
         0

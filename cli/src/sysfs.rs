@@ -14,15 +14,11 @@ pub const ECAP_ACS: u16 = 0x000d;
 pub const ECAP_REBAR: u16 = 0x0015;
 
 fn read(root: &Path, rel: &str) -> Option<String> {
-    fs::read_to_string(root.join(rel.trim_start_matches('/')))
-        .ok()
-        .map(|s| s.trim().to_string())
+    fs::read_to_string(root.join(rel.trim_start_matches('/'))).ok().map(|s| s.trim().to_string())
 }
 
 fn read_at(dir: &Path, name: &str) -> Option<String> {
-    fs::read_to_string(dir.join(name))
-        .ok()
-        .map(|s| s.trim().to_string())
+    fs::read_to_string(dir.join(name)).ok().map(|s| s.trim().to_string())
 }
 
 /// Normalises a PCI bus id (`00000000:19:00.0`, `0000:19:00.0`, `19:00.0`,
@@ -58,10 +54,7 @@ pub struct CmdlineFacts {
 impl CmdlineFacts {
     /// Parses a kernel command line (the last of repeated keys wins, as in the kernel).
     pub fn parse(raw: &str) -> Self {
-        let mut c = CmdlineFacts {
-            raw: raw.trim().to_string(),
-            ..Default::default()
-        };
+        let mut c = CmdlineFacts { raw: raw.trim().to_string(), ..Default::default() };
         for word in raw.split_whitespace() {
             let Some((k, v)) = word.split_once('=') else {
                 continue;
@@ -80,9 +73,7 @@ impl CmdlineFacts {
 
     /// Whether the command line puts the IOMMU in passthrough (`iommu=pt`).
     pub fn passthrough(&self) -> bool {
-        self.iommu
-            .as_deref()
-            .is_some_and(|v| v.split(',').any(|x| x == "pt"))
+        self.iommu.as_deref().is_some_and(|v| v.split(',').any(|x| x == "pt"))
     }
 }
 
@@ -127,11 +118,7 @@ impl IommuFacts {
                 let dir = root.join("sys/kernel/iommu_groups").join(&name);
                 let mut devices = list_dir(&dir.join("devices"));
                 devices.sort();
-                Some(IommuGroup {
-                    id,
-                    kind: read_at(&dir, "type"),
-                    devices,
-                })
+                Some(IommuGroup { id, kind: read_at(&dir, "type"), devices })
             })
             .collect();
         groups.sort_by_key(|g| g.id);
@@ -140,9 +127,7 @@ impl IommuFacts {
 
     /// The group holding PCI device `bdf`.
     pub fn group_of(&self, bdf: &str) -> Option<&IommuGroup> {
-        self.groups
-            .iter()
-            .find(|g| g.devices.iter().any(|d| d == bdf))
+        self.groups.iter().find(|g| g.devices.iter().any(|d| d == bdf))
     }
 
     /// Whether an IOMMU is present and on.
@@ -152,13 +137,7 @@ impl IommuFacts {
 }
 
 fn list_dir(dir: &Path) -> Vec<String> {
-    fs::read_dir(dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
+    fs::read_dir(dir).map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default()
 }
 
 /// The ACS control register of one bridge.
@@ -187,20 +166,9 @@ impl AcsState {
 
     /// The control bits that are on, by name.
     pub fn control_names(&self) -> Vec<&'static str> {
-        const NAMES: [&str; 7] = [
-            "SrcValid",
-            "TransBlk",
-            "ReqRedir",
-            "CmpltRedir",
-            "UpstreamFwd",
-            "EgressCtrl",
-            "DirectTrans",
-        ];
+        const NAMES: [&str; 7] = ["SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans"];
         match self {
-            AcsState::Present { control, .. } => (0..7)
-                .filter(|b| control & (1 << b) != 0)
-                .map(|b| NAMES[b])
-                .collect(),
+            AcsState::Present { control, .. } => (0..7).filter(|b| control & (1 << b) != 0).map(|b| NAMES[b]).collect(),
             _ => Vec::new(),
         }
     }
@@ -211,10 +179,7 @@ impl AcsState {
 /// dump stops before the extended space (an unprivileged read).
 pub fn find_ext_cap(config: &[u8], id: u16) -> Result<Option<usize>, String> {
     if config.len() < 0x104 {
-        return Err(format!(
-            "only {} bytes of config space are readable (the extended space needs root)",
-            config.len()
-        ));
+        return Err(format!("only {} bytes of config space are readable (the extended space needs root)", config.len()));
     }
     let mut off = 0x100usize;
     for _ in 0..512 {
@@ -238,15 +203,11 @@ pub fn find_ext_cap(config: &[u8], id: u16) -> Result<Option<usize>, String> {
 }
 
 fn u16_at(config: &[u8], off: usize) -> Option<u16> {
-    config
-        .get(off..off + 2)
-        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    config.get(off..off + 2).map(|b| u16::from_le_bytes([b[0], b[1]]))
 }
 
 fn u32_at(config: &[u8], off: usize) -> Option<u32> {
-    config
-        .get(off..off + 4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    config.get(off..off + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
 }
 
 /// Reads the ACS capability of a config space dump.
@@ -255,10 +216,7 @@ pub fn parse_acs(config: &[u8]) -> AcsState {
         Err(e) => AcsState::Unreadable(e),
         Ok(None) => AcsState::Absent,
         Ok(Some(off)) => match (u16_at(config, off + 4), u16_at(config, off + 6)) {
-            (Some(capability), Some(control)) => AcsState::Present {
-                capability,
-                control,
-            },
+            (Some(capability), Some(control)) => AcsState::Present { capability, control },
             _ => AcsState::Unreadable("ACS capability cut short".into()),
         },
     }
@@ -289,20 +247,13 @@ pub fn parse_rebar(config: &[u8]) -> RebarState {
     };
     let count = ((ctrl0 >> 5) & 7).clamp(1, 6) as usize;
     for i in 0..count {
-        let (Some(cap), Some(ctrl)) = (
-            u32_at(config, off + 4 + 8 * i),
-            u32_at(config, off + 8 + 8 * i),
-        ) else {
+        let (Some(cap), Some(ctrl)) = (u32_at(config, off + 4 + 8 * i), u32_at(config, off + 8 + 8 * i)) else {
             break;
         };
         let index = (ctrl & 7) as u8;
         let current = 1u64 << (20 + ((ctrl >> 8) & 0x3f));
         // Capability bits 4..31: sizes 1 MiB << (bit - 4) supported.
-        let largest = (4..32)
-            .rev()
-            .find(|b| cap & (1 << b) != 0)
-            .map(|b| 1u64 << (20 + b - 4))
-            .unwrap_or(0);
+        let largest = (4..32).rev().find(|b| cap & (1 << b) != 0).map(|b| 1u64 << (20 + b - 4)).unwrap_or(0);
         bars.push((index, current, largest));
     }
     RebarState::Present(bars)
@@ -313,10 +264,7 @@ pub fn parse_rebar(config: &[u8]) -> RebarState {
 pub fn parse_resource(text: &str) -> Vec<u64> {
     text.lines()
         .map(|l| {
-            let n: Vec<u64> = l
-                .split_whitespace()
-                .filter_map(|w| u64::from_str_radix(w.trim_start_matches("0x"), 16).ok())
-                .collect();
+            let n: Vec<u64> = l.split_whitespace().filter_map(|w| u64::from_str_radix(w.trim_start_matches("0x"), 16).ok()).collect();
             match n.as_slice() {
                 [start, end, ..] if *end > *start => end - start + 1,
                 _ => 0,
@@ -370,10 +318,8 @@ pub fn nvidia_gpus(root: &Path) -> Vec<String> {
         .into_iter()
         .filter(|bdf| {
             let dir = base.join(bdf);
-            let vendor = read_at(&dir, "vendor")
-                .and_then(|v| u16::from_str_radix(v.trim_start_matches("0x"), 16).ok());
-            let class = read_at(&dir, "class")
-                .and_then(|v| u32::from_str_radix(v.trim_start_matches("0x"), 16).ok());
+            let vendor = read_at(&dir, "vendor").and_then(|v| u16::from_str_radix(v.trim_start_matches("0x"), 16).ok());
+            let class = read_at(&dir, "class").and_then(|v| u32::from_str_radix(v.trim_start_matches("0x"), 16).ok());
             vendor == Some(NVIDIA_VENDOR) && class.is_some_and(|c| c >> 16 == 0x03)
         })
         .collect();
@@ -391,18 +337,9 @@ fn is_bdf(s: &str) -> bool {
 pub fn pci_chain(root: &Path, bdf: &str) -> Option<(String, Vec<String>)> {
     let link = root.join("sys/bus/pci/devices").join(bdf);
     let real: PathBuf = fs::canonicalize(&link).ok()?;
-    let comps: Vec<String> = real
-        .components()
-        .map(|c| c.as_os_str().to_string_lossy().into_owned())
-        .collect();
-    let host = comps
-        .iter()
-        .position(|c| c.starts_with("pci") && c.contains(':'))?;
-    let chain: Vec<String> = comps[host + 1..]
-        .iter()
-        .filter(|c| is_bdf(c))
-        .cloned()
-        .collect();
+    let comps: Vec<String> = real.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    let host = comps.iter().position(|c| c.starts_with("pci") && c.contains(':'))?;
+    let chain: Vec<String> = comps[host + 1..].iter().filter(|c| is_bdf(c)).cloned().collect();
     let (last, bridges) = chain.split_last()?;
     if last != bdf {
         return None;
@@ -428,10 +365,7 @@ pub fn read_gpu(root: &Path, bdf: &str) -> GpuPci {
                 Some(cfg) => parse_acs(&cfg),
                 None => AcsState::Unreadable("no config file".into()),
             };
-            PciNode {
-                bdf: b,
-                acs: Some(acs),
-            }
+            PciNode { bdf: b, acs: Some(acs) }
         })
         .collect();
     let num = |name: &str| read_at(&dir, name).and_then(|v| v.parse::<i64>().ok());
@@ -439,10 +373,7 @@ pub fn read_gpu(root: &Path, bdf: &str) -> GpuPci {
         Some(cfg) => parse_rebar(&cfg),
         None => RebarState::Unreadable("no config file".into()),
     };
-    let iommu_group = fs::read_link(dir.join("iommu_group")).ok().and_then(|p| {
-        p.file_name()
-            .and_then(|n| n.to_str().and_then(|s| s.parse().ok()))
-    });
+    let iommu_group = fs::read_link(dir.join("iommu_group")).ok().and_then(|p| p.file_name().and_then(|n| n.to_str().and_then(|s| s.parse().ok())));
     GpuPci {
         bdf: bdf.to_string(),
         device_id: read_at(&dir, "device"),
@@ -453,10 +384,7 @@ pub fn read_gpu(root: &Path, bdf: &str) -> GpuPci {
         max_link_speed: read_at(&dir, "max_link_speed"),
         link_width: num("current_link_width").map(|n| n as u32),
         max_link_width: num("max_link_width").map(|n| n as u32),
-        bar1_bytes: read_at(&dir, "resource")
-            .map(|t| parse_resource(&t))
-            .and_then(|r| r.get(1).copied())
-            .filter(|&b| b > 0),
+        bar1_bytes: read_at(&dir, "resource").map(|t| parse_resource(&t)).and_then(|r| r.get(1).copied()).filter(|&b| b > 0),
         rebar,
         iommu_group,
     }
@@ -510,23 +438,10 @@ pub struct PairPath {
 /// Classifies the path between two GPUs.
 pub fn pair_path(a: &GpuPci, b: &GpuPci) -> PairPath {
     let (Some(ha), Some(hb)) = (&a.host_bridge, &b.host_bridge) else {
-        return PairPath {
-            path: PciPath::Unknown,
-            common_ancestor: None,
-            bridges_between: Vec::new(),
-        };
+        return PairPath { path: PciPath::Unknown, common_ancestor: None, bridges_between: Vec::new() };
     };
-    let common = a
-        .bridges
-        .iter()
-        .zip(&b.bridges)
-        .take_while(|(x, y)| x.bdf == y.bdf)
-        .count();
-    let between: Vec<PciNode> = a.bridges[common..]
-        .iter()
-        .chain(&b.bridges[common..])
-        .cloned()
-        .collect();
+    let common = a.bridges.iter().zip(&b.bridges).take_while(|(x, y)| x.bdf == y.bdf).count();
+    let between: Vec<PciNode> = a.bridges[common..].iter().chain(&b.bridges[common..]).cloned().collect();
     if ha != hb {
         let path = match (a.numa_node, b.numa_node) {
             (Some(x), Some(y)) if x != y => PciPath::CrossSocket,
@@ -537,22 +452,14 @@ pub fn pair_path(a: &GpuPci, b: &GpuPci) -> PairPath {
                 PciPath::Unknown
             }
         };
-        return PairPath {
-            path,
-            common_ancestor: None,
-            bridges_between: a.bridges.iter().chain(&b.bridges).cloned().collect(),
-        };
+        return PairPath { path, common_ancestor: None, bridges_between: a.bridges.iter().chain(&b.bridges).cloned().collect() };
     }
     let (path, ancestor) = match common {
         0 => (PciPath::SameHostBridge, ha.clone()),
         1 => (PciPath::SameRootPort, a.bridges[0].bdf.clone()),
         n => (PciPath::SameSwitch, a.bridges[n - 1].bdf.clone()),
     };
-    PairPath {
-        path,
-        common_ancestor: Some(ancestor),
-        bridges_between: between,
-    }
+    PairPath { path, common_ancestor: Some(ancestor), bridges_between: between }
 }
 
 /// The NVIDIA kernel module.
@@ -571,15 +478,10 @@ pub struct DriverFacts {
 impl DriverFacts {
     /// Reads `/proc/driver/nvidia/version` and `/sys/module/nvidia/{version,taint}`.
     pub fn read(root: &Path) -> Self {
-        let line = read(root, "proc/driver/nvidia/version")
-            .and_then(|t| t.lines().next().map(str::to_string));
+        let line = read(root, "proc/driver/nvidia/version").and_then(|t| t.lines().next().map(str::to_string));
         let version = read(root, "sys/module/nvidia/version").or_else(|| {
             line.as_deref().and_then(|l| {
-                l.split_whitespace()
-                    .find(|w| {
-                        w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.')
-                    })
-                    .map(str::to_string)
+                l.split_whitespace().find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.')).map(str::to_string)
             })
         });
         let taint = read(root, "sys/module/nvidia/taint");
@@ -589,12 +491,7 @@ impl DriverFacts {
             (None, Some(t)) => Some(!t.contains('P')),
             _ => None,
         };
-        DriverFacts {
-            version_line: line,
-            version,
-            open_module,
-            taint,
-        }
+        DriverFacts { version_line: line, version, open_module, taint }
     }
 }
 
@@ -618,37 +515,19 @@ impl EnvFacts {
             Some("/run/.containerenv exists (podman)".to_string())
         } else {
             read(root, "proc/1/cgroup").and_then(|c| {
-                ["docker", "kubepods", "containerd", "lxc", "libpod"]
-                    .iter()
-                    .find(|k| c.contains(*k))
-                    .map(|k| format!("PID 1's cgroup mentions {k}"))
+                ["docker", "kubepods", "containerd", "lxc", "libpod"].iter().find(|k| c.contains(*k)).map(|k| format!("PID 1's cgroup mentions {k}"))
             })
         };
         let sys_vendor = read(root, "sys/class/dmi/id/sys_vendor");
-        let hv_flag = read(root, "proc/cpuinfo").is_some_and(|c| {
-            c.lines()
-                .any(|l| l.starts_with("flags") && l.split_whitespace().any(|w| w == "hypervisor"))
-        });
-        let known = [
-            "QEMU",
-            "KVM",
-            "VMware",
-            "Xen",
-            "Microsoft Corporation",
-            "innotek",
-            "Amazon EC2",
-            "Google",
-        ];
+        let hv_flag =
+            read(root, "proc/cpuinfo").is_some_and(|c| c.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|w| w == "hypervisor")));
+        let known = ["QEMU", "KVM", "VMware", "Xen", "Microsoft Corporation", "innotek", "Amazon EC2", "Google"];
         let virtual_machine = match &sys_vendor {
             Some(v) if known.iter().any(|k| v.contains(k)) => Some(format!("DMI vendor {v}")),
             _ if hv_flag => Some("the CPU reports the hypervisor flag".to_string()),
             _ => None,
         };
-        EnvFacts {
-            container,
-            virtual_machine,
-            sys_vendor,
-        }
+        EnvFacts { container, virtual_machine, sys_vendor }
     }
 }
 
@@ -675,11 +554,7 @@ impl SystemFacts {
     /// Reads every fact under `root`, for the GPUs `bdfs` (all NVIDIA GPUs
     /// in sysfs when empty).
     pub fn read(root: &Path, bdfs: &[String]) -> Self {
-        let list = if bdfs.is_empty() {
-            nvidia_gpus(root)
-        } else {
-            bdfs.iter().map(|b| normalize_bdf(b)).collect()
-        };
+        let list = if bdfs.is_empty() { nvidia_gpus(root) } else { bdfs.iter().map(|b| normalize_bdf(b)).collect() };
         SystemFacts {
             root: root.display().to_string(),
             cmdline: CmdlineFacts::parse(&read(root, "proc/cmdline").unwrap_or_default()),
@@ -714,10 +589,7 @@ mod tests {
         let c = CmdlineFacts::parse("BOOT_IMAGE=/vmlinuz ro quiet intel_iommu=on iommu=pt pcie_acs_override=downstream,multifunction");
         assert_eq!(c.intel_iommu.as_deref(), Some("on"));
         assert!(c.passthrough());
-        assert_eq!(
-            c.pcie_acs_override.as_deref(),
-            Some("downstream,multifunction")
-        );
+        assert_eq!(c.pcie_acs_override.as_deref(), Some("downstream,multifunction"));
         assert!(!CmdlineFacts::parse("ro quiet").passthrough());
     }
 

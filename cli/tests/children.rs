@@ -23,17 +23,8 @@ fn a_hanging_child_is_a_timeout() {
 #[test]
 fn lines_before_a_crash_are_kept() {
     let line = serde_json::to_string(&ChildLine::Mesh(Outcome::Pass)).unwrap();
-    let r = run_with_timeout(
-        sh(&format!(
-            "echo '{line}'; echo not-json; echo boom >&2; exit 3"
-        )),
-        Duration::from_secs(10),
-    );
-    assert!(
-        matches!(r.lines.as_slice(), [ChildLine::Mesh(Outcome::Pass)]),
-        "{:?}",
-        r.lines
-    );
+    let r = run_with_timeout(sh(&format!("echo '{line}'; echo not-json; echo boom >&2; exit 3")), Duration::from_secs(10));
+    assert!(matches!(r.lines.as_slice(), [ChildLine::Mesh(Outcome::Pass)]), "{:?}", r.lines);
     match r.failure {
         Some(Outcome::Error(e)) => {
             assert!(e.contains("exit status: 3") && e.contains("boom"), "{e}")
@@ -44,16 +35,10 @@ fn lines_before_a_crash_are_kept() {
 
 #[test]
 fn a_clean_child_has_no_failure() {
-    let line = serde_json::to_string(&ChildLine::OneShot(Outcome::WrongData(
-        "3 of 9 elements wrong, first at 1".into(),
-    )))
-    .unwrap();
+    let line = serde_json::to_string(&ChildLine::OneShot(Outcome::WrongData("3 of 9 elements wrong, first at 1".into()))).unwrap();
     let r = run_with_timeout(sh(&format!("echo '{line}'")), Duration::from_secs(10));
     assert_eq!(r.failure, None);
-    assert!(matches!(
-        &r.lines[..],
-        [ChildLine::OneShot(Outcome::WrongData(_))]
-    ));
+    assert!(matches!(&r.lines[..], [ChildLine::OneShot(Outcome::WrongData(_))]));
 }
 
 #[test]
@@ -63,17 +48,11 @@ fn the_hidden_check_without_a_driver_fails_cleanly() {
         return;
     }
     for kind in ["copy", "mesh", "oneshot"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_cuda-peer"))
-            .args(["__check", kind, "0", "1"])
-            .output()
-            .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_cuda-peer")).args(["__check", kind, "0", "1"]).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!stderr.contains("panicked"), "{kind}: {stderr}");
         let stdout = String::from_utf8_lossy(&out.stdout);
         // copy exits non-zero; mesh and one-shot report an error outcome.
-        assert!(
-            !out.status.success() || stdout.contains("\"error\""),
-            "{kind}: {stdout} {stderr}"
-        );
+        assert!(!out.status.success() || stdout.contains("\"error\""), "{kind}: {stdout} {stderr}");
     }
 }

@@ -11,18 +11,9 @@ fn doctor(args: &[&str]) -> Option<(i32, String, String)> {
         return None;
     }
     let cache = std::env::temp_dir().join(format!("cuda-peer-cli-nogpu-{}", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_cuda-peer"))
-        .arg("doctor")
-        .args(args)
-        .env("XDG_CACHE_HOME", &cache)
-        .output()
-        .expect("run cuda-peer");
+    let out = Command::new(env!("CARGO_BIN_EXE_cuda-peer")).arg("doctor").args(args).env("XDG_CACHE_HOME", &cache).output().expect("run cuda-peer");
     let _ = std::fs::remove_dir_all(&cache);
-    Some((
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
+    Some((out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned()))
 }
 
 #[test]
@@ -34,20 +25,14 @@ fn no_gpu_json_reports_facts_and_exits_2() {
     assert_eq!(code, 2, "{stdout}\n{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON object");
-    assert!(
-        v["no_gpu_reason"].as_str().is_some_and(|s| !s.is_empty()),
-        "{v}"
-    );
+    assert!(v["no_gpu_reason"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
     assert_eq!(v["exit_code"], 2);
     assert_eq!(v["facts"]["gpus"].as_array().map(Vec::len), Some(2));
     assert_eq!(v["facts"]["driver"]["version"], "580.95.05");
     assert_eq!(v["pairs"].as_array().map(Vec::len), Some(2));
     assert_eq!(v["pairs"][0]["level"], "untested");
     assert_eq!(v["pairs"][0]["pci_path"], "SameNumaNode");
-    assert!(
-        v["cache_written"].is_null(),
-        "nothing to cache without a GPU"
-    );
+    assert!(v["cache_written"].is_null(), "nothing to cache without a GPU");
 }
 
 #[test]

@@ -42,18 +42,10 @@ fn a_healthy_two_gpu_report_renders_and_round_trips() {
         performance_rank: Some(0),
         native_atomics: Some(true),
         cuda_array_access: Some(true),
-        nvml_p2p: ["read", "write", "nvlink", "atomics"]
-            .iter()
-            .map(|k| (k.to_string(), "Ok".to_string()))
-            .collect(),
+        nvml_p2p: ["read", "write", "nvlink", "atomics"].iter().map(|k| (k.to_string(), "Ok".to_string())).collect(),
         nvml_topology: Some("Node".into()),
     };
-    let checks = Checks {
-        copy_engine: Outcome::Pass,
-        mesh: Outcome::Pass,
-        oneshot: Outcome::Pass,
-        staged: Outcome::Pass,
-    };
+    let checks = Checks { copy_engine: Outcome::Pass, mesh: Outcome::Pass, oneshot: Outcome::Pass, staged: Outcome::Pass };
     let speeds = Speeds {
         bytes: 64 << 20,
         p2p_gbs: Some(368.2),

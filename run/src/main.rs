@@ -37,17 +37,12 @@ struct Args {
 }
 
 fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// The exit code that stands for `status`: its code, or 128 + the signal.
 fn code_of(status: ExitStatus) -> i32 {
-    status
-        .code()
-        .or_else(|| status.signal().map(|s| 128 + s))
-        .unwrap_or(1)
+    status.code().or_else(|| status.signal().map(|s| 128 + s)).unwrap_or(1)
 }
 
 /// Sends `sig` to the process group of each rank still running.
@@ -96,10 +91,7 @@ fn run(args: &Args) -> i32 {
         match cmd.spawn() {
             Ok(c) => children.push((c, None)),
             Err(e) => {
-                eprintln!(
-                    "cuda-peer-run: cannot start rank {rank} ({}): {e}",
-                    args.command[0]
-                );
+                eprintln!("cuda-peer-run: cannot start rank {rank} ({}): {e}", args.command[0]);
                 signal_all(&children, Signal::KILL);
                 for (c, _) in &mut children {
                     let _ = c.wait();
@@ -116,11 +108,7 @@ fn run(args: &Args) -> i32 {
     loop {
         let sig = caught.swap(0, Ordering::SeqCst);
         if sig != 0 {
-            let forward = if sig == signal_hook::consts::SIGINT as usize {
-                Signal::INT
-            } else {
-                Signal::TERM
-            };
+            let forward = if sig == signal_hook::consts::SIGINT as usize { Signal::INT } else { Signal::TERM };
             eprintln!("cuda-peer-run: forwarding signal {sig} to the ranks");
             signal_all(&children, forward);
             interrupted.get_or_insert(128 + sig as i32);

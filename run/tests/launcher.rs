@@ -8,32 +8,17 @@ use std::time::{Duration, Instant};
 fn launcher() -> Command {
     let built = std::path::Path::new(env!("CARGO_BIN_EXE_cuda-peer-run"));
     let staged = std::path::Path::new(".gpu/bin/cuda-peer-run");
-    Command::new(if built.exists() || !staged.exists() {
-        built
-    } else {
-        staged
-    })
+    Command::new(if built.exists() || !staged.exists() { built } else { staged })
 }
 
 #[test]
 fn every_rank_gets_torchrun_variables() {
     let out = launcher()
-        .args([
-            "-n",
-            "3",
-            "--",
-            "sh",
-            "-c",
-            "echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/$MASTER_ADDR/$MASTER_PORT",
-        ])
+        .args(["-n", "3", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/$MASTER_ADDR/$MASTER_PORT"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let mut lines: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(String::from)
-        .collect();
+    let mut lines: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
     lines.sort();
     assert_eq!(lines.len(), 3, "{lines:?}");
     let port = lines[0].rsplit('/').next().unwrap().to_string();
@@ -47,79 +32,37 @@ fn every_rank_gets_torchrun_variables() {
 fn a_failing_rank_stops_a_sleeping_sibling_and_its_code_is_the_exit_code() {
     let start = Instant::now();
     let status = launcher()
-        .args([
-            "-n",
-            "2",
-            "--grace",
-            "1",
-            "--",
-            "sh",
-            "-c",
-            r#"if [ "$RANK" = 1 ]; then sleep 0.2; exit 7; else sleep 60; fi"#,
-        ])
+        .args(["-n", "2", "--grace", "1", "--", "sh", "-c", r#"if [ "$RANK" = 1 ]; then sleep 0.2; exit 7; else sleep 60; fi"#])
         .status()
         .unwrap();
     assert_eq!(status.code(), Some(7));
-    assert!(
-        start.elapsed() < Duration::from_secs(20),
-        "{:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
 }
 
 #[test]
 fn a_rank_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let start = Instant::now();
     let status = launcher()
-        .args([
-            "-n",
-            "2",
-            "--grace",
-            "0.5",
-            "--",
-            "sh",
-            "-c",
-            r#"if [ "$RANK" = 0 ]; then exit 3; else trap '' TERM; sleep 60; fi"#,
-        ])
+        .args(["-n", "2", "--grace", "0.5", "--", "sh", "-c", r#"if [ "$RANK" = 0 ]; then exit 3; else trap '' TERM; sleep 60; fi"#])
         .status()
         .unwrap();
     assert_eq!(status.code(), Some(3));
-    assert!(
-        start.elapsed() < Duration::from_secs(20),
-        "{:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
 }
 
 #[test]
 fn success_is_zero_and_a_missing_program_is_127() {
-    assert_eq!(
-        launcher()
-            .args(["-n", "2", "--", "true"])
-            .status()
-            .unwrap()
-            .code(),
-        Some(0)
-    );
-    let status = launcher()
-        .args(["-n", "2", "--", "/nonexistent/program"])
-        .status()
-        .unwrap();
+    assert_eq!(launcher().args(["-n", "2", "--", "true"]).status().unwrap().code(), Some(0));
+    let status = launcher().args(["-n", "2", "--", "/nonexistent/program"]).status().unwrap();
     assert_eq!(status.code(), Some(127));
 }
 
 #[test]
 fn sigterm_is_forwarded() {
-    let mut child = launcher()
-        .args(["-n", "2", "--", "sh", "-c", "sleep 60"])
-        .spawn()
-        .unwrap();
+    let mut child = launcher().args(["-n", "2", "--", "sh", "-c", "sleep 60"]).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     let start = Instant::now();
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(128 + 15));
     assert!(start.elapsed() < Duration::from_secs(20));

@@ -22,8 +22,8 @@ pub mod verify;
 
 use crate::driver::{api, bind};
 use crate::error::{check, cudarc_err, Error, Result};
-use crate::peer::{raw_ctx, PeerAccess};
 use crate::graph::{capture_of, retain, KeepAlive};
+use crate::peer::{raw_ctx, PeerAccess};
 use crate::sync::{tracking, with_read, with_write, Orderer, Tracking};
 use crate::topology::link_info;
 use cuda_peer_sys as sys;
@@ -160,9 +160,7 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         return Ok((Vec::new(), status));
     }
     let claims = link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer;
-    let staged = |reason: String, verified| {
-        Ok((Vec::new(), LinkStatus { path: Path::Staged, driver_claims_p2p: claims, verified, reason }))
-    };
+    let staged = |reason: String, verified| Ok((Vec::new(), LinkStatus { path: Path::Staged, driver_claims_p2p: claims, verified, reason }));
     let fail = |reason: String| Err(Error::P2pUnavailable { from, to, reason });
     match opts.policy {
         PathPolicy::StagedOnly => return staged("staged by policy".into(), None),
@@ -290,9 +288,7 @@ impl Link {
                 with_write(dst, stream, &self.order, |d| {
                     bind(&self.dst)?;
                     // SAFETY: as above; both contexts are alive (held by the link).
-                    check("cuMemcpyPeerAsync", unsafe {
-                        api.cuMemcpyPeerAsync(d, raw_ctx(&self.dst), s, raw_ctx(&self.src), bytes, raw_stream)
-                    })?;
+                    check("cuMemcpyPeerAsync", unsafe { api.cuMemcpyPeerAsync(d, raw_ctx(&self.dst), s, raw_ctx(&self.src), bytes, raw_stream) })?;
                     self.done.record(stream).map_err(cudarc_err("cuEventRecord"))
                 })
             }),
@@ -309,9 +305,7 @@ impl Link {
                 // waited for its writers' events; without, the caller orders
                 // them through `stream`.
                 let start = if tracking(src.stream().context()) == Tracking::Caller { Start::AfterStream } else { Start::Ordered };
-                with_read(src, &staging.d2h, &self.order, |s| {
-                    with_write(dst, stream, &self.order, |d| staging.copy(d, s, bytes, stream, start))
-                })
+                with_read(src, &staging.d2h, &self.order, |s| with_write(dst, stream, &self.order, |d| staging.copy(d, s, bytes, stream, start)))
             }
         }
     }
@@ -345,4 +339,3 @@ mod tests {
         assert_eq!(Path::Staged.to_string(), "staged");
     }
 }
-

@@ -128,12 +128,7 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    pub(crate) fn new(
-        src: &Arc<CudaContext>,
-        dst: &Arc<CudaContext>,
-        chunk_bytes: usize,
-        buffers: usize,
-    ) -> Result<Self> {
+    pub(crate) fn new(src: &Arc<CudaContext>, dst: &Arc<CudaContext>, chunk_bytes: usize, buffers: usize) -> Result<Self> {
         let buffers = buffers.max(2);
         let chunk_bytes = chunk_bytes.max(4096);
         let d2h = src.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
@@ -162,9 +157,7 @@ impl Staging {
             // SAFETY: `dst + offset .. + len` lies in the destination (the
             // caller checked lengths); the pinned chunk holds `len` bytes
             // filled by the copy that `stream` now waits for.
-            check("cuMemcpyHtoDAsync", unsafe {
-                api()?.cuMemcpyHtoDAsync_v2(dst + offset as u64, host.cast(), len, h2d_raw)
-            })
+            check("cuMemcpyHtoDAsync", unsafe { api()?.cuMemcpyHtoDAsync_v2(dst + offset as u64, host.cast(), len, h2d_raw) })
         })
     }
 
@@ -220,9 +213,7 @@ impl Staging {
             // SAFETY: `src + offset .. + len` lies in the source allocation
             // (the caller checked lengths); the pinned buffer holds `len`
             // bytes and no other copy uses it until h2d_done/d2h_done say so.
-            check("cuMemcpyDtoHAsync", unsafe {
-                api.cuMemcpyDtoHAsync_v2(buf.addr().cast(), src + c.offset as u64, c.len, d2h_raw)
-            })?;
+            check("cuMemcpyDtoHAsync", unsafe { api.cuMemcpyDtoHAsync_v2(buf.addr().cast(), src + c.offset as u64, c.len, d2h_raw) })?;
             self.d2h_done[b].record(&self.d2h).map_err(cudarc_err("cuEventRecord"))?;
             stream.wait(&self.d2h_done[b]).map_err(cudarc_err("cuStreamWaitEvent"))?;
             bind(stream.context())?;

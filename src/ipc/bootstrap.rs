@@ -56,40 +56,20 @@ pub struct Bootstrap {
 impl Bootstrap {
     /// Checks and takes the given places (for frameworks that know them
     /// from their own launcher).
-    pub fn new(
-        rank: usize,
-        world_size: usize,
-        local_rank: usize,
-        local_world_size: usize,
-        master_addr: &str,
-        master_port: u16,
-    ) -> Result<Bootstrap> {
+    pub fn new(rank: usize, world_size: usize, local_rank: usize, local_world_size: usize, master_addr: &str, master_port: u16) -> Result<Bootstrap> {
         if world_size == 0 {
             return Err(Error::InvalidArgument("world size 0".into()));
         }
         if rank >= world_size {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} out of range for a world of {world_size}"
-            )));
+            return Err(Error::InvalidArgument(format!("rank {rank} out of range for a world of {world_size}")));
         }
-        if local_world_size == 0 || local_world_size > world_size || local_rank >= local_world_size
-        {
-            return Err(Error::InvalidArgument(format!(
-                "local rank {local_rank} of {local_world_size} does not fit a world of {world_size}"
-            )));
+        if local_world_size == 0 || local_world_size > world_size || local_rank >= local_world_size {
+            return Err(Error::InvalidArgument(format!("local rank {local_rank} of {local_world_size} does not fit a world of {world_size}")));
         }
         if master_addr.is_empty() {
             return Err(Error::InvalidArgument("empty master address".into()));
         }
-        Ok(Bootstrap {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            master_addr: master_addr.to_string(),
-            master_port,
-            timeout: DEFAULT_TIMEOUT,
-        })
+        Ok(Bootstrap { rank, world_size, local_rank, local_world_size, master_addr: master_addr.to_string(), master_port, timeout: DEFAULT_TIMEOUT })
     }
 
     /// Reads torchrun's variables from the environment: `RANK`,
@@ -102,20 +82,10 @@ impl Bootstrap {
 
     /// As [`Self::from_env`], with the variables looked up by `get`.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Bootstrap> {
-        fn num<T: std::str::FromStr>(
-            get: &dyn Fn(&str) -> Option<String>,
-            var: &'static str,
-            default: Option<T>,
-        ) -> Result<T> {
+        fn num<T: std::str::FromStr>(get: &dyn Fn(&str) -> Option<String>, var: &'static str, default: Option<T>) -> Result<T> {
             match get(var) {
-                Some(v) => v.trim().parse().map_err(|_| Error::Env {
-                    var,
-                    problem: format!("{v:?} is not a valid number"),
-                }),
-                None => default.ok_or(Error::Env {
-                    var,
-                    problem: "not set".into(),
-                }),
+                Some(v) => v.trim().parse().map_err(|_| Error::Env { var, problem: format!("{v:?} is not a valid number") }),
+                None => default.ok_or(Error::Env { var, problem: "not set".into() }),
             }
         }
         let rank: usize = num(&get, "RANK", None)?;
@@ -123,39 +93,21 @@ impl Bootstrap {
         let local_rank: usize = num(&get, "LOCAL_RANK", Some(rank))?;
         let local_world_size: usize = num(&get, "LOCAL_WORLD_SIZE", Some(world_size))?;
         let master_port: u16 = num(&get, "MASTER_PORT", None)?;
-        let master_addr = get("MASTER_ADDR").ok_or(Error::Env {
-            var: "MASTER_ADDR",
-            problem: "not set".into(),
-        })?;
+        let master_addr = get("MASTER_ADDR").ok_or(Error::Env { var: "MASTER_ADDR", problem: "not set".into() })?;
         if world_size == 0 {
-            return Err(Error::Env {
-                var: "WORLD_SIZE",
-                problem: "must be at least 1".into(),
-            });
+            return Err(Error::Env { var: "WORLD_SIZE", problem: "must be at least 1".into() });
         }
         if rank >= world_size {
-            return Err(Error::Env {
-                var: "RANK",
-                problem: format!("{rank} is not below WORLD_SIZE {world_size}"),
-            });
+            return Err(Error::Env { var: "RANK", problem: format!("{rank} is not below WORLD_SIZE {world_size}") });
         }
         if local_world_size == 0 || local_world_size > world_size {
-            return Err(Error::Env {
-                var: "LOCAL_WORLD_SIZE",
-                problem: format!("{local_world_size} is not in 1..={world_size}"),
-            });
+            return Err(Error::Env { var: "LOCAL_WORLD_SIZE", problem: format!("{local_world_size} is not in 1..={world_size}") });
         }
         if local_rank >= local_world_size {
-            return Err(Error::Env {
-                var: "LOCAL_RANK",
-                problem: format!("{local_rank} is not below LOCAL_WORLD_SIZE {local_world_size}"),
-            });
+            return Err(Error::Env { var: "LOCAL_RANK", problem: format!("{local_rank} is not below LOCAL_WORLD_SIZE {local_world_size}") });
         }
         if master_addr.trim().is_empty() {
-            return Err(Error::Env {
-                var: "MASTER_ADDR",
-                problem: "empty".into(),
-            });
+            return Err(Error::Env { var: "MASTER_ADDR", problem: "empty".into() });
         }
         Ok(Bootstrap {
             rank,
@@ -181,13 +133,7 @@ impl Bootstrap {
     /// disagrees (another world size, a rank taken twice).
     pub fn connect(&self) -> Result<Rendezvous> {
         if self.world_size == 1 {
-            return Ok(Rendezvous {
-                rank: 0,
-                size: 1,
-                job: new_job_id(self.master_port),
-                timeout: self.timeout,
-                links: Mutex::new(Vec::new()),
-            });
+            return Ok(Rendezvous { rank: 0, size: 1, job: new_job_id(self.master_port), timeout: self.timeout, links: Mutex::new(Vec::new()) });
         }
         if self.rank == 0 {
             self.serve()
@@ -201,26 +147,17 @@ impl Bootstrap {
         let listener = TcpListener::bind((self.master_addr.as_str(), self.master_port))
             .or_else(|_| TcpListener::bind((Ipv4Addr::UNSPECIFIED, self.master_port)))
             .map_err(io_err("rendezvous: bind MASTER_PORT"))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(io_err("rendezvous: listener"))?;
+        listener.set_nonblocking(true).map_err(io_err("rendezvous: listener"))?;
         let mut links: Vec<Option<TcpStream>> = (0..self.world_size).map(|_| None).collect();
         let mut arrived = 1;
         while arrived < self.world_size {
             let stream = match listener.accept() {
                 Ok((s, _)) => s,
-                Err(e)
-                    if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted =>
-                {
+                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
                     if Instant::now() > deadline {
-                        let missing: Vec<usize> = (1..self.world_size)
-                            .filter(|&r| links[r].is_none())
-                            .collect();
+                        let missing: Vec<usize> = (1..self.world_size).filter(|&r| links[r].is_none()).collect();
                         log::warn!("cuda-peer rendezvous: ranks {missing:?} did not connect");
-                        return Err(Error::Timeout {
-                            op: "rendezvous (waiting for every rank to connect)",
-                            after: self.timeout,
-                        });
+                        return Err(Error::Timeout { op: "rendezvous (waiting for every rank to connect)", after: self.timeout });
                     }
                     std::thread::sleep(Duration::from_millis(5));
                     continue;
@@ -234,23 +171,14 @@ impl Bootstrap {
             if world != self.world_size {
                 return Err(Error::Bootstrap {
                     op: "rendezvous",
-                    reason: format!(
-                        "rank {rank} says the world has {world} ranks, rank 0 says {}",
-                        self.world_size
-                    ),
+                    reason: format!("rank {rank} says the world has {world} ranks, rank 0 says {}", self.world_size),
                 });
             }
             if rank == 0 || rank >= self.world_size {
-                return Err(Error::Bootstrap {
-                    op: "rendezvous",
-                    reason: format!("a peer claims rank {rank} in a world of {world}"),
-                });
+                return Err(Error::Bootstrap { op: "rendezvous", reason: format!("a peer claims rank {rank} in a world of {world}") });
             }
             if links[rank].is_some() {
-                return Err(Error::Bootstrap {
-                    op: "rendezvous",
-                    reason: format!("rank {rank} connected twice"),
-                });
+                return Err(Error::Bootstrap { op: "rendezvous", reason: format!("rank {rank} connected twice") });
             }
             links[rank] = Some(stream);
             arrived += 1;
@@ -260,33 +188,19 @@ impl Bootstrap {
         for mut s in &links {
             write_message(&mut s, job.as_bytes(), "rendezvous: welcome")?;
         }
-        Ok(Rendezvous {
-            rank: 0,
-            size: self.world_size,
-            job,
-            timeout: self.timeout,
-            links: Mutex::new(links),
-        })
+        Ok(Rendezvous { rank: 0, size: self.world_size, job, timeout: self.timeout, links: Mutex::new(links) })
     }
 
     fn join(&self) -> Result<Rendezvous> {
         let deadline = Instant::now() + self.timeout;
         let stream = loop {
-            let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port)
-                .to_socket_addrs()
-                .map(|a| a.collect())
-                .unwrap_or_default();
-            let attempt = addrs
-                .iter()
-                .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(1)).ok());
+            let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port).to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
+            let attempt = addrs.iter().find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(1)).ok());
             if let Some(s) = attempt {
                 break s;
             }
             if Instant::now() > deadline {
-                return Err(Error::Timeout {
-                    op: "rendezvous (connecting to rank 0)",
-                    after: self.timeout,
-                });
+                return Err(Error::Timeout { op: "rendezvous (connecting to rank 0)", after: self.timeout });
             }
             std::thread::sleep(Duration::from_millis(20));
         };
@@ -298,27 +212,15 @@ impl Bootstrap {
         write_message(&mut s, &hello, "rendezvous: HELLO")?;
         // Rank 0 answers once every rank is there: wait up to the whole timeout.
         let job = read_message(&mut s, "rendezvous: welcome")?;
-        let job = String::from_utf8(job).map_err(|_| Error::Bootstrap {
-            op: "rendezvous",
-            reason: "job id is not UTF-8".into(),
-        })?;
-        Ok(Rendezvous {
-            rank: self.rank,
-            size: self.world_size,
-            job,
-            timeout: self.timeout,
-            links: Mutex::new(vec![stream]),
-        })
+        let job = String::from_utf8(job).map_err(|_| Error::Bootstrap { op: "rendezvous", reason: "job id is not UTF-8".into() })?;
+        Ok(Rendezvous { rank: self.rank, size: self.world_size, job, timeout: self.timeout, links: Mutex::new(vec![stream]) })
     }
 
     fn configure(&self, s: TcpStream) -> Result<TcpStream> {
         let t = Some(self.timeout.max(Duration::from_millis(1)));
-        s.set_nonblocking(false)
-            .map_err(io_err("rendezvous: socket"))?;
-        s.set_read_timeout(t)
-            .map_err(io_err("rendezvous: socket"))?;
-        s.set_write_timeout(t)
-            .map_err(io_err("rendezvous: socket"))?;
+        s.set_nonblocking(false).map_err(io_err("rendezvous: socket"))?;
+        s.set_read_timeout(t).map_err(io_err("rendezvous: socket"))?;
+        s.set_write_timeout(t).map_err(io_err("rendezvous: socket"))?;
         s.set_nodelay(true).map_err(io_err("rendezvous: socket"))?;
         Ok(s)
     }
@@ -386,17 +288,12 @@ impl Exchange for Rendezvous {
             }
             Ok(all)
         } else {
-            let mut s = links
-                .first()
-                .ok_or_else(|| Error::Internal("rendezvous without a link".into()))?;
+            let mut s = links.first().ok_or_else(|| Error::Internal("rendezvous without a link".into()))?;
             write_message(&mut s, blob, "all-gather").map_err(|e| lost(e, 0))?;
             let packed = read_message(&mut s, "all-gather").map_err(|e| lost(e, 0))?;
             let all = unpack(&packed)?;
             if all.len() != self.size {
-                return Err(Error::Bootstrap {
-                    op: "all-gather",
-                    reason: format!("{} blobs for {} ranks", all.len(), self.size),
-                });
+                return Err(Error::Bootstrap { op: "all-gather", reason: format!("{} blobs for {} ranks", all.len(), self.size) });
             }
             Ok(all)
         }
@@ -413,28 +310,19 @@ impl Rendezvous {
 /// Names the peer in an error of the link to it.
 fn lost(e: Error, peer: usize) -> Error {
     match e {
-        Error::Bootstrap { op, reason } => Error::Bootstrap {
-            op,
-            reason: format!("rank {peer}: {reason}"),
-        },
+        Error::Bootstrap { op, reason } => Error::Bootstrap { op, reason: format!("rank {peer}: {reason}") },
         other => other,
     }
 }
 
 fn new_job_id(port: u16) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     format!("{:x}-{:x}-{port}", std::process::id(), nanos as u64)
 }
 
 fn parse_hello(m: &[u8]) -> Result<(usize, usize)> {
     if m.len() != MAGIC.len() + 8 || &m[..MAGIC.len()] != MAGIC {
-        return Err(Error::Bootstrap {
-            op: "rendezvous",
-            reason: "a peer that does not speak the cuda-peer protocol connected".into(),
-        });
+        return Err(Error::Bootstrap { op: "rendezvous", reason: "a peer that does not speak the cuda-peer protocol connected".into() });
     }
     let word = |i: usize| {
         let mut b = [0u8; 4];
@@ -457,10 +345,7 @@ pub(crate) fn pack(blobs: &[Vec<u8>]) -> Vec<u8> {
 
 /// The inverse of [`pack`].
 pub(crate) fn unpack(mut m: &[u8]) -> Result<Vec<Vec<u8>>> {
-    let bad = || Error::Bootstrap {
-        op: "all-gather",
-        reason: "malformed message".into(),
-    };
+    let bad = || Error::Bootstrap { op: "all-gather", reason: "malformed message".into() };
     let word = |m: &mut &[u8]| -> Result<usize> {
         let (head, rest) = m.split_at_checked(4).ok_or_else(bad)?;
         *m = rest;
@@ -485,17 +370,12 @@ pub(crate) fn unpack(mut m: &[u8]) -> Result<Vec<Vec<u8>>> {
 /// Writes one length-prefixed message.
 pub(crate) fn write_message(s: &mut impl Write, m: &[u8], op: &'static str) -> Result<()> {
     if m.len() > MAX_MESSAGE_BYTES {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: a message of {} bytes (at most {MAX_MESSAGE_BYTES})",
-            m.len()
-        )));
+        return Err(Error::InvalidArgument(format!("{op}: a message of {} bytes (at most {MAX_MESSAGE_BYTES})", m.len())));
     }
     let mut framed = Vec::with_capacity(4 + m.len());
     framed.extend_from_slice(&(m.len() as u32).to_le_bytes());
     framed.extend_from_slice(m);
-    s.write_all(&framed)
-        .and_then(|()| s.flush())
-        .map_err(io_err(op))
+    s.write_all(&framed).and_then(|()| s.flush()).map_err(io_err(op))
 }
 
 /// Reads one length-prefixed message (bounded by the stream's read timeout).
@@ -504,10 +384,7 @@ pub(crate) fn read_message(s: &mut impl Read, op: &'static str) -> Result<Vec<u8
     s.read_exact(&mut len).map_err(io_err(op))?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_MESSAGE_BYTES {
-        return Err(Error::Bootstrap {
-            op,
-            reason: format!("a message of {len} bytes (at most {MAX_MESSAGE_BYTES})"),
-        });
+        return Err(Error::Bootstrap { op, reason: format!("a message of {len} bytes (at most {MAX_MESSAGE_BYTES})") });
     }
     let mut m = vec![0u8; len];
     s.read_exact(&mut m).map_err(io_err(op))?;
@@ -519,18 +396,9 @@ pub(crate) fn read_message(s: &mut impl Read, op: &'static str) -> Result<Vec<u8
 /// rest to [`Error::Bootstrap`].
 pub(crate) fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
     move |e| match e.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Bootstrap {
-            op,
-            reason: format!("timed out ({e})"),
-        },
-        ErrorKind::UnexpectedEof => Error::Bootstrap {
-            op,
-            reason: "the peer closed the connection (exited?)".into(),
-        },
-        _ => Error::Bootstrap {
-            op,
-            reason: e.to_string(),
-        },
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Bootstrap { op, reason: format!("timed out ({e})") },
+        ErrorKind::UnexpectedEof => Error::Bootstrap { op, reason: "the peer closed the connection (exited?)".into() },
+        _ => Error::Bootstrap { op, reason: e.to_string() },
     }
 }
 
@@ -540,33 +408,18 @@ mod tests {
     use std::collections::HashMap;
 
     fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| map.get(k).cloned()
     }
 
-    const FULL: [(&str, &str); 6] = [
-        ("RANK", "1"),
-        ("WORLD_SIZE", "2"),
-        ("LOCAL_RANK", "1"),
-        ("LOCAL_WORLD_SIZE", "2"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", "29500"),
-    ];
+    const FULL: [(&str, &str); 6] =
+        [("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
 
     #[test]
     fn torchrun_variables_parse() {
         let b = Bootstrap::from_vars(vars(&FULL)).unwrap();
-        assert_eq!(
-            (b.rank, b.world_size, b.local_rank, b.local_world_size),
-            (1, 2, 1, 2)
-        );
-        assert_eq!(
-            (b.master_addr.as_str(), b.master_port),
-            ("127.0.0.1", 29500)
-        );
+        assert_eq!((b.rank, b.world_size, b.local_rank, b.local_world_size), (1, 2, 1, 2));
+        assert_eq!((b.master_addr.as_str(), b.master_port), ("127.0.0.1", 29500));
         // LOCAL_* default to the global values.
         let b = Bootstrap::from_vars(vars(&[FULL[0], FULL[1], FULL[4], FULL[5]])).unwrap();
         assert_eq!((b.local_rank, b.local_world_size), (1, 2));
@@ -575,11 +428,7 @@ mod tests {
     #[test]
     fn missing_and_invalid_variables_are_typed_errors() {
         for missing in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
-            let pairs: Vec<_> = FULL
-                .iter()
-                .copied()
-                .filter(|(k, _)| *k != missing)
-                .collect();
+            let pairs: Vec<_> = FULL.iter().copied().filter(|(k, _)| *k != missing).collect();
             match Bootstrap::from_vars(vars(&pairs)) {
                 Err(Error::Env { var, problem }) => {
                     assert_eq!((var, problem.as_str()), (missing, "not set"))
@@ -596,19 +445,13 @@ mod tests {
             ("LOCAL_WORLD_SIZE", "3", "LOCAL_WORLD_SIZE"),
         ];
         for (key, value, blamed) in cases {
-            let pairs: Vec<_> = FULL
-                .iter()
-                .map(|&(k, v)| if k == key { (k, value) } else { (k, v) })
-                .collect();
+            let pairs: Vec<_> = FULL.iter().map(|&(k, v)| if k == key { (k, value) } else { (k, v) }).collect();
             match Bootstrap::from_vars(vars(&pairs)) {
                 Err(Error::Env { var, .. }) => assert_eq!(var, blamed, "{key}={value}"),
                 other => panic!("{key}={value}: {other:?}"),
             }
         }
-        assert!(matches!(
-            Bootstrap::new(2, 2, 0, 1, "h", 1),
-            Err(Error::InvalidArgument(_))
-        ));
+        assert!(matches!(Bootstrap::new(2, 2, 0, 1, "h", 1), Err(Error::InvalidArgument(_))));
         assert!(Bootstrap::new(1, 2, 0, 1, "h", 1).is_ok());
     }
 
@@ -622,11 +465,7 @@ mod tests {
 
     /// A free port on 127.0.0.1 (free when asked; the rendezvous binds it again).
     pub(crate) fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
     }
 
     #[test]
@@ -636,9 +475,7 @@ mod tests {
             let handles: Vec<_> = (0..n)
                 .map(|r| {
                     std::thread::spawn(move || {
-                        let b = Bootstrap::new(r, n, r, n, "127.0.0.1", port)
-                            .unwrap()
-                            .with_timeout(Duration::from_secs(20));
+                        let b = Bootstrap::new(r, n, r, n, "127.0.0.1", port).unwrap().with_timeout(Duration::from_secs(20));
                         let rv = b.connect().unwrap();
                         assert_eq!((rv.rank(), rv.size()), (r, n));
                         let all = rv.all_gather(format!("rank {r}").as_bytes()).unwrap();
@@ -651,16 +488,8 @@ mod tests {
             let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
             for (job, all, again) in &results {
                 assert_eq!(job, &results[0].0);
-                assert_eq!(
-                    all,
-                    &(0..n)
-                        .map(|r| format!("rank {r}").into_bytes())
-                        .collect::<Vec<_>>()
-                );
-                assert_eq!(
-                    again,
-                    &(0..n).map(|r| vec![r as u8; r * 1000]).collect::<Vec<_>>()
-                );
+                assert_eq!(all, &(0..n).map(|r| format!("rank {r}").into_bytes()).collect::<Vec<_>>());
+                assert_eq!(again, &(0..n).map(|r| vec![r as u8; r * 1000]).collect::<Vec<_>>());
             }
         }
     }
@@ -671,31 +500,15 @@ mod tests {
         let t = Duration::from_millis(500);
         let start = Instant::now();
         // Rank 0 of 3 with only rank 1 arriving.
-        let joiner = std::thread::spawn(move || {
-            Bootstrap::new(1, 3, 1, 3, "127.0.0.1", port)
-                .unwrap()
-                .with_timeout(t)
-                .connect()
-                .map(|_| ())
-        });
-        let served = Bootstrap::new(0, 3, 0, 3, "127.0.0.1", port)
-            .unwrap()
-            .with_timeout(t)
-            .connect();
+        let joiner = std::thread::spawn(move || Bootstrap::new(1, 3, 1, 3, "127.0.0.1", port).unwrap().with_timeout(t).connect().map(|_| ()));
+        let served = Bootstrap::new(0, 3, 0, 3, "127.0.0.1", port).unwrap().with_timeout(t).connect();
         assert!(matches!(served, Err(Error::Timeout { .. })), "{served:?}");
         let joined = joiner.join().unwrap();
         assert!(joined.is_err(), "{joined:?}");
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "{:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
         // Nobody serving: the joiner gives up in time too.
         let start = Instant::now();
-        let alone = Bootstrap::new(1, 2, 1, 2, "127.0.0.1", free_port())
-            .unwrap()
-            .with_timeout(t)
-            .connect();
+        let alone = Bootstrap::new(1, 2, 1, 2, "127.0.0.1", free_port()).unwrap().with_timeout(t).connect();
         assert!(matches!(alone, Err(Error::Timeout { .. })), "{alone:?}");
         assert!(start.elapsed() < Duration::from_secs(5));
     }
@@ -705,18 +518,10 @@ mod tests {
         let port = free_port();
         let t = Duration::from_secs(10);
         let leaver = std::thread::spawn(move || {
-            let rv = Bootstrap::new(1, 2, 1, 2, "127.0.0.1", port)
-                .unwrap()
-                .with_timeout(t)
-                .connect()
-                .unwrap();
+            let rv = Bootstrap::new(1, 2, 1, 2, "127.0.0.1", port).unwrap().with_timeout(t).connect().unwrap();
             drop(rv);
         });
-        let rv = Bootstrap::new(0, 2, 0, 2, "127.0.0.1", port)
-            .unwrap()
-            .with_timeout(t)
-            .connect()
-            .unwrap();
+        let rv = Bootstrap::new(0, 2, 0, 2, "127.0.0.1", port).unwrap().with_timeout(t).connect().unwrap();
         leaver.join().unwrap();
         let start = Instant::now();
         let r = rv.all_gather(b"x");
@@ -728,17 +533,8 @@ mod tests {
     fn disagreeing_world_sizes_are_refused() {
         let port = free_port();
         let t = Duration::from_secs(5);
-        let joiner = std::thread::spawn(move || {
-            Bootstrap::new(1, 3, 1, 3, "127.0.0.1", port)
-                .unwrap()
-                .with_timeout(t)
-                .connect()
-                .map(|_| ())
-        });
-        let served = Bootstrap::new(0, 2, 0, 2, "127.0.0.1", port)
-            .unwrap()
-            .with_timeout(t)
-            .connect();
+        let joiner = std::thread::spawn(move || Bootstrap::new(1, 3, 1, 3, "127.0.0.1", port).unwrap().with_timeout(t).connect().map(|_| ()));
+        let served = Bootstrap::new(0, 2, 0, 2, "127.0.0.1", port).unwrap().with_timeout(t).connect();
         assert!(matches!(served, Err(Error::Bootstrap { .. })), "{served:?}");
         assert!(joiner.join().unwrap().is_err());
     }

@@ -40,9 +40,7 @@ use crate::group::{mesh_kernel, reduce_kernel, FnTable, PtrArray};
 use crate::kernels;
 use crate::oneshot::{lane_index, layout, LaneLayout};
 use crate::sync::{wait_bounded, Orderer};
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -72,12 +70,7 @@ pub struct CommOptions {
 
 impl Default for CommOptions {
     fn default() -> Self {
-        CommOptions {
-            timeout: Duration::from_secs(60),
-            verify: true,
-            check_calls: false,
-            barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
-        }
+        CommOptions { timeout: Duration::from_secs(60), verify: true, check_calls: false, barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT }
     }
 }
 
@@ -118,11 +111,7 @@ pub struct Comm {
 
 impl std::fmt::Debug for Comm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Comm")
-            .field("rank", &self.rank)
-            .field("size", &self.size)
-            .field("device", &self.ctx.ordinal())
-            .finish()
+        f.debug_struct("Comm").field("rank", &self.rank).field("size", &self.size).field("device", &self.ctx.ordinal()).finish()
     }
 }
 
@@ -142,11 +131,7 @@ impl RankInfo {
     fn decode(s: &str) -> Option<RankInfo> {
         let mut it = s.split('\n');
         let (host, bus, region) = (it.next()?, it.next()?, it.next()?.parse().ok()?);
-        Some(RankInfo {
-            host: host.into(),
-            bus: bus.into(),
-            region,
-        })
+        Some(RankInfo { host: host.into(), bus: bus.into(), region })
     }
 }
 
@@ -154,16 +139,8 @@ impl RankInfo {
 /// machine share the boot id but may not share device memory handles, so
 /// the name is part of it).
 fn host_identity() -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default()
-    };
-    format!(
-        "{}/{}",
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id")
-    )
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
 }
 
 /// All-gathers each rank's outcome of a step: `Ok(values)` where every rank
@@ -180,18 +157,8 @@ fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<
         let text = String::from_utf8_lossy(b);
         match text.split_once('\n') {
             Some(("ok", v)) => values.push(v.to_string()),
-            Some(("err", why)) => {
-                return Err(Error::Bootstrap {
-                    op: step,
-                    reason: format!("rank {r} failed: {why}"),
-                })
-            }
-            _ => {
-                return Err(Error::Bootstrap {
-                    op: step,
-                    reason: format!("rank {r} sent a malformed reply"),
-                })
-            }
+            Some(("err", why)) => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} failed: {why}") }),
+            _ => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} sent a malformed reply") }),
         }
     }
     Ok(values)
@@ -200,23 +167,14 @@ fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<
 /// The checks of step 1 on every rank's info: one host, one device per rank.
 fn check_layout(infos: &[RankInfo]) -> Result<()> {
     if infos.len() > MAX_RANKS {
-        return Err(Error::Unsupported(format!(
-            "{} ranks in one communicator (at most {MAX_RANKS})",
-            infos.len()
-        )));
+        return Err(Error::Unsupported(format!("{} ranks in one communicator (at most {MAX_RANKS})", infos.len())));
     }
     for (r, i) in infos.iter().enumerate() {
         if i.host != infos[0].host {
-            return Err(Error::Unsupported(format!(
-                "ranks on several hosts (rank 0 on {}, rank {r} on {})",
-                infos[0].host, i.host
-            )));
+            return Err(Error::Unsupported(format!("ranks on several hosts (rank 0 on {}, rank {r} on {})", infos[0].host, i.host)));
         }
         if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus) {
-            return Err(Error::Unsupported(format!(
-                "ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank",
-                i.bus
-            )));
+            return Err(Error::Unsupported(format!("ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank", i.bus)));
         }
     }
     Ok(())
@@ -225,10 +183,7 @@ fn check_layout(infos: &[RankInfo]) -> Result<()> {
 /// The ordinal, in this process, of the device at PCI bus id `bus`.
 fn ordinal_of(bus: &str) -> Result<Option<usize>> {
     for d in 0..crate::driver::device_count()? {
-        if crate::topology::device_info(d)?
-            .pci_bus_id
-            .eq_ignore_ascii_case(bus)
-        {
+        if crate::topology::device_info(d)?.pci_bus_id.eq_ignore_ascii_case(bus) {
             return Ok(Some(d));
         }
     }
@@ -259,9 +214,7 @@ impl Comm {
         // Step 1: device, own region, identity.
         let opened = (|| {
             if size > MAX_RANKS {
-                return Err(Error::Unsupported(format!(
-                    "{size} ranks in one communicator (at most {MAX_RANKS})"
-                )));
+                return Err(Error::Unsupported(format!("{size} ranks in one communicator (at most {MAX_RANKS})")));
             }
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
@@ -269,28 +222,15 @@ impl Comm {
             own.zero(&stream)?;
             let fd = own.export_fd()?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
-            let info = RankInfo {
-                host: host_identity(),
-                bus,
-                region: own.len(),
-            };
+            let info = RankInfo { host: host_identity(), bus, region: own.len() };
             Ok((ctx, stream, own, fd, info))
         })();
-        let infos = agree(
-            ex,
-            "communicator: opening the devices",
-            opened.as_ref().map(|o| o.4.encode()).map_err(Clone::clone),
-        )?;
+        let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.4.encode()).map_err(Clone::clone))?;
         let (ctx, stream, own, fd, _) = opened?;
         let infos: Vec<RankInfo> = infos
             .iter()
             .enumerate()
-            .map(|(r, s)| {
-                RankInfo::decode(s).ok_or_else(|| Error::Bootstrap {
-                    op: "communicator",
-                    reason: format!("rank {r}: malformed info"),
-                })
-            })
+            .map(|(r, s)| RankInfo::decode(s).ok_or_else(|| Error::Bootstrap { op: "communicator", reason: format!("rank {r}: malformed info") }))
             .collect::<Result<_>>()?;
         check_layout(&infos)?;
 
@@ -315,14 +255,7 @@ impl Comm {
             }
             FdListener::bind(&job, rank)
         })();
-        agree(
-            ex,
-            "communicator: checking P2P",
-            listened
-                .as_ref()
-                .map(|_| String::new())
-                .map_err(Clone::clone),
-        )?;
+        agree(ex, "communicator: checking P2P", listened.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
         let listener = listened?;
 
         // Step 3: descriptors out, then in, then mapped.
@@ -338,51 +271,28 @@ impl Comm {
                 if g.from != expected || g.tag != infos[expected].region as u64 {
                     return Err(Error::Bootstrap {
                         op: "communicator: descriptors",
-                        reason: format!(
-                            "unexpected descriptor from rank {} (tag {})",
-                            g.from, g.tag
-                        ),
+                        reason: format!("unexpected descriptor from rank {} (tag {})", g.from, g.tag),
                     });
                 }
-                peers.push(DeviceRegion::import(
-                    &ctx,
-                    g.fd.as_fd(),
-                    infos[expected].region,
-                )?);
+                peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), infos[expected].region)?);
             }
             Ok(peers)
         })();
         drop(listener);
         drop(fd);
-        agree(
-            ex,
-            "communicator: mapping the peers' memory",
-            imported
-                .as_ref()
-                .map(|_| String::new())
-                .map_err(Clone::clone),
-        )?;
+        agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
         let peers = imported?;
 
         // Counters, and the lanes as this rank launches them.
-        let counters = stream
-            .alloc_zeros::<u32>(lanes.len() * kernels::ONESHOT_MAX_BLOCKS)
-            .map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
-        stream
-            .synchronize()
-            .map_err(cudarc_err("cuStreamSynchronize"))?;
+        let counters = stream.alloc_zeros::<u32>(lanes.len() * kernels::ONESHOT_MAX_BLOCKS).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
+        stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         let counter_base = counters.device_ptr(&stream).0;
         let lanes = lanes
             .into_iter()
             .enumerate()
             .map(|(l, layout)| Lane {
                 layout,
-                push: PtrArray::from_slice(
-                    &peers
-                        .iter()
-                        .map(|p| p.device_ptr() + layout.offset as u64)
-                        .collect::<Vec<_>>(),
-                ),
+                push: PtrArray::from_slice(&peers.iter().map(|p| p.device_ptr() + layout.offset as u64).collect::<Vec<_>>()),
                 pull: own.device_ptr() + layout.offset as u64,
                 counters: counter_base + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64,
             })
@@ -410,11 +320,7 @@ impl Comm {
         comm.exchange.barrier()?;
         if opts.verify {
             let checked = comm.verify(opts.timeout);
-            agree(
-                &*comm.exchange,
-                "communicator: verification",
-                checked.map(|()| String::new()),
-            )?;
+            agree(&*comm.exchange, "communicator: verification", checked.map(|()| String::new()))?;
         }
         Ok(comm)
     }
@@ -423,31 +329,15 @@ impl Comm {
     fn verify(&self, timeout: Duration) -> Result<()> {
         for (l, lane) in self.lanes.iter().enumerate() {
             // A size that takes this lane, and not a multiple of 16 bytes.
-            let count = (lane.layout.max_bytes.min(256 << 10) / 4)
-                .saturating_sub(3)
-                .max(5);
-            let inputs: Vec<Vec<u32>> = (0..self.size)
-                .map(|r| seeded(0x5eed_0000 + l as u64 * 64 + r as u64, count))
-                .collect();
-            let expected: Vec<u32> = (0..count)
-                .map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i])))
-                .collect();
-            let mut buf = self
-                .stream
-                .clone_htod(&inputs[self.rank])
-                .map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
+            let count = (lane.layout.max_bytes.min(256 << 10) / 4).saturating_sub(3).max(5);
+            let inputs: Vec<Vec<u32>> = (0..self.size).map(|r| seeded(0x5eed_0000 + l as u64 * 64 + r as u64, count)).collect();
+            let expected: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect();
+            let mut buf = self.stream.clone_htod(&inputs[self.rank]).map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
             self.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
-            let done = self
-                .ctx
-                .new_event(None)
-                .map_err(cudarc_err("cuEventCreate"))?;
-            done.record(&self.stream)
-                .map_err(cudarc_err("cuEventRecord"))?;
+            let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
+            done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
             wait_bounded(&done, "communicator verification (all-reduce)", timeout)?;
-            let got = self
-                .stream
-                .clone_dtoh(&buf)
-                .map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
+            let got = self.stream.clone_dtoh(&buf).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
             if let Some(i) = (0..count).find(|&i| got[i] != expected[i]) {
                 return Err(Error::P2pUnavailable {
                     from: self.ctx.ordinal(),
@@ -488,9 +378,7 @@ impl Comm {
 
     /// Waits for this rank's collectives to finish on the device.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream
-            .synchronize()
-            .map_err(cudarc_err("cuStreamSynchronize"))?;
+        self.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         self.order.synchronize()?;
         // A kernel that gave up waiting for a peer since the last call.
         self.ctl.check()
@@ -499,11 +387,7 @@ impl Comm {
     /// In-place all-reduce: `buf` becomes the reduction, in rank order, of
     /// every rank's `buf`. Every rank must call it with the same length,
     /// element type and op, in the same order as its other collectives.
-    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(
-        &self,
-        buf: &mut D,
-        op: ReduceOp,
-    ) -> Result<()> {
+    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
@@ -520,22 +404,13 @@ impl Comm {
     /// Out-of-place all-reduce: `recv` becomes the reduction of every
     /// rank's `send`, which is unchanged. As for
     /// [`Self::all_reduce_in_place`].
-    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
-        &self,
-        send: &S,
-        recv: &mut D,
-        op: ReduceOp,
-    ) -> Result<()> {
+    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "send", &self.ctx, send.stream().context())?;
         crate::copy::check_context("all_reduce", "recv", &self.ctx, recv.stream().context())?;
         let count = send.len();
         if recv.len() != count {
-            return Err(Error::LengthMismatch {
-                op: "all_reduce",
-                expected: count,
-                got: recv.len(),
-            });
+            return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
         let mut calls = self.enter(count, T::DTYPE, op)?;
         if count == 0 {
@@ -550,12 +425,7 @@ impl Comm {
 
     /// Takes the call lock and, with [`CommOptions::check_calls`], checks
     /// that every rank makes the same call.
-    fn enter(
-        &self,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<std::sync::MutexGuard<'_, u64>> {
+    fn enter(&self, count: usize, dtype: DType, op: ReduceOp) -> Result<std::sync::MutexGuard<'_, u64>> {
         let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.ctl.check()?;
         if self.check_calls {
@@ -576,34 +446,13 @@ impl Comm {
     }
 
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
-    fn launch<T: Element>(
-        &self,
-        op: ReduceOp,
-        input: u64,
-        output: u64,
-        count: usize,
-    ) -> Result<()> {
+    fn launch<T: Element>(&self, op: ReduceOp, input: u64, output: u64, count: usize) -> Result<()> {
         let dtype = T::DTYPE;
-        let lane = &self.lanes[lane_index(
-            self.lanes.iter().map(|l| l.layout.max_bytes),
-            count * dtype.size(),
-            self.lanes.len(),
-        )];
-        let cfg = LaunchConfig {
-            grid_dim: (lane.layout.blocks, 1, 1),
-            block_dim: (kernels::BLOCK_SIZE, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (nranks, rank, cnt, cap) = (
-            self.size as i32,
-            self.rank as i32,
-            count as u64,
-            lane.layout.cap as u64,
-        );
+        let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
+        let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+        let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
         let kop = op.kernel_op();
-        let f = self.funcs.get(kop, dtype, || {
-            mesh_kernel(&self.ctx, "cp_oneshot", kop, dtype)
-        })?;
+        let f = self.funcs.get(kop, dtype, || mesh_kernel(&self.ctx, "cp_oneshot", kop, dtype))?;
         let mut launch = self.stream.launch_builder(f);
         launch
             .arg(&lane.push)
@@ -630,19 +479,12 @@ impl Comm {
         // runs the lane's grid on each call of the lane (the callers' contract,
         // checked per call with `check_calls`), and each rank has its own
         // device, so every rank's blocks can be resident at once.
-        unsafe { launch.launch(cfg) }
-            .map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
+        unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         if op == ReduceOp::Avg && self.size > 1 {
-            let f = self.div.get("div", dtype, || {
-                reduce_kernel(&self.ctx, &kernels::scale_div_name(dtype.name()))
-            })?;
+            let f = self.div.get("div", dtype, || reduce_kernel(&self.ctx, &kernels::scale_div_name(dtype.name())))?;
             let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
             let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (kernels::BLOCK_SIZE, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
             let divisor = self.size as f64;
             let mut launch = self.stream.launch_builder(f);
             launch.arg(&output).arg(&cnt).arg(&divisor);
@@ -657,10 +499,7 @@ impl Drop for Comm {
     fn drop(&mut self) {
         // The peers' regions must outlive this rank's kernels that store into them.
         if let Err(e) = self.stream.synchronize() {
-            log::warn!(
-                "cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}",
-                self.rank
-            );
+            log::warn!("cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}", self.rank);
         }
     }
 }
@@ -685,11 +524,7 @@ mod tests {
     use super::*;
 
     fn info(host: &str, bus: &str) -> RankInfo {
-        RankInfo {
-            host: host.into(),
-            bus: bus.into(),
-            region: 2 << 20,
-        }
+        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20 }
     }
 
     #[test]
@@ -702,12 +537,8 @@ mod tests {
     #[test]
     fn layouts_with_shared_devices_or_hosts_are_refused() {
         assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")]).is_ok());
-        assert!(
-            matches!(check_layout(&[info("a", "0"), info("a", "0")]), Err(Error::Unsupported(m)) if m.contains("same device"))
-        );
-        assert!(
-            matches!(check_layout(&[info("a", "0"), info("b", "1")]), Err(Error::Unsupported(m)) if m.contains("several hosts"))
-        );
+        assert!(matches!(check_layout(&[info("a", "0"), info("a", "0")]), Err(Error::Unsupported(m)) if m.contains("same device")));
+        assert!(matches!(check_layout(&[info("a", "0"), info("b", "1")]), Err(Error::Unsupported(m)) if m.contains("several hosts")));
         let nine: Vec<_> = (0..9).map(|d| info("a", &d.to_string())).collect();
         assert!(matches!(check_layout(&nine), Err(Error::Unsupported(_))));
     }
@@ -722,26 +553,14 @@ mod tests {
     #[test]
     fn one_ranks_failure_fails_every_rank() {
         use super::super::bootstrap::Bootstrap;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let n = 3;
         let handles: Vec<_> = (0..n)
             .map(|r| {
                 std::thread::spawn(move || {
-                    let rv = Bootstrap::new(r, n, r, n, "127.0.0.1", port)
-                        .unwrap()
-                        .with_timeout(Duration::from_secs(20))
-                        .connect()
-                        .unwrap();
+                    let rv = Bootstrap::new(r, n, r, n, "127.0.0.1", port).unwrap().with_timeout(Duration::from_secs(20)).connect().unwrap();
                     let ok = agree(&rv, "step", Ok(format!("v{r}"))).unwrap();
-                    let mine = if r == 1 {
-                        Err(Error::NoDevice)
-                    } else {
-                        Ok(String::new())
-                    };
+                    let mine = if r == 1 { Err(Error::NoDevice) } else { Ok(String::new()) };
                     (ok, agree(&rv, "step", mine))
                 })
             })
@@ -763,35 +582,16 @@ mod tests {
     /// error, in bounded time, instead of leaving the others waiting.
     #[test]
     fn without_a_gpu_creation_fails_on_every_rank() {
-        if crate::driver::device_count()
-            .map(|n| n >= 2)
-            .unwrap_or(false)
-        {
+        if crate::driver::device_count().map(|n| n >= 2).unwrap_or(false) {
             return; // a GPU machine: the GPU tests cover creation
         }
         use super::super::bootstrap::Bootstrap;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let handles: Vec<_> = (0..2)
             .map(|r| {
                 std::thread::spawn(move || {
-                    let rv = Bootstrap::new(r, 2, r, 2, "127.0.0.1", port)
-                        .unwrap()
-                        .with_timeout(Duration::from_secs(20))
-                        .connect()
-                        .unwrap();
-                    Comm::new(
-                        Box::new(rv),
-                        r,
-                        &CommOptions {
-                            timeout: Duration::from_secs(5),
-                            ..Default::default()
-                        },
-                    )
-                    .map(|_| ())
+                    let rv = Bootstrap::new(r, 2, r, 2, "127.0.0.1", port).unwrap().with_timeout(Duration::from_secs(20)).connect().unwrap();
+                    Comm::new(Box::new(rv), r, &CommOptions { timeout: Duration::from_secs(5), ..Default::default() }).map(|_| ())
                 })
             })
             .collect();

@@ -11,10 +11,7 @@
 
 use super::bootstrap::io_err;
 use crate::error::{Error, Result};
-use rustix::net::{
-    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
-};
+use rustix::net::{recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use std::io::{ErrorKind, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -31,8 +28,7 @@ fn name(job: &str, rank: usize) -> String {
 }
 
 fn abstract_addr(job: &str, rank: usize) -> Result<SocketAddr> {
-    SocketAddr::from_abstract_name(name(job, rank).as_bytes())
-        .map_err(io_err("fd passing: socket name"))
+    SocketAddr::from_abstract_name(name(job, rank).as_bytes()).map_err(io_err("fd passing: socket name"))
 }
 
 /// One rank's socket for receiving descriptors (closed on drop; an
@@ -58,11 +54,8 @@ impl FdListener {
     /// Listens as `rank` of job `job` (fails if that name is taken on this
     /// host, e.g. by a rank of the same job started twice).
     pub fn bind(job: &str, rank: usize) -> Result<FdListener> {
-        let listener = UnixListener::bind_addr(&abstract_addr(job, rank)?)
-            .map_err(io_err("fd passing: bind"))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(io_err("fd passing: listener"))?;
+        let listener = UnixListener::bind_addr(&abstract_addr(job, rank)?).map_err(io_err("fd passing: bind"))?;
+        listener.set_nonblocking(true).map_err(io_err("fd passing: listener"))?;
         Ok(FdListener { listener, rank })
     }
 
@@ -79,29 +72,18 @@ impl FdListener {
         while out.len() < count {
             let stream = match self.listener.accept() {
                 Ok((s, _)) => s,
-                Err(e)
-                    if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted =>
-                {
+                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
                     if Instant::now() > deadline {
-                        return Err(Error::Timeout {
-                            op: "fd passing (waiting for the peers' descriptors)",
-                            after: timeout,
-                        });
+                        return Err(Error::Timeout { op: "fd passing (waiting for the peers' descriptors)", after: timeout });
                     }
                     std::thread::sleep(Duration::from_millis(2));
                     continue;
                 }
                 Err(e) => return Err(io_err("fd passing: accept")(e)),
             };
-            stream
-                .set_nonblocking(false)
-                .map_err(io_err("fd passing: socket"))?;
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(10));
-            stream
-                .set_read_timeout(Some(left))
-                .map_err(io_err("fd passing: socket"))?;
+            stream.set_nonblocking(false).map_err(io_err("fd passing: socket"))?;
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+            stream.set_read_timeout(Some(left)).map_err(io_err("fd passing: socket"))?;
             out.push(receive_one(&stream)?);
         }
         Ok(out)
@@ -113,12 +95,7 @@ fn receive_one(stream: &UnixStream) -> Result<ReceivedFd> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = loop {
-        match recvmsg(
-            stream.as_fd(),
-            &mut [IoSliceMut::new(&mut header)],
-            &mut control,
-            RecvFlags::CMSG_CLOEXEC,
-        ) {
+        match recvmsg(stream.as_fd(), &mut [IoSliceMut::new(&mut header)], &mut control, RecvFlags::CMSG_CLOEXEC) {
             Ok(m) => break m,
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(io_err("fd passing: recvmsg")(e.into())),
@@ -134,37 +111,20 @@ fn receive_one(stream: &UnixStream) -> Result<ReceivedFd> {
         }
     }
     if got.bytes != HEADER {
-        return Err(Error::Bootstrap {
-            op: "fd passing",
-            reason: format!("a message of {} bytes, expected {HEADER}", got.bytes),
-        });
+        return Err(Error::Bootstrap { op: "fd passing", reason: format!("a message of {} bytes, expected {HEADER}", got.bytes) });
     }
-    let fd = fd.ok_or_else(|| Error::Bootstrap {
-        op: "fd passing",
-        reason: "a message without a descriptor".into(),
-    })?;
+    let fd = fd.ok_or_else(|| Error::Bootstrap { op: "fd passing", reason: "a message without a descriptor".into() })?;
     let mut rank = [0u8; 4];
     rank.copy_from_slice(&header[..4]);
     let mut tag = [0u8; 8];
     tag.copy_from_slice(&header[4..]);
-    Ok(ReceivedFd {
-        from: u32::from_le_bytes(rank) as usize,
-        tag: u64::from_le_bytes(tag),
-        fd,
-    })
+    Ok(ReceivedFd { from: u32::from_le_bytes(rank) as usize, tag: u64::from_le_bytes(tag), fd })
 }
 
 /// Sends `fd` with `tag` from rank `from` to rank `to` of job `job`
 /// (whose [`FdListener`] must be bound already), retrying the connection
 /// until `timeout`.
-pub fn send_fd(
-    job: &str,
-    from: usize,
-    to: usize,
-    fd: BorrowedFd<'_>,
-    tag: u64,
-    timeout: Duration,
-) -> Result<()> {
+pub fn send_fd(job: &str, from: usize, to: usize, fd: BorrowedFd<'_>, tag: u64, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let addr = abstract_addr(job, to)?;
     let stream = loop {
@@ -172,17 +132,12 @@ pub fn send_fd(
             Ok(s) => break s,
             Err(e) if Instant::now() > deadline => {
                 log::warn!("cuda-peer: cannot reach rank {to}'s socket: {e}");
-                return Err(Error::Timeout {
-                    op: "fd passing (connecting to a peer)",
-                    after: timeout,
-                });
+                return Err(Error::Timeout { op: "fd passing (connecting to a peer)", after: timeout });
             }
             Err(_) => std::thread::sleep(Duration::from_millis(5)),
         }
     };
-    stream
-        .set_write_timeout(Some(timeout.max(Duration::from_millis(10))))
-        .map_err(io_err("fd passing: socket"))?;
+    stream.set_write_timeout(Some(timeout.max(Duration::from_millis(10)))).map_err(io_err("fd passing: socket"))?;
     let mut header = [0u8; HEADER];
     header[..4].copy_from_slice(&(from as u32).to_le_bytes());
     header[4..].copy_from_slice(&tag.to_le_bytes());
@@ -190,27 +145,17 @@ pub fn send_fd(
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
-        return Err(Error::Internal(
-            "fd passing: ancillary buffer too small".into(),
-        ));
+        return Err(Error::Internal("fd passing: ancillary buffer too small".into()));
     }
     let sent = loop {
-        match sendmsg(
-            stream.as_fd(),
-            &[IoSlice::new(&header)],
-            &mut control,
-            SendFlags::empty(),
-        ) {
+        match sendmsg(stream.as_fd(), &[IoSlice::new(&header)], &mut control, SendFlags::empty()) {
             Ok(n) => break n,
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(io_err("fd passing: sendmsg")(e.into())),
         }
     };
     if sent != HEADER {
-        return Err(Error::Bootstrap {
-            op: "fd passing",
-            reason: format!("sent {sent} of {HEADER} bytes"),
-        });
+        return Err(Error::Bootstrap { op: "fd passing", reason: format!("sent {sent} of {HEADER} bytes") });
     }
     Ok(())
 }
@@ -231,9 +176,7 @@ mod tests {
         // One end of a socket pair travels; we write through the other.
         let (mut ours, theirs) = UnixStream::pair().unwrap();
         let j = job.clone();
-        let sender = std::thread::spawn(move || {
-            send_fd(&j, 3, 0, theirs.as_fd(), 0xfeed, Duration::from_secs(5))
-        });
+        let sender = std::thread::spawn(move || send_fd(&j, 3, 0, theirs.as_fd(), 0xfeed, Duration::from_secs(5)));
         let got = listener.receive(1, Duration::from_secs(5)).unwrap();
         sender.join().unwrap().unwrap();
         assert_eq!((got[0].from, got[0].tag), (3, 0xfeed));
@@ -257,30 +200,11 @@ mod tests {
                 std::thread::spawn(move || {
                     let file = std::fs::File::open("/proc/self/exe").unwrap();
                     for p in (0..n).filter(|&p| p != r) {
-                        send_fd(
-                            &job,
-                            r,
-                            p,
-                            file.as_fd(),
-                            r as u64 * 100 + p as u64,
-                            Duration::from_secs(5),
-                        )
-                        .unwrap();
+                        send_fd(&job, r, p, file.as_fd(), r as u64 * 100 + p as u64, Duration::from_secs(5)).unwrap();
                     }
-                    let mut got: Vec<_> = l
-                        .receive(n - 1, Duration::from_secs(5))
-                        .unwrap()
-                        .into_iter()
-                        .map(|g| (g.from, g.tag))
-                        .collect();
+                    let mut got: Vec<_> = l.receive(n - 1, Duration::from_secs(5)).unwrap().into_iter().map(|g| (g.from, g.tag)).collect();
                     got.sort();
-                    assert_eq!(
-                        got,
-                        (0..n)
-                            .filter(|&p| p != r)
-                            .map(|p| (p, p as u64 * 100 + r as u64))
-                            .collect::<Vec<_>>()
-                    );
+                    assert_eq!(got, (0..n).filter(|&p| p != r).map(|p| (p, p as u64 * 100 + r as u64)).collect::<Vec<_>>());
                 })
             })
             .collect();
@@ -296,14 +220,7 @@ mod tests {
         let r = listener.receive(1, Duration::from_millis(200));
         assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
         assert!(start.elapsed() < Duration::from_secs(3));
-        let r = send_fd(
-            &job("nobody"),
-            0,
-            1,
-            listener.listener.as_fd(),
-            0,
-            Duration::from_millis(100),
-        );
+        let r = send_fd(&job("nobody"), 0, 1, listener.listener.as_fd(), 0, Duration::from_millis(100));
         assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
     }
 

@@ -33,17 +33,13 @@ pub struct DeviceRegion {
 }
 
 fn location(ordinal: usize) -> sys::CUmemLocation {
-    sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: ordinal as i32,
-    }
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal as i32 }
 }
 
 fn properties(ordinal: usize) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes:
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
         location: location(ordinal),
         ..Default::default()
     }
@@ -52,23 +48,15 @@ fn properties(ordinal: usize) -> sys::CUmemAllocationProp {
 fn attribute(ctx: &CudaContext, attr: sys::CUdevice_attribute) -> Result<i32> {
     let mut v = 0;
     // SAFETY: writes one int for a valid device handle.
-    check("cuDeviceGetAttribute", unsafe {
-        api()?.cuDeviceGetAttribute(&mut v, attr, ctx.cu_device())
-    })?;
+    check("cuDeviceGetAttribute", unsafe { api()?.cuDeviceGetAttribute(&mut v, attr, ctx.cu_device()) })?;
     Ok(v)
 }
 
 /// Whether `ctx`'s device supports shareable VMM allocations (virtual
 /// memory management and POSIX file descriptor handles).
 pub fn supported(ctx: &CudaContext) -> Result<bool> {
-    let vmm = attribute(
-        ctx,
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-    )?;
-    let fd = attribute(
-        ctx,
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-    )?;
+    let vmm = attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)?;
+    let fd = attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)?;
     Ok(vmm != 0 && fd != 0)
 }
 
@@ -79,16 +67,10 @@ pub fn granularity(ctx: &CudaContext) -> Result<usize> {
     let mut g = 0usize;
     // SAFETY: reads `prop` and writes one size_t during the call.
     check("cuMemGetAllocationGranularity", unsafe {
-        api()?.cuMemGetAllocationGranularity(
-            &mut g,
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
+        api()?.cuMemGetAllocationGranularity(&mut g, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)
     })?;
     if g == 0 {
-        return Err(Error::Internal(
-            "cuMemGetAllocationGranularity returned 0".into(),
-        ));
+        return Err(Error::Internal("cuMemGetAllocationGranularity returned 0".into()));
     }
     Ok(g)
 }
@@ -101,19 +83,14 @@ impl DeviceRegion {
     pub fn allocate(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DeviceRegion> {
         bind(ctx)?;
         if !supported(ctx)? {
-            return Err(Error::Unsupported(format!(
-                "device {} has no virtual memory management with POSIX file descriptor handles",
-                ctx.ordinal()
-            )));
+            return Err(Error::Unsupported(format!("device {} has no virtual memory management with POSIX file descriptor handles", ctx.ordinal())));
         }
         let g = granularity(ctx)?;
         let size = bytes.max(1).div_ceil(g) * g;
         let prop = properties(ctx.ordinal());
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: reads `prop` and writes one handle; flags must be 0.
-        check("cuMemCreate", unsafe {
-            api()?.cuMemCreate(&mut handle, size, &prop, 0)
-        })?;
+        check("cuMemCreate", unsafe { api()?.cuMemCreate(&mut handle, size, &prop, 0) })?;
         Self::map(ctx, handle, size, g, true)
     }
 
@@ -127,9 +104,7 @@ impl DeviceRegion {
         bind(ctx)?;
         let g = granularity(ctx)?;
         if size == 0 || !size.is_multiple_of(g) {
-            return Err(Error::InvalidArgument(format!(
-                "imported region of {size} bytes, not a multiple of the granularity {g}"
-            )));
+            return Err(Error::InvalidArgument(format!("imported region of {size} bytes, not a multiple of the granularity {g}")));
         }
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: for POSIX file descriptor handles the OS handle argument
@@ -147,41 +122,21 @@ impl DeviceRegion {
 
     /// Reserves an address range for `handle`, maps it and grants `ctx`'s
     /// device access; releases what it made on failure (and `handle`).
-    fn map(
-        ctx: &Arc<CudaContext>,
-        handle: sys::CUmemGenericAllocationHandle,
-        size: usize,
-        align: usize,
-        local: bool,
-    ) -> Result<DeviceRegion> {
+    fn map(ctx: &Arc<CudaContext>, handle: sys::CUmemGenericAllocationHandle, size: usize, align: usize, local: bool) -> Result<DeviceRegion> {
         // From here on, Drop undoes whatever was done.
-        let mut region = DeviceRegion {
-            ctx: ctx.clone(),
-            handle,
-            ptr: 0,
-            size,
-            mapped: false,
-            local,
-        };
+        let mut region = DeviceRegion { ctx: ctx.clone(), handle, ptr: 0, size, mapped: false, local };
         let api = api()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: writes one address; no fixed address asked (0), flags 0.
-        check("cuMemAddressReserve", unsafe {
-            api.cuMemAddressReserve(&mut ptr, size, align, 0, 0)
-        })?;
+        check("cuMemAddressReserve", unsafe { api.cuMemAddressReserve(&mut ptr, size, align, 0, 0) })?;
         region.ptr = ptr;
         // SAFETY: maps the whole of `handle` (offset 0, its size) onto the
         // range just reserved for it; flags 0.
         check("cuMemMap", unsafe { api.cuMemMap(ptr, size, 0, handle, 0) })?;
         region.mapped = true;
-        let desc = sys::CUmemAccessDesc {
-            location: location(ctx.ordinal()),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let desc = sys::CUmemAccessDesc { location: location(ctx.ordinal()), flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
         // SAFETY: one descriptor for the mapped range, read during the call.
-        check("cuMemSetAccess", unsafe {
-            api.cuMemSetAccess(ptr, size, &desc, 1)
-        })?;
+        check("cuMemSetAccess", unsafe { api.cuMemSetAccess(ptr, size, &desc, 1) })?;
         Ok(region)
     }
 
@@ -190,9 +145,7 @@ impl DeviceRegion {
     /// for regions allocated in this process.
     pub fn export_fd(&self) -> Result<OwnedFd> {
         if !self.local {
-            return Err(Error::InvalidArgument(
-                "an imported region cannot be exported again".into(),
-            ));
+            return Err(Error::InvalidArgument("an imported region cannot be exported again".into()));
         }
         bind(&self.ctx)?;
         let mut fd: std::os::raw::c_int = -1;
@@ -207,9 +160,7 @@ impl DeviceRegion {
             )
         })?;
         if fd < 0 {
-            return Err(Error::Internal(format!(
-                "cuMemExportToShareableHandle returned descriptor {fd}"
-            )));
+            return Err(Error::Internal(format!("cuMemExportToShareableHandle returned descriptor {fd}")));
         }
         // SAFETY: the driver made a new descriptor that nothing else owns.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -222,12 +173,8 @@ impl DeviceRegion {
         // SAFETY: the range is mapped and writable from this device, and
         // `stream` belongs to a context of it (the caller's contract, checked
         // by the driver).
-        check("cuMemsetD8Async", unsafe {
-            api()?.cuMemsetD8Async(self.ptr, 0, self.size, stream.cu_stream() as sys::CUstream)
-        })?;
-        stream
-            .synchronize()
-            .map_err(crate::error::cudarc_err("cuStreamSynchronize"))
+        check("cuMemsetD8Async", unsafe { api()?.cuMemsetD8Async(self.ptr, 0, self.size, stream.cu_stream() as sys::CUstream) })?;
+        stream.synchronize().map_err(crate::error::cudarc_err("cuStreamSynchronize"))
     }
 
     /// The region's device address in this process.
@@ -261,10 +208,7 @@ impl Drop for DeviceRegion {
                 let _ = check("cuMemUnmap", api.cuMemUnmap(self.ptr, self.size));
             }
             if self.ptr != 0 {
-                let _ = check(
-                    "cuMemAddressFree",
-                    api.cuMemAddressFree(self.ptr, self.size),
-                );
+                let _ = check("cuMemAddressFree", api.cuMemAddressFree(self.ptr, self.size));
             }
             let _ = check("cuMemRelease", api.cuMemRelease(self.handle));
         }

@@ -189,7 +189,6 @@ pub(crate) const ONESHOT_HOST_BLOCKS: u32 = 32;
 /// `[block][source rank]` flags, then one counter per block.
 pub(crate) const MESH_FLAG_WORDS: usize = 2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS + MESH_MAX_BLOCKS;
 
-
 /// Reduction operations, as they appear in kernel names.
 #[cfg(test)]
 pub(crate) const OPS: [&str; 4] = ["sum", "prod", "min", "max"];
@@ -199,9 +198,7 @@ pub(crate) const OPS: [&str; 4] = ["sum", "prod", "min", "max"];
 ///
 /// `f16` and `bf16` are 16-bit IEEE half and bfloat16 (stored as `u16`);
 /// `i8`/`u8` through `i64`/`u64` are two's-complement / unsigned integers.
-pub(crate) const TYPES: [&str; 10] = [
-    "f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8",
-];
+pub(crate) const TYPES: [&str; 10] = ["f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8"];
 
 /// Element types for which a `cp_scale_div_*` kernel exists (used for avg).
 #[cfg(test)]
@@ -234,11 +231,7 @@ mod tests {
                 let rest = line.trim_start();
                 let rest = rest.strip_prefix(".visible").unwrap_or(rest).trim_start();
                 let rest = rest.strip_prefix(".entry")?;
-                let name: String = rest
-                    .trim_start()
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
+                let name: String = rest.trim_start().chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
                 Some(name)
             })
             .collect()
@@ -290,8 +283,7 @@ mod tests {
         for ty in TYPES {
             let ptx = modules()[mesh_module(ty).expect("a mesh module per type")].ptx();
             let found: BTreeSet<String> = ptx_entries(ptx).into_iter().collect();
-            let expected: BTreeSet<String> =
-                OPS.iter().flat_map(|op| [format!("cp_meshar_{op}_{ty}"), format!("cp_oneshot_{op}_{ty}")]).collect();
+            let expected: BTreeSet<String> = OPS.iter().flat_map(|op| [format!("cp_meshar_{op}_{ty}"), format!("cp_oneshot_{op}_{ty}")]).collect();
             assert_eq!(found, expected, "{ty}");
         }
         assert!(mesh_module("f8").is_none());

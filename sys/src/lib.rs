@@ -25,6 +25,7 @@
 //! alive, pointers that are valid for the sizes passed, `cuInit` called
 //! first, and a current context where the function needs one.
 
+#[rustfmt::skip]
 pub mod bindings;
 
 pub use bindings::*;
