@@ -62,9 +62,18 @@ fn mapped_for(ptr: u64, owner: &CudaContext, peer: &CudaContext) -> Result<bool>
         check("cuMemPoolGetAccess", unsafe { api.cuMemPoolGetAccess(&mut flags, pool, &mut loc) })?;
         return Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
     }
-    // A VMM mapping: its access list says. Anything else (cuMemAlloc,
-    // managed memory) is not a VMM mapping, and context peer access, which
-    // the group enabled, maps it.
+    // cuMemAlloc memory (IPC-capable) and managed memory: context peer
+    // access, which the group enabled, maps it. (cuMemGetAccess answers for
+    // cuMemAlloc memory too, but without the peer's access: on 2x H200 it
+    // refused buffers that peer access maps.)
+    use sys::CUpointer_attribute as A;
+    if attribute::<i32>(ptr, A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE).unwrap_or(0) != 0
+        || attribute::<i32>(ptr, A::CU_POINTER_ATTRIBUTE_IS_MANAGED).unwrap_or(0) != 0
+    {
+        return Ok(true);
+    }
+    // A VMM mapping: its access list says. Anything the driver does not
+    // answer for is left to context peer access.
     let mut flags: std::os::raw::c_ulonglong = 0;
     // SAFETY: writes one integer; any address may be asked about (the call
     // fails for addresses that are not VMM mappings).

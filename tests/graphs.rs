@@ -169,25 +169,21 @@ fn ring_all_reduces_replay_from_a_graph() {
     capture_and_replay(&ctxs, n, "staged-ring", PathPolicy::StagedOnly, Algorithm::Ring, &COUNTS[..2]);
 }
 
-/// Free device memory of `ctx`'s device once it has stopped changing:
-/// freed memory returns to the device at synchronisation points, and what
-/// graphs of earlier tests kept alive is released by a thread of the
-/// library's some time after they were dropped.
-fn free_bytes(ctx: &Arc<CudaContext>) -> usize {
-    let read = || {
-        ctx.synchronize().unwrap();
-        cuda_peer::driver::mem_info(ctx).unwrap().0
-    };
-    let mut last = read();
-    for _ in 0..50 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        let now = read();
-        if now == last {
-            break;
-        }
-        last = now;
-    }
-    last
+/// Bytes allocated from device 0's default memory pool and not yet freed
+/// (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`), after synchronising: cudarc
+/// allocates from that pool, and memory freed into it stays reserved (so
+/// `cuMemGetInfo` does not show a free), but no longer counts as used.
+fn pool_used(ctx: &Arc<CudaContext>) -> u64 {
+    use cuda_peer::cudarc::driver::sys;
+    ctx.synchronize().unwrap();
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: writes one pool handle of an existing device.
+    assert_eq!(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }, sys::CUresult::CUDA_SUCCESS);
+    let mut used = 0u64;
+    // SAFETY: USED_MEM_CURRENT writes one u64.
+    let r = unsafe { sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, (&mut used as *mut u64).cast()) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    used
 }
 
 /// A graph replayed after its group was dropped (issue 16, item 5): the
@@ -215,7 +211,7 @@ fn graphs_outlive_their_group() {
         group.all_reduce(&send, &mut recv, ReduceOp::Sum).expect("eager all_reduce");
         sync(&streams);
         let graph = capture(&streams, || group.all_reduce(&send, &mut recv, ReduceOp::Sum));
-        let with_group = free_bytes(&ctxs[0]);
+        let with_group = pool_used(&ctxs[0]);
         drop(group);
         for replay in 0..3 {
             let inputs = random(n, count);
@@ -227,31 +223,28 @@ fn graphs_outlive_their_group() {
         }
         if device_slots {
             // The group's device memory (16 MiB of one-shot slots, or the
-            // mesh's flags and the one-shot's slots) is still held while the
-            // graph lives...
-            let held = free_bytes(&ctxs[0]);
-            assert!(
-                held <= with_group + (2 << 20),
-                "{what}: {} MiB of the group's device memory freed under a live graph",
-                (held - with_group) >> 20
-            );
+            // mesh's flags and the one-shot's slots) is still in use while
+            // the graph lives...
+            let held = pool_used(&ctxs[0]);
+            assert!(held + (2 << 20) >= with_group, "{what}: {} MiB of the group's device memory freed under a live graph", (with_group - held) >> 20);
             drop(graph);
-            // ... and comes back once the graph is gone (released by a thread
-            // of the library's after the driver lets go of the graph).
+            // ... and is freed once the graph is gone (by a thread of the
+            // library's, after the driver lets go of the graph).
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             loop {
-                let now = free_bytes(&ctxs[0]);
-                if now >= with_group + (8 << 20) {
+                let now = pool_used(&ctxs[0]);
+                if now + (8 << 20) <= with_group {
                     break;
                 }
                 let (retained, released, dropped) = cuda_peer::group::graph_keep_alives();
                 assert!(
                     std::time::Instant::now() < deadline,
-                    "{what}: the group's device memory not returned 10 s after the graph was dropped (free MiB: with the group {}, under the graph {}, now {}; keep-alives retained {retained}, released {released}; one-shot states dropped {dropped})",
+                    "{what}: the group's device memory not freed 10 s after the graph was dropped (MiB used in the pool: with the group {}, under the graph {}, now {}; keep-alives retained {retained}, released {released}; one-shot states dropped {dropped})",
                     with_group >> 20,
                     held >> 20,
                     now >> 20
                 );
+                std::thread::sleep(std::time::Duration::from_millis(20));
             }
         }
     }
