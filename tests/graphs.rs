@@ -226,7 +226,11 @@ fn graphs_outlive_their_group() {
             // mesh's flags and the one-shot's slots) is still in use while
             // the graph lives...
             let held = pool_used(&ctxs[0]);
-            assert!(held + (2 << 20) >= with_group, "{what}: {} MiB of the group's device memory freed under a live graph", (with_group - held) >> 20);
+            assert!(
+                held + (2 << 20) >= with_group,
+                "{what}: {} MiB of the group's device memory freed under a live graph",
+                (with_group - held) >> 20
+            );
             drop(graph);
             // ... and is freed once the graph is gone (by a thread of the
             // library's, after the driver lets go of the graph).
