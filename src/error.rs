@@ -166,6 +166,18 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// A fused all-reduce that was forced ([`crate::Algorithm::Mesh`] or
+    /// [`crate::Algorithm::OneShot`]) failed its check at group creation:
+    /// its SM peer loads and stores or its flags did not carry the data
+    /// between the ranks (or timed out). Under `Algorithm::Auto` the group
+    /// uses the ring instead.
+    #[error("the {algorithm} all-reduce failed its check on these devices: {reason}")]
+    FusedUnverified {
+        /// Which algorithm.
+        algorithm: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
     /// A call that cannot be captured into a CUDA graph as it stands (say,
     /// one that would first have to allocate memory).
     #[error("{op} cannot be captured into a CUDA graph: {reason}")]

@@ -17,6 +17,7 @@ use crate::driver::{api, bind};
 use crate::dtype::DType;
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::failure::{Ctl, Fault};
+use crate::fused_check::Fused;
 use crate::graph::{capture_of, retain, KeepAlive};
 use crate::kernels;
 use crate::launch::{Job, Launchers};
@@ -139,6 +140,10 @@ pub struct GroupOptions {
     /// group reports [`Error::PeerTimeout`] from then on (see
     /// [`crate::failure`]). Default: [`DEFAULT_BARRIER_TIMEOUT`].
     pub barrier_timeout: Duration,
+    /// For tests of the fused-path check only: a fault the check's launch
+    /// on a rank takes (see [`Group::inject_fault`]).
+    #[doc(hidden)]
+    pub check_fault: Option<(usize, Fault)>,
 }
 
 /// The default of [`GroupOptions::barrier_timeout`].
@@ -153,6 +158,7 @@ impl Default for GroupOptions {
             launch_spin: Some(DEFAULT_LAUNCH_SPIN),
             lazy_kernels: false,
             barrier_timeout: DEFAULT_BARRIER_TIMEOUT,
+            check_fault: None,
         }
     }
 }
@@ -439,7 +445,7 @@ impl Group {
         };
         let serial = stream_locks(&ranks);
         let ctl = if mesh.is_some() || oneshot.is_some() { Some(Arc::new(Ctl::new(&ranks, opts.barrier_timeout)?)) } else { None };
-        let group = Group {
+        let mut group = Group {
             launchers,
             mesh,
             oneshot,
@@ -458,7 +464,39 @@ impl Group {
         if !opts.lazy_kernels {
             group.warm_up()?;
         }
+        if opts.link.verify {
+            group.verify_fused(opts)?;
+        }
         Ok(group)
+    }
+
+    /// Checks the fused algorithms the group has on real data
+    /// (`crate::fused_check`). Where one fails, a forced algorithm is an
+    /// error ([`Error::FusedUnverified`]); under [`Algorithm::Auto`] the
+    /// group keeps only the ring, with a warning.
+    fn verify_fused(&mut self, opts: &GroupOptions) -> Result<()> {
+        let mut failed = None;
+        for (which, name, present) in [(Fused::Mesh, "mesh", self.mesh.is_some()), (Fused::OneShot, "one-shot", self.oneshot.is_some())] {
+            if !present || failed.is_some() {
+                continue;
+            }
+            if let (Some((rank, fault)), Some(ctl)) = (opts.check_fault, &self.ctl) {
+                ctl.inject(rank, fault);
+            }
+            if let Err(why) = self.check_fused(which)? {
+                failed = Some((name, why));
+            }
+        }
+        let Some((name, why)) = failed else { return Ok(()) };
+        if opts.algorithm != Algorithm::Auto {
+            return Err(Error::FusedUnverified { algorithm: name, reason: why });
+        }
+        log::warn!("cuda-peer: the {name} all-reduce failed its check on this group ({why}); using the ring");
+        self.mesh = None;
+        self.oneshot = None;
+        self.ctl = None;
+        self.launchers = None;
+        Ok(())
     }
 
     /// Sets up the one-shot all-reduce where `opts` asks for it and the

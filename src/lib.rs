@@ -28,6 +28,7 @@ pub mod driver;
 pub mod dtype;
 pub mod error;
 pub mod failure;
+mod fused_check;
 mod graph;
 pub mod group;
 #[cfg(target_os = "linux")]

@@ -76,6 +76,15 @@ impl Group {
         }
     }
 
+    /// The mesh's wrapping u32 sum in place on `ptrs`, whatever the size
+    /// (for `crate::fused_check`); nothing without a mesh.
+    pub(crate) fn check_mesh(&self, ptrs: &[u64], count: usize) -> Result<()> {
+        match &self.mesh {
+            Some(mesh) => self.launch_mesh(mesh, "sum", DType::U32, ptrs, ptrs, count, ptrs.iter().all(|p| p % 16 == 0)),
+            None => Ok(()),
+        }
+    }
+
     /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
     /// `aligned`: every pointer is 16-byte aligned (the vector path).
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state

@@ -105,3 +105,47 @@ fn a_rank_that_never_arrives_times_out() {
         exact_all_reduce(&streams, &opts, count, what);
     }
 }
+
+/// The fused algorithms run a check on real data when the group is created
+/// (`src/fused_check.rs`). Where it fails (a rank whose check kernel never
+/// arrives, as when SM peer stores or flags are lost, or a failed launch),
+/// an Auto group keeps only the ring and gives exact results, and a forced
+/// algorithm is a typed error. Without a fault, the checks pass and the
+/// group keeps its fused algorithms.
+#[test]
+fn fused_paths_that_fail_their_check_fall_back_to_the_ring() {
+    let Some((_ctxs, streams)) = setup("fused_paths_that_fail_their_check_fall_back_to_the_ring") else { return };
+    let opts = |algorithm: Algorithm, fault: Option<(usize, Fault)>| GroupOptions {
+        algorithm,
+        barrier_timeout: Duration::from_millis(300),
+        check_fault: fault,
+        ..GroupOptions::with_policy(PathPolicy::P2pOnly)
+    };
+    let healthy = Group::new(streams.clone(), &opts(Algorithm::Auto, None)).unwrap();
+    assert!(healthy.uses_mesh() && healthy.oneshot_on_host() == Some(false), "a healthy pair keeps the mesh and the one-shot");
+    drop(healthy);
+    for fault in [Fault::NeverArrives, Fault::LaunchFails] {
+        let group = Group::new(streams.clone(), &opts(Algorithm::Auto, Some((1, fault)))).unwrap();
+        assert!(!group.uses_mesh() && group.oneshot_on_host().is_none(), "{fault:?}: the fused algorithms were kept");
+        assert_eq!(group.all_reduce_algorithm(4096), Algorithm::Ring);
+        for count in [1024, (1 << 20) + 3] {
+            let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
+            let expected: Vec<u32> = (0..count).map(|i| inputs[0][i].wrapping_add(inputs[1][i])).collect();
+            let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| streams[r].clone_htod(&inputs[r]).unwrap()).collect();
+            group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap();
+            for r in 0..2 {
+                let out = streams[r].clone_dtoh(&bufs[r]).unwrap();
+                if let Some((first, wrong)) = common::diff(&out, &expected) {
+                    panic!("{fault:?}, ring fallback, rank {r}: {wrong} of {count} wrong, first at {first}");
+                }
+            }
+        }
+        drop(group);
+        for (algorithm, name) in [(Algorithm::Mesh, "mesh"), (Algorithm::OneShot, "one-shot")] {
+            match Group::new(streams.clone(), &opts(algorithm, Some((1, fault)))) {
+                Err(Error::FusedUnverified { algorithm, .. }) => assert_eq!(algorithm, name),
+                other => panic!("{fault:?}: forced {name}: expected FusedUnverified, got {:?}", other.map(|_| "a group")),
+            }
+        }
+    }
+}
