@@ -3,7 +3,7 @@
 //! Their kernels wait for each other at device-side barriers. If one rank's
 //! kernel is never launched (its launch failed) or never arrives, the others
 //! would spin; a kernel that traps instead takes its whole context down. So
-//! each group with fused kernels has a control block ([`Ctl`]) in mapped
+//! each group with fused kernels has a control block (`Ctl`) in mapped
 //! pinned host memory that every rank's kernels and the host share (the
 //! layout is in `kernels/reduce.cu`):
 //!
