@@ -65,13 +65,7 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
                     Ok(d) => d,
                     Err(e) => {
                         notes.push(format!("GPU {from} -> {to}: driver query failed: {e}"));
-                        pairs.push(report::PairReport {
-                            verdict: rules::judge(&facts, &input),
-                            driver: None,
-                            checks: None,
-                            speeds: None,
-                            check_seconds: Vec::new(),
-                        });
+                        pairs.push(report::PairReport::facts_only(rules::judge(&facts, &input)));
                         continue;
                     }
                 };
@@ -94,13 +88,7 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
         for (from, a) in facts.gpus.iter().enumerate() {
             for (to, b) in facts.gpus.iter().enumerate().filter(|(t, _)| *t != from) {
                 let input = PairInput { from, to, from_bdf: a.bdf.clone(), to_bdf: b.bdf.clone(), ..Default::default() };
-                pairs.push(report::PairReport {
-                    verdict: rules::judge(&facts, &input),
-                    driver: None,
-                    checks: None,
-                    speeds: None,
-                    check_seconds: Vec::new(),
-                });
+                pairs.push(report::PairReport::facts_only(rules::judge(&facts, &input)));
             }
         }
     }

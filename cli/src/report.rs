@@ -50,6 +50,13 @@ pub struct PairReport {
     pub check_seconds: Vec<(String, f64)>,
 }
 
+impl PairReport {
+    /// A pair judged without driver answers, checks or speeds.
+    pub fn facts_only(verdict: PairVerdict) -> PairReport {
+        PairReport { verdict, driver: None, checks: None, speeds: None, check_seconds: Vec::new() }
+    }
+}
+
 /// The whole report.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
