@@ -11,7 +11,7 @@
 //! 7.2-8.6 us launched from one thread, alternating in one process (three
 //! processes: `bench/results/h200x2-launchers-enqueue-costs.txt` run c and
 //! `h200x2-enqueue-costs.txt`), with each launcher also taking its rank's
-//! buffer in an in-place one-shot (`Group::oneshot_in_place`).
+//! buffer in an in-place one-shot (`OneShot::in_place`).
 //!
 //! A launcher spins for [`GroupOptions::launch_spin`] after each job, then
 //! parks. A call that finds a launcher parked does not wait for it to wake:

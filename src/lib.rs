@@ -22,26 +22,23 @@
 //! ```
 #![deny(missing_docs)]
 
+mod algorithms;
 pub mod collectives;
+mod communicator;
 pub mod copy;
 pub mod driver;
 pub mod dtype;
 pub mod error;
 pub mod failure;
-mod fused_check;
 mod graph;
 pub mod group;
 #[cfg(target_os = "linux")]
 pub mod ipc;
 pub(crate) mod kernels;
 mod launch;
-mod mesh;
-pub mod oneshot;
 pub mod peer;
 pub mod raw;
 mod reach;
-mod ring;
-pub mod schedule;
 mod sync;
 pub mod topology;
 
@@ -56,7 +53,7 @@ pub use cudarc;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use group::{
-    Algorithm, Group, GroupOptions, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES,
+    Algorithm, Group, GroupOptions, Selected, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES,
     ONESHOT_AUTO_MAX_BYTES,
 };
 pub use raw::{RawBuffer, RawStream};

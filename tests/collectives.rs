@@ -8,7 +8,7 @@ mod common;
 
 use common::gpus;
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
+use cuda_peer::{Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::Rng;
 use std::sync::Arc;
@@ -539,9 +539,9 @@ fn interleaved_sizes_and_algorithms() {
         let tag = set.0;
         let s = setup(&ctx, n, set);
         let counts = [1000usize, 300_001, 5_000_003];
-        let algos: Vec<Algorithm> = counts.iter().map(|c| s.group.all_reduce_algorithm(c * 4)).collect();
+        let algos: Vec<Selected> = counts.iter().map(|c| s.group.all_reduce_algorithm(c * 4)).collect();
         eprintln!("  {tag}: algorithms {algos:?}");
-        assert_eq!(algos[0], Algorithm::OneShot, "{tag}: the smallest buffer (and its unaligned view) must take the one-shot");
+        assert_eq!(algos[0], Selected::OneShot, "{tag}: the smallest buffer (and its unaligned view) must take the one-shot");
         let inputs: Vec<Vec<Vec<u32>>> = counts.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
         let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
         let mut rounds = [0u32; 5];

@@ -17,17 +17,18 @@
 //! is freed only after it (the ordering lives in the private `sync` module).
 
 pub mod plan;
+pub(crate) mod route;
 pub(crate) mod staged;
 pub mod verify;
 
-use crate::driver::{api, bind};
-use crate::error::{check, cudarc_err, Error, Result};
+use crate::driver::api;
+use crate::error::{cudarc_err, Error, Result};
 use crate::graph::{capture_of, retain, KeepAlive};
-use crate::peer::{raw_ctx, PeerAccess};
+use crate::peer::PeerAccess;
 use crate::sync::{tracking, with_read, with_write, Orderer, Tracking};
 use crate::topology::link_info;
-use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use route::{copy_direct, Direct};
 use staged::{Staging, Start};
 use std::sync::Arc;
 use std::time::Duration;
@@ -273,22 +274,21 @@ impl Link {
         if bytes == 0 {
             return Ok(());
         }
-        let api = api()?;
-        let raw_stream = stream.cu_stream() as sys::CUstream;
+        api()?;
         match self.status.path {
             Path::Local => with_read(src, stream, &self.order, |s| {
                 with_write(dst, stream, &self.order, |d| {
-                    bind(&self.dst)?;
                     // SAFETY: both ranges hold `bytes` bytes (lengths checked)
-                    // and stay alive: their events are recorded after this.
-                    check("cuMemcpyDtoDAsync", unsafe { api.cuMemcpyDtoDAsync_v2(d, s, bytes, raw_stream) })
+                    // on the destination device and stay alive: their events
+                    // are recorded after this.
+                    unsafe { copy_direct(Direct::Local, d, &self.dst, s, &self.dst, bytes, stream) }
                 })
             }),
             Path::P2p => with_read(src, stream, &self.order, |s| {
                 with_write(dst, stream, &self.order, |d| {
-                    bind(&self.dst)?;
-                    // SAFETY: as above; both contexts are alive (held by the link).
-                    check("cuMemcpyPeerAsync", unsafe { api.cuMemcpyPeerAsync(d, raw_ctx(&self.dst), s, raw_ctx(&self.src), bytes, raw_stream) })?;
+                    // SAFETY: as above, `s` on the source device; peer access
+                    // is held by the link, and both contexts are alive.
+                    unsafe { copy_direct(Direct::Peer, d, &self.dst, s, &self.src, bytes, stream) }?;
                     self.done.record(stream).map_err(cudarc_err("cuEventRecord"))
                 })
             }),

@@ -1,5 +1,5 @@
 //! A communicator of processes, one rank per process, each on its own GPU
-//! of one host, with the one-shot all-reduce of [`crate::oneshot`] between
+//! of one host, with the one-shot all-reduce of `crate::algorithms::oneshot` between
 //! them: every rank's slots and flags live in a [`DeviceRegion`] of its own
 //! device memory that every peer process imports and maps, and each rank's
 //! kernel pushes its input into its peers' regions.
@@ -33,12 +33,12 @@
 use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener};
 use super::vmm::DeviceRegion;
+use crate::algorithms::oneshot::{lane_index, layout, LaneLayout};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
-use crate::group::{mesh_kernel, reduce_kernel, FnTable, PtrArray};
 use crate::kernels;
-use crate::oneshot::{lane_index, layout, LaneLayout};
+use crate::kernels::load::{mesh_kernel, reduce_kernel, FnTable, PtrArray};
 use crate::sync::{wait_bounded, Orderer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::os::fd::AsFd;

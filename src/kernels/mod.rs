@@ -58,6 +58,8 @@
 /// Architectures with embedded cubins, `(major, minor)`, in the order of
 /// [`KernelModule`]'s cubins (keep in step with `CUBIN_ARCHS` in
 /// `kernels/gen.sh`).
+pub(crate) mod load;
+
 pub(crate) const CUBIN_ARCHS: [(u32, u32); 5] = [(7, 0), (8, 0), (9, 0), (10, 0), (12, 0)];
 
 /// One embedded kernel module: its PTX and its cubins.

@@ -4,13 +4,12 @@
 //! (flags written with release and read with acquire at system scope). The
 //! kernel and its protocol are in `kernels/reduce.cu` (`cp_meshar_*`).
 
-use crate::copy::Path;
-use crate::dtype::DType;
-use crate::error::{cudarc_err, Result};
-use crate::group::{impossible, layout_refusal, Algorithm, FnTable, Group, GroupOptions, PtrArray, Rank};
+use super::{divide, layout_refusal, unavailable, Algorithm, AllReduce};
+use crate::communicator::Communicator;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{cudarc_err, Error, Result};
 use crate::kernels;
-use crate::peer::PeerAccess;
-use crate::ring::Pull;
+use crate::kernels::load::{FnTable, PtrArray};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// The mesh all-reduce's per-rank state: kernels and flag areas.
@@ -23,21 +22,26 @@ pub(crate) struct Mesh {
 }
 
 impl Mesh {
-    /// Sets up the mesh all-reduce where `opts` asks for it and the group allows it.
-    pub(crate) fn open(ranks: &[Rank], pulls: &[Pull], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<Option<Mesh>> {
+    /// Sets up the mesh all-reduce on `comm` where `request` asks for it
+    /// and the group allows it (a forced mesh that it does not is an error).
+    pub(crate) fn open(comm: &Communicator, request: Algorithm) -> Result<Option<Mesh>> {
+        let ranks = &comm.ranks;
         let n = ranks.len();
-        let refuse = |why: &str| if opts.algorithm == Algorithm::Mesh { Err(impossible("mesh", why)) } else { Ok(None) };
-        if matches!(opts.algorithm, Algorithm::Ring | Algorithm::OneShot) {
+        let refuse = |why: &str| if request == Algorithm::Mesh { Err(unavailable("mesh", why)) } else { Ok(None) };
+        if matches!(request, Algorithm::Ring | Algorithm::OneShot) {
             return Ok(None);
         }
-        if let Some(why) = layout_refusal(ranks) {
+        let devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        if let Some(why) = layout_refusal(&devices) {
             return refuse(&why);
         }
-        if pulls.iter().any(|p| p.status.path != Path::P2p) {
+        if !comm.routes.ring_all_p2p() {
             return refuse("needs every ring link on P2P");
         }
-        if let Err(why) = Group::all_pairs_p2p(ranks, opts, access)? {
-            return refuse(&why);
+        match &comm.routes.all_pairs {
+            Some(Ok(())) => {}
+            Some(Err(why)) => return refuse(why),
+            None => return Err(Error::Internal("mesh: the routes were built without the all-pairs check".into())),
         }
         let mut flags = Vec::with_capacity(n);
         let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
@@ -55,44 +59,22 @@ impl Mesh {
         }
         Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs }))
     }
-}
-
-impl Group {
-    /// Launches the mesh all-reduce on every rank, `outs[r] = reduce(ins)`,
-    /// where the group picks it for this message. Returns false (and does
-    /// nothing) when the ring should run instead. (The one-shot is taken
-    /// before, by [`Self::oneshot_for`].)
-    pub(crate) fn launch_fused(&self, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<bool> {
-        let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
-        match (self.all_reduce_algorithm(count * dtype.size()), &self.mesh) {
-            (Algorithm::Mesh, Some(mesh)) => {
-                self.check_reach("all_reduce (mesh)", ins, true)?;
-                if ins != outs {
-                    self.check_reach("all_reduce (mesh)", outs, true)?;
-                }
-                self.launch_mesh(mesh, op, dtype, ins, outs, count, aligned).map(|()| true)
-            }
-            _ => Ok(false),
-        }
-    }
 
     /// The mesh's wrapping u32 sum in place on `ptrs`, whatever the size
-    /// (for `crate::fused_check`); nothing without a mesh.
-    pub(crate) fn check_mesh(&self, ptrs: &[u64], count: usize) -> Result<()> {
-        match &self.mesh {
-            Some(mesh) => self.launch_mesh(mesh, "sum", DType::U32, ptrs, ptrs, count, ptrs.iter().all(|p| p % 16 == 0)),
-            None => Ok(()),
-        }
+    /// (for the fused-path check, `super::check`).
+    pub(crate) fn check_sum(&self, comm: &Communicator, ptrs: &[u64], count: usize) -> Result<()> {
+        self.launch(comm, "sum", DType::U32, ptrs, ptrs, count, ptrs.iter().all(|p| p % 16 == 0))
     }
 
     /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
     /// `aligned`: every pointer is 16-byte aligned (the vector path).
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
-    fn launch_mesh(&self, mesh: &Mesh, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize, aligned: bool) -> Result<()> {
-        let n = self.size();
+    fn launch(&self, comm: &Communicator, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize, aligned: bool) -> Result<()> {
+        let mesh = self;
+        let n = comm.size();
         let e = 16 / dtype.size();
         let seg = count.div_ceil(n).div_ceil(e) * e;
-        let max_blocks = (self.ranks.iter().map(|r| r.max_blocks).min().unwrap_or(1) / 2).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
+        let max_blocks = (comm.ranks.iter().map(|r| r.max_blocks).min().unwrap_or(1) / 2).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
         let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, max_blocks as usize) as u32;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
@@ -101,16 +83,16 @@ impl Group {
         // after the group's warm-up): a rank that failed to load its module
         // after others launched would leave them waiting at the barrier.
         for r in 0..n {
-            mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
+            mesh.funcs[r].get(op, dtype, || comm.mesh_function(r, "cp_meshar", op, dtype))?;
         }
-        self.launch_each(&|r| {
-            let f = mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
+        comm.launch_each(&|r| {
+            let f = mesh.funcs[r].get(op, dtype, || comm.mesh_function(r, "cp_meshar", op, dtype))?;
             let rank = r as i32;
-            let (ctl, timeout_ns, skip) = self.ctl_args(r)?;
+            let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
             if skip {
                 return Ok(());
             }
-            let mut launch = self.ranks[r].stream.launch_builder(f);
+            let mut launch = comm.ranks[r].stream.launch_builder(f);
             launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec).arg(&ctl).arg(&timeout_ns);
             // SAFETY: the signature is (PtrArray, PtrArray, PtrArray, i32, i32,
             // u64, u64, i32, u32*, u64); `ctl` is the group's mapped control
@@ -122,5 +104,17 @@ impl Group {
             unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (mesh all-reduce)"))?;
             Ok(())
         })
+    }
+}
+
+impl AllReduce for Mesh {
+    fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
+        let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
+        comm.check_reach("all_reduce (mesh)", ins, true)?;
+        if ins != outs {
+            comm.check_reach("all_reduce (mesh)", outs, true)?;
+        }
+        self.launch(comm, op.kernel_op(), dtype, ins, outs, count, aligned)?;
+        divide(comm, op, dtype, outs, count, 0..comm.size())
     }
 }
