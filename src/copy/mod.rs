@@ -156,22 +156,22 @@ pub(crate) fn enable_both(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Result<
 /// verifying it. Returns the guards (empty when staged) and the status.
 pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOptions) -> Result<(Vec<PeerAccess>, LinkStatus)> {
     let (from, to) = (a.ordinal(), b.ordinal());
-    if from == to {
-        let status = LinkStatus { path: Path::Local, driver_claims_p2p: true, verified: None, reason: "same device".into() };
-        return Ok((Vec::new(), status));
-    }
-    let claims = link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer;
+    let same_device = from == to;
+    let claims = same_device || (link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer);
     let staged = |reason: String, verified| Ok((Vec::new(), LinkStatus { path: Path::Staged, driver_claims_p2p: claims, verified, reason }));
     let fail = |reason: String| Err(Error::P2pUnavailable { from, to, reason });
-    match opts.policy {
-        PathPolicy::StagedOnly => return staged("staged by policy".into(), None),
-        PathPolicy::P2pOnly if !claims => return Err(Error::PeerUnsupported { from, to }),
-        PathPolicy::Auto if !claims => return staged("driver reports no peer access".into(), None),
-        _ => {}
+    match route::first_step(opts.policy, same_device, claims) {
+        route::FirstStep::Local => {
+            let status = LinkStatus { path: Path::Local, driver_claims_p2p: true, verified: None, reason: "same device".into() };
+            return Ok((Vec::new(), status));
+        }
+        route::FirstStep::Staged(reason) => return staged(reason.into(), None),
+        route::FirstStep::Unsupported => return Err(Error::PeerUnsupported { from, to }),
+        route::FirstStep::TryP2p => {}
     }
     let access = match enable_both(a, b) {
         Ok(g) => g,
-        Err(e) if opts.policy == PathPolicy::Auto => {
+        Err(e) if route::falls_back(opts.policy) => {
             log::warn!("link {from} <-> {to}: enabling peer access failed ({e}); using the staged path");
             return staged(format!("enabling peer access failed: {e}"), None);
         }
@@ -192,7 +192,7 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         Err(e) => format!("verification failed: {e}"),
     };
     drop(access);
-    if opts.policy == PathPolicy::P2pOnly {
+    if !route::falls_back(opts.policy) {
         return fail(why);
     }
     log::warn!("link {from} <-> {to}: the driver reports P2P but {why}; using the staged path");

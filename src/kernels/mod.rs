@@ -261,6 +261,16 @@ mod tests {
     }
 
     #[test]
+    fn kernel_names_exist_for_every_pair() {
+        for d in crate::dtype::DType::ALL {
+            for o in crate::dtype::ReduceOp::ALL {
+                let name = reduce2_name(o.kernel_op(), d.name());
+                assert!(REDUCE_PTX.contains(&format!(".entry {name}(")), "{name}");
+            }
+        }
+    }
+
+    #[test]
     fn names() {
         assert_eq!(reduce2_name("sum", "f32"), "cp_reduce2_sum_f32");
         assert_eq!(scale_div_name("f16"), "cp_scale_div_f16");
