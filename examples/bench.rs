@@ -587,7 +587,7 @@ fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>]) -> Res<Backend> {
         _ => Algorithm::Auto,
     };
     let streams = ctxs.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let mut opts = GroupOptions { algorithm, ..GroupOptions::with_policy(policy) };
+    let mut opts = GroupOptions::with_policy(policy).algorithm(algorithm);
     if serial {
         opts.launch_spin = None;
     }

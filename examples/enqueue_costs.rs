@@ -221,7 +221,7 @@ fn run(args: &Args) -> Res<()> {
                 }
             }
         }
-        let opts = GroupOptions { launch_spin: if launchers { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() };
+        let opts = GroupOptions::default().launch_spin(if launchers { GroupOptions::default().launch_spin } else { None });
         let group = Group::new(streams.clone(), &opts)?;
         let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
         group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?; // warm-up: loads the kernels
@@ -257,12 +257,7 @@ fn run(args: &Args) -> Res<()> {
     }
     let groups = [true, false]
         .iter()
-        .map(|&l| {
-            Group::new(
-                streams.clone(),
-                &GroupOptions { launch_spin: if l { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() },
-            )
-        })
+        .map(|&l| Group::new(streams.clone(), &GroupOptions::default().launch_spin(if l { GroupOptions::default().launch_spin } else { None })))
         .collect::<Result<Vec<_>, _>>()?;
     let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
     let mut steady = Vec::new();

@@ -259,8 +259,7 @@ fn main() {
         let ctx = driver::all_contexts()?;
         let streams: Vec<Arc<CudaStream>> = (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
         let t_ctx = ms(t);
-        let opts =
-            GroupOptions { algorithm: args.algorithm, lazy_kernels: args.lazy_kernels || args.timings, ..GroupOptions::with_policy(args.path) };
+        let opts = GroupOptions::with_policy(args.path).algorithm(args.algorithm).lazy_kernels(args.lazy_kernels || args.timings);
         let t = Instant::now();
         let group = Group::new(streams.clone(), &opts)?;
         let t_group = ms(t);

@@ -12,7 +12,8 @@ static INIT: OnceCell<Result<(), Error>> = OnceCell::new();
 
 /// The loaded and initialised driver API. Every other function in the crate
 /// goes through this, so it is the one place where a missing driver becomes
-/// an error.
+/// an error. (The raw driver table: for the crate's own tools and tests.)
+#[doc(hidden)]
 pub fn api() -> Result<&'static sys::DriverApi> {
     let api = sys::driver()?;
     INIT.get_or_init(|| {

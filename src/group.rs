@@ -24,7 +24,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-pub use crate::algorithms::{Algorithm, Selected, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES, ONESHOT_AUTO_MAX_BYTES};
+pub use crate::algorithms::{Algorithm, Selected};
 pub use crate::kernels::load::FORCE_PTX_ENV;
 
 /// How long a group's launcher threads spin for the next call after each
@@ -32,8 +32,11 @@ pub use crate::kernels::load::FORCE_PTX_ENV;
 /// [`GroupOptions::launch_spin`]).
 pub const DEFAULT_LAUNCH_SPIN: Duration = Duration::from_micros(200);
 
-/// Settings for a group.
+/// Settings for a group: `GroupOptions::default()` or
+/// [`GroupOptions::with_policy`], then the builder-style setters (one per
+/// field), e.g. `GroupOptions::default().algorithm(Algorithm::Ring)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GroupOptions {
     /// All-reduce algorithm (see [`Algorithm`]).
     pub algorithm: Algorithm,
@@ -48,9 +51,8 @@ pub struct GroupOptions {
     /// 0's, and spins for `spin` after each call before it parks; `None`
     /// launches every rank from the calling thread. In an in-place one-shot
     /// all-reduce each launcher also takes its own rank's buffer (cudarc's
-    /// event tracking). On 2x H200, 4 KiB back to back: 5.9-7.4 us per call
-    /// against 7.2-8.6 without launchers, alternating in one process
-    /// (`bench/results/h200x2-launchers-enqueue-costs.txt`). A call that
+    /// event tracking). Launching in parallel shortens small calls back to
+    /// back, whose cost is the host's launches (`bench/NOTES.md`). A call that
     /// finds a launcher parked launches that rank itself (and wakes it), so
     /// only calls less than `spin` apart run in parallel, and an idle group
     /// uses no CPU; a busy one keeps up to one core per rank after the first
@@ -100,6 +102,49 @@ impl GroupOptions {
     /// Default options with the given path policy for every link.
     pub fn with_policy(policy: crate::copy::PathPolicy) -> Self {
         GroupOptions { link: LinkOptions::with_policy(policy), ..Default::default() }
+    }
+
+    /// Sets [`Self::algorithm`].
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// Sets [`Self::link`].
+    pub fn link(mut self, link: LinkOptions) -> Self {
+        self.link = link;
+        self
+    }
+
+    /// Sets [`Self::pull_policies`].
+    pub fn pull_policies(mut self, pull_policies: Vec<crate::copy::PathPolicy>) -> Self {
+        self.pull_policies = pull_policies;
+        self
+    }
+
+    /// Sets [`Self::launch_spin`].
+    pub fn launch_spin(mut self, launch_spin: Option<Duration>) -> Self {
+        self.launch_spin = launch_spin;
+        self
+    }
+
+    /// Sets [`Self::lazy_kernels`].
+    pub fn lazy_kernels(mut self, lazy_kernels: bool) -> Self {
+        self.lazy_kernels = lazy_kernels;
+        self
+    }
+
+    /// Sets [`Self::barrier_timeout`].
+    pub fn barrier_timeout(mut self, barrier_timeout: Duration) -> Self {
+        self.barrier_timeout = barrier_timeout;
+        self
+    }
+
+    /// For tests of the fused-path check only: sets `check_fault`.
+    #[doc(hidden)]
+    pub fn check_fault(mut self, check_fault: Option<(usize, Fault)>) -> Self {
+        self.check_fault = check_fault;
+        self
     }
 }
 
@@ -305,8 +350,8 @@ impl Group {
         }
     }
 
-    /// Whether the group has the mesh all-reduce (used below
-    /// [`MESH_AUTO_MAX_BYTES`] under [`Algorithm::Auto`]).
+    /// Whether the group has the mesh all-reduce (used for medium messages
+    /// under [`Algorithm::Auto`]).
     pub fn uses_mesh(&self) -> bool {
         self.algos.mesh.is_some()
     }

@@ -91,10 +91,7 @@ pub use copy::{Link, LinkOptions, Path, PathPolicy};
 pub use cudarc;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
-pub use group::{
-    Algorithm, Group, GroupOptions, Selected, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES,
-    ONESHOT_AUTO_MAX_BYTES,
-};
+pub use group::{Algorithm, Group, GroupOptions, Selected, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN};
 pub use raw::{RawBuffer, RawStream};
 
 /// The module dependency graph, read from the sources: no cycles, and the

@@ -2,7 +2,8 @@
 //! and the one-shot), and the one place that picks among them.
 //!
 //! Each algorithm opens on a communicator (where it applies to the group;
-//! a forced one that cannot is an error) and
+//! a forced one that cannot is
+//! [`Error::AlgorithmUnavailable`]) and
 //! enqueues `outs[r] = reduce(ins)` on every rank ([`AllReduce`]). Which
 //! one a call takes is [`Algorithms::pick`]: first availability (what the
 //! group opened), then the size thresholds, then the pick; a call
@@ -87,25 +88,21 @@ impl PartialEq<Algorithm> for Selected {
 
 /// Under [`Algorithm::Auto`], a group whose every pair has P2P uses the
 /// one-shot while each rank stores at most this many bytes into its peers
-/// (message bytes times ranks - 1), the mesh above (where the one-shot's
-/// single barrier stops paying for its extra stores; measurements in
-/// `bench/NOTES.md`).
-#[doc(hidden)]
-pub const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
+/// (message bytes times ranks - 1), the mesh above: beyond it the one-shot's
+/// single barrier no longer pays for its extra stores (`bench/NOTES.md`).
+pub(crate) const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
 
 /// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
 /// distinct devices, 2 to 8) uses the one-shot through host memory while
 /// each rank reads at most this many bytes from it (message bytes times
 /// ranks - 1), the staged ring above (measurements in `bench/NOTES.md`).
-#[doc(hidden)]
-pub const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
+pub(crate) const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
 
 /// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
 /// use the ring even where the mesh is possible: the ring's copy-engine
 /// all-gather overtakes the mesh kernel there (measurements in
 /// `bench/NOTES.md`).
-#[doc(hidden)]
-pub const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
+pub(crate) const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
 
 /// One all-reduce algorithm, opened on a communicator.
 pub(crate) trait AllReduce {
@@ -182,7 +179,7 @@ pub(crate) fn wants_all_pairs(request: Algorithm, devices: &[usize]) -> bool {
 
 /// The error for a forced all-reduce algorithm the group cannot run.
 pub(crate) fn unavailable(algorithm: &'static str, why: &str) -> Error {
-    Error::InvalidArgument(format!("{algorithm} all-reduce impossible: {why}"))
+    Error::AlgorithmUnavailable { algorithm, reason: why.to_string() }
 }
 
 impl Algorithms {

@@ -39,24 +39,19 @@ pub const ONESHOT_SCRATCH_BYTES: usize = 16 << 20;
 /// Slot bytes of the large-message lane through host memory (no P2P): a
 /// message runs in rounds of this many bytes, so that while some blocks
 /// still write a round into host memory, others already read the one
-/// before, and both PCIe directions carry data at once. On 2x H200 with
-/// P2P off (one run, `bench/results/h200x2-host-round-experiment-allreduce.csv`)
-/// 1 MiB rounds took 141 us at 4 MiB and 255 at 8 MiB, against 170 and
-/// 295 with 4 MiB rounds; 512 KiB and 256 KiB rounds were slower.
+/// before, and both PCIe directions carry data at once (the size measured
+/// best: `bench/NOTES.md`).
 pub const HOST_ROUND_BYTES: usize = 1 << 20;
 
 /// The lanes of a one-shot with slots in device memory (P2P), as (largest
 /// message in bytes per rank, blocks): each lane has its own slots, flags
 /// and counters and one grid, so a small message does not pay for dozens of
-/// blocks raising and polling flags. On 2x H200 (graph-replayed, one run)
-/// 4 blocks took 5.2-5.6 us at 4-64 KiB against 5.3-5.7 with 64, and
-/// 9.8 against 6.2 at 256 KiB.
+/// blocks raising and polling flags (`bench/NOTES.md`).
 const DEVICE_LANES: [(usize, u32); 2] = [(64 << 10, 4), (usize::MAX, kernels::ONESHOT_DEVICE_BLOCKS)];
 
 /// The lanes of a one-shot with slots in host memory (no P2P), as for
-/// [`DEVICE_LANES`]. Polling host memory over PCIe costs more per block: on
-/// 2x H200 with P2P off (eager, one run) 2 blocks took 9.2 us at 4-16 KiB,
-/// 4 blocks 12.3 at 64 KiB and 22.0 at 256 KiB, against 18.1-25.2 with 32.
+/// [`DEVICE_LANES`]: polling host memory over PCIe costs more per block, so
+/// small messages take fewer blocks still (`bench/NOTES.md`).
 const HOST_LANES: [(usize, u32); 3] = [(16 << 10, 2), (256 << 10, 4), (usize::MAX, kernels::ONESHOT_HOST_BLOCKS)];
 
 /// One lane's place in a one-shot region (shared by the single-process

@@ -16,10 +16,10 @@
 //! recorded after the copy, so a buffer dropped while the copy is in flight
 //! is freed only after it (the ordering lives in the private `sync` module).
 
-pub mod plan;
+pub(crate) mod plan;
 pub(crate) mod route;
 pub(crate) mod staged;
-pub mod verify;
+pub(crate) mod verify;
 
 use crate::driver::api;
 use crate::error::{cudarc_err, Error, Result};
@@ -32,7 +32,7 @@ use route::{copy_direct, Direct};
 use staged::{Staging, Start};
 use std::sync::Arc;
 use std::time::Duration;
-pub use verify::Verdict;
+use verify::Verdict;
 
 /// How a link carries data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -79,8 +79,11 @@ impl std::str::FromStr for PathPolicy {
     }
 }
 
-/// Settings for opening a link.
+/// Settings for opening a link: `LinkOptions::default()` or
+/// [`LinkOptions::with_policy`], then the builder-style setters (one per
+/// field), e.g. `LinkOptions::default().verify(false)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LinkOptions {
     /// Path policy.
     pub policy: PathPolicy,
@@ -110,6 +113,36 @@ impl LinkOptions {
     /// Default options with `policy`.
     pub fn with_policy(policy: PathPolicy) -> Self {
         LinkOptions { policy, ..Default::default() }
+    }
+
+    /// Sets [`Self::policy`].
+    pub fn policy(mut self, policy: PathPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets [`Self::verify`].
+    pub fn verify(mut self, verify: bool) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// Sets [`Self::verify_timeout`].
+    pub fn verify_timeout(mut self, verify_timeout: Duration) -> Self {
+        self.verify_timeout = verify_timeout;
+        self
+    }
+
+    /// Sets [`Self::staging_chunk_bytes`].
+    pub fn staging_chunk_bytes(mut self, staging_chunk_bytes: usize) -> Self {
+        self.staging_chunk_bytes = staging_chunk_bytes;
+        self
+    }
+
+    /// Sets [`Self::staging_buffers`].
+    pub fn staging_buffers(mut self, staging_buffers: usize) -> Self {
+        self.staging_buffers = staging_buffers;
+        self
     }
 }
 
