@@ -48,8 +48,10 @@ use std::time::Duration;
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
 pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
 
-/// Settings of a [`Comm`].
+/// Settings of a [`Comm`]: `CommOptions::default()`, then the
+/// builder-style setters (one per field).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CommOptions {
     /// Bound on each creation step that waits for peers or the device (the
     /// descriptor exchange, the verification).
@@ -71,6 +73,32 @@ pub struct CommOptions {
 impl Default for CommOptions {
     fn default() -> Self {
         CommOptions { timeout: Duration::from_secs(60), verify: true, check_calls: false, barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT }
+    }
+}
+
+impl CommOptions {
+    /// Sets [`Self::timeout`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`Self::verify`].
+    pub fn verify(mut self, verify: bool) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// Sets [`Self::check_calls`].
+    pub fn check_calls(mut self, check_calls: bool) -> Self {
+        self.check_calls = check_calls;
+        self
+    }
+
+    /// Sets [`Self::barrier_timeout`].
+    pub fn barrier_timeout(mut self, barrier_timeout: Duration) -> Self {
+        self.barrier_timeout = barrier_timeout;
+        self
     }
 }
 
