@@ -19,6 +19,7 @@ use crate::copy::check_context;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::group::Group;
+use crate::kernels::KernelOp;
 use crate::sync::Held;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ops::Range;
@@ -188,7 +189,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            ring::run(&self.comm, op.kernel_op(), T::DTYPE, &steps)?;
+            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)?;
             self.divide::<T>(op, &d.ptrs, c, 0..n)
         })();
         ordered(r, [s, d])
@@ -224,7 +225,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            ring::run(&self.comm, "sum", T::DTYPE, &steps)
+            ring::run(&self.comm, KernelOp::Sum, T::DTYPE, &steps)
         })();
         ordered(r, [s, d])
     }
@@ -265,7 +266,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            ring::run(&self.comm, "sum", T::DTYPE, &steps)
+            ring::run(&self.comm, KernelOp::Sum, T::DTYPE, &steps)
         };
         ordered(r, [b])
     }
@@ -313,7 +314,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            ring::run(&self.comm, op.kernel_op(), T::DTYPE, &steps)?;
+            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)?;
             self.divide::<T>(op, &d.ptrs, count, std::iter::once(root))
         })();
         ordered(r, [s, d])

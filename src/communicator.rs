@@ -15,8 +15,8 @@ use crate::dtype::DType;
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::{Ctl, Fault};
 use crate::graph::{capture_of, retain, KeepAlive};
-use crate::kernels;
-use crate::kernels::load::{load_module, mesh_kernel, FnTable};
+use crate::kernels::load::{self, load_module, FnTable};
+use crate::kernels::{self, Kernel, KernelOp, Module};
 use crate::launch::{Job, Launchers};
 use crate::peer::PeerAccess;
 use crate::reach::ReachCache;
@@ -49,7 +49,7 @@ impl Rank {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cudarc_err("cuDeviceGetAttribute"))?;
         Ok(Rank {
-            module: load_module(&ctx, kernels::REDUCE)?,
+            module: load_module(&ctx, Module::Reduce)?,
             done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
             funcs: FnTable::default(),
             order: Orderer::default(),
@@ -273,16 +273,16 @@ impl Communicator {
         errors
     }
 
-    /// Rank r's reduction kernel `name` (for `op` and `dtype`), from its table.
-    pub(crate) fn function(&self, r: usize, op: &str, dtype: DType, name: impl FnOnce() -> String) -> Result<&CudaFunction> {
+    /// Rank r's kernel `kernel` of the reduction module, from its table.
+    pub(crate) fn function(&self, r: usize, kernel: Kernel) -> Result<&CudaFunction> {
         let rank = &self.ranks[r];
-        rank.funcs.get(op, dtype, || rank.module.load_function(&name()).map_err(cudarc_err("cuModuleGetFunction")))
+        rank.funcs.get(kernel, || rank.module.load_function(&kernel.name()).map_err(cudarc_err("cuModuleGetFunction")))
     }
 
-    /// Loads `{family}_{op}_{ty}` from the mesh module of `dtype` on rank r
-    /// (loaded once per context and type).
-    pub(crate) fn mesh_function(&self, r: usize, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
-        mesh_kernel(&self.ranks[r].ctx, family, op, dtype)
+    /// Loads `kernel` from its module on rank r (the module loaded once per
+    /// context); for the algorithms' own function tables.
+    pub(crate) fn kernel_function(&self, r: usize, kernel: Kernel) -> Result<CudaFunction> {
+        load::function(&self.ranks[r].ctx, kernel)
     }
 
     fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
@@ -293,11 +293,11 @@ impl Communicator {
 
     /// Launches `dst = a op b` over `count` elements on rank `r`'s stream.
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus rank, op and type
-    pub(crate) fn launch_reduce2(&self, r: usize, op: &str, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
+    pub(crate) fn launch_reduce2(&self, r: usize, op: KernelOp, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
-        let f = self.function(r, op, dtype, || kernels::reduce2_name(op, dtype.name()))?;
+        let f = self.function(r, Kernel::Reduce2(op, dtype))?;
         let n = count as u64;
         let stream = &self.ranks[r].stream;
         let mut launch = stream.launch_builder(f);
@@ -312,7 +312,7 @@ impl Communicator {
     /// Resolves the division kernel for `dtype` on every rank.
     pub(crate) fn resolve_scale_div(&self, dtype: DType) -> Result<()> {
         for r in 0..self.size() {
-            self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+            self.function(r, Kernel::ScaleDiv(dtype))?;
         }
         Ok(())
     }
@@ -322,7 +322,7 @@ impl Communicator {
         if count == 0 {
             return Ok(());
         }
-        let f = self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+        let f = self.function(r, Kernel::ScaleDiv(dtype))?;
         let n = count as u64;
         let mut launch = self.ranks[r].stream.launch_builder(f);
         launch.arg(&x).arg(&n).arg(&divisor);

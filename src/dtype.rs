@@ -111,14 +111,6 @@ impl ReduceOp {
         }
     }
 
-    /// The kernel operation that combines two values (`Avg` sums, then divides).
-    pub(crate) fn kernel_op(self) -> &'static str {
-        match self {
-            ReduceOp::Avg => "sum",
-            other => other.name(),
-        }
-    }
-
     /// Checks that the operation is defined for `dtype`.
     pub fn check(self, dtype: DType) -> crate::Result<()> {
         if self == ReduceOp::Avg && !dtype.is_float() {

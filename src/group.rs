@@ -18,8 +18,8 @@ use crate::dtype::DType;
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Fault;
 use crate::graph::KeepAlive;
-use crate::kernels;
-use crate::kernels::load::{image_for, load_modules_everywhere, KERNEL_OPS};
+use crate::kernels::load::{image_for, load_modules_everywhere};
+use crate::kernels::{self, Kernel, KernelOp, Module};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -300,21 +300,24 @@ impl Group {
     /// [`Self::warm_up`] of `comm` with `algos`.
     fn warm(comm: &Communicator, algos: &Algorithms) -> Result<()> {
         let start = std::time::Instant::now();
-        let nmodules = if algos.any_fused() { kernels::modules().len() } else { 1 };
-        load_modules_everywhere(&comm.distinct_contexts(), nmodules)?;
+        let modules: &[Module] = if algos.any_fused() { &Module::all() } else { &[Module::Reduce] };
+        let nmodules = modules.len();
+        load_modules_everywhere(&comm.distinct_contexts(), modules)?;
         for r in 0..comm.size() {
             for dtype in DType::ALL {
-                for op in KERNEL_OPS {
-                    comm.function(r, op, dtype, || kernels::reduce2_name(op, dtype.name()))?;
+                for op in KernelOp::ALL {
+                    comm.function(r, Kernel::Reduce2(op, dtype))?;
                     if let Some(mesh) = &algos.mesh {
-                        mesh.funcs[r].get(op, dtype, || comm.mesh_function(r, "cp_meshar", op, dtype))?;
+                        let k = Kernel::Mesh(op, dtype);
+                        mesh.funcs[r].get(k, || comm.kernel_function(r, k))?;
                     }
                     if let Some(os) = &algos.oneshot {
-                        os.funcs[r].get(op, dtype, || comm.mesh_function(r, "cp_oneshot", op, dtype))?;
+                        let k = Kernel::OneShot(op, dtype);
+                        os.funcs[r].get(k, || comm.kernel_function(r, k))?;
                     }
                 }
                 if dtype.is_float() {
-                    comm.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+                    comm.function(r, Kernel::ScaleDiv(dtype))?;
                 }
             }
         }

@@ -8,8 +8,8 @@ use super::{divide, layout_refusal, unavailable, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
-use crate::kernels;
 use crate::kernels::load::{FnTable, PtrArray};
+use crate::kernels::{self, Kernel, KernelOp};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// The mesh all-reduce's per-rank state: kernels and flag areas.
@@ -63,13 +63,13 @@ impl Mesh {
     /// The mesh's wrapping u32 sum in place on `ptrs`, whatever the size
     /// (for the fused-path check, `super::check`).
     pub(crate) fn check_sum(&self, comm: &Communicator, ptrs: &[u64], count: usize) -> Result<()> {
-        self.launch(comm, "sum", DType::U32, ptrs, ptrs, count, ptrs.iter().all(|p| p % 16 == 0))
+        self.launch(comm, KernelOp::Sum, DType::U32, ptrs, ptrs, count, ptrs.iter().all(|p| p % 16 == 0))
     }
 
     /// Launches the mesh all-reduce on every rank: `outs[r] = reduce(ins)`;
     /// `aligned`: every pointer is 16-byte aligned (the vector path).
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
-    fn launch(&self, comm: &Communicator, op: &'static str, dtype: DType, ins: &[u64], outs: &[u64], count: usize, aligned: bool) -> Result<()> {
+    fn launch(&self, comm: &Communicator, op: KernelOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize, aligned: bool) -> Result<()> {
         let mesh = self;
         let n = comm.size();
         let e = 16 / dtype.size();
@@ -82,11 +82,12 @@ impl Mesh {
         // Every rank's kernel is resolved before any rank launches (a no-op
         // after the group's warm-up): a rank that failed to load its module
         // after others launched would leave them waiting at the barrier.
+        let kernel = Kernel::Mesh(op, dtype);
         for r in 0..n {
-            mesh.funcs[r].get(op, dtype, || comm.mesh_function(r, "cp_meshar", op, dtype))?;
+            mesh.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
         }
         comm.launch_each(&|r| {
-            let f = mesh.funcs[r].get(op, dtype, || comm.mesh_function(r, "cp_meshar", op, dtype))?;
+            let f = mesh.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
             let rank = r as i32;
             let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
             if skip {
@@ -114,7 +115,7 @@ impl AllReduce for Mesh {
         if ins != outs {
             comm.check_reach("all_reduce (mesh)", outs, true)?;
         }
-        self.launch(comm, op.kernel_op(), dtype, ins, outs, count, aligned)?;
+        self.launch(comm, KernelOp::of(op), dtype, ins, outs, count, aligned)?;
         divide(comm, op, dtype, outs, count, 0..comm.size())
     }
 }

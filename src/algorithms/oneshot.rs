@@ -27,8 +27,8 @@ use crate::communicator::Communicator;
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
-use crate::kernels;
 use crate::kernels::load::{FnTable, PtrArray};
+use crate::kernels::{self, Kernel, KernelOp};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
@@ -285,7 +285,8 @@ impl OneShot {
     /// its flags.
     fn resolve(&self, comm: &Communicator, op: ReduceOp, dtype: DType) -> Result<()> {
         for r in 0..comm.size() {
-            self.funcs[r].get(op.kernel_op(), dtype, || comm.mesh_function(r, "cp_oneshot", op.kernel_op(), dtype))?;
+            let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
+            self.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
         }
         if op == ReduceOp::Avg {
             comm.resolve_scale_div(dtype)?;
@@ -296,7 +297,7 @@ impl OneShot {
     /// Rank r's one-shot kernel, then the division of [`ReduceOp::Avg`].
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
     fn rank(&self, comm: &Communicator, op: ReduceOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
-        self.launch_rank(comm, op.kernel_op(), dtype, r, input, output, count)?;
+        self.launch_rank(comm, KernelOp::of(op), dtype, r, input, output, count)?;
         let n = comm.size();
         if op == ReduceOp::Avg && n > 1 {
             comm.launch_scale_div(r, dtype, output, count, n as f64)?;
@@ -306,11 +307,12 @@ impl OneShot {
 
     /// Launches rank r's one-shot kernel: `out = reduce(every rank's in)`.
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
-    fn launch_rank(&self, comm: &Communicator, op: &'static str, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
+    fn launch_rank(&self, comm: &Communicator, op: KernelOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
         let lane = self.lane(count * dtype.size());
         let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (comm.size() as i32, r as i32, count as u64, lane.cap as u64);
-        let f = self.funcs[r].get(op, dtype, || comm.mesh_function(r, "cp_oneshot", op, dtype))?;
+        let kernel = Kernel::OneShot(op, dtype);
+        let f = self.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
         let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
         if skip {
             return Ok(());

@@ -15,6 +15,7 @@ use crate::copy::staged::Start;
 use crate::driver::api;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{check, cudarc_err, Result};
+use crate::kernels::KernelOp;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::ops::Range;
@@ -29,7 +30,7 @@ pub(crate) enum PullOp {
 }
 
 /// Runs one rank's pull from its predecessor on its stream, over the route's path.
-fn pull(comm: &Communicator, r: usize, op: &str, dtype: DType, what: PullOp) -> Result<()> {
+fn pull(comm: &Communicator, r: usize, op: KernelOp, dtype: DType, what: PullOp) -> Result<()> {
     let entry = &comm.routes.ring[r];
     let rank = &comm.ranks[r];
     let stream = &rank.stream;
@@ -66,7 +67,7 @@ fn pull(comm: &Communicator, r: usize, op: &str, dtype: DType, what: PullOp) -> 
 /// the last, each rank waits for its successor, which may still read
 /// from it.
 #[allow(clippy::needless_range_loop)] // r indexes ranks, routes and the step alike
-pub(crate) fn run(comm: &Communicator, op: &str, dtype: DType, steps: &[Vec<Option<PullOp>>]) -> Result<()> {
+pub(crate) fn run(comm: &Communicator, op: KernelOp, dtype: DType, steps: &[Vec<Option<PullOp>>]) -> Result<()> {
     let n = comm.size();
     let rec = |r: usize| comm.ranks[r].done.record(&comm.ranks[r].stream).map_err(cudarc_err("cuEventRecord"));
     let wait = |r: usize, on: usize| {
@@ -155,6 +156,6 @@ fn all_reduce_in_place(comm: &Communicator, op: ReduceOp, dtype: DType, ptrs: &[
                 .collect()
         })
         .collect();
-    run(comm, op.kernel_op(), dtype, &steps)?;
+    run(comm, KernelOp::of(op), dtype, &steps)?;
     divide(comm, op, dtype, ptrs, count, 0..n)
 }

@@ -38,7 +38,8 @@ use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
 use crate::kernels;
-use crate::kernels::load::{mesh_kernel, reduce_kernel, FnTable, PtrArray};
+use crate::kernels::load::{function, FnTable, PtrArray};
+use crate::kernels::{Kernel, KernelOp};
 use crate::sync::{wait_bounded, Orderer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::os::fd::AsFd;
@@ -479,8 +480,8 @@ impl Comm {
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
         let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
-        let kop = op.kernel_op();
-        let f = self.funcs.get(kop, dtype, || mesh_kernel(&self.ctx, "cp_oneshot", kop, dtype))?;
+        let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
+        let f = self.funcs.get(kernel, || function(&self.ctx, kernel))?;
         let mut launch = self.stream.launch_builder(f);
         launch
             .arg(&lane.push)
@@ -509,7 +510,7 @@ impl Comm {
         // device, so every rank's blocks can be resident at once.
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         if op == ReduceOp::Avg && self.size > 1 {
-            let f = self.div.get("div", dtype, || reduce_kernel(&self.ctx, &kernels::scale_div_name(dtype.name())))?;
+            let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
             let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
             let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
             let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };

@@ -2,9 +2,8 @@
 //! for the device's architecture or else the PTX) and the per-rank tables of
 //! resolved kernel functions.
 
-use crate::dtype::DType;
 use crate::error::{cudarc_err, Error, Result};
-use crate::kernels;
+use crate::kernels::{self, Kernel, Module, FN_SLOTS};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -37,15 +36,15 @@ pub(crate) fn image_for(ctx: &Arc<CudaContext>) -> Result<Option<usize>> {
     Ok(kernels::cubin_for(major.max(0) as u32, minor.max(0) as u32))
 }
 
-/// Module `index` of `kernels::modules()` on `ctx`, loaded the first time:
+/// Module `m` on `ctx`, loaded the first time:
 /// from the cubin for the device's architecture where there is one (no
 /// JIT), else from the PTX (JIT-compiled by the driver). A cubin that does
 /// not decompress or load (an old driver, say) falls back to the PTX, with
 /// a warning. The cache is not locked while a module loads, so devices
 /// load (and JIT-compile) at the same time; two threads loading one module
 /// on one context at once both load it, and the first stored is kept.
-pub(crate) fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> {
-    let module = kernels::modules().get(index).ok_or_else(|| Error::Internal(format!("no kernel module {index}")))?;
+pub(crate) fn load_module(ctx: &Arc<CudaContext>, m: Module) -> Result<Arc<CudaModule>> {
+    let (module, index) = (m.files(), m.index());
     let key = ctx.cu_ctx() as usize;
     if let Some(m) = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(m.clone());
@@ -77,13 +76,13 @@ pub(crate) fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<Cu
     Ok(map.entry(key).or_insert(m).clone())
 }
 
-/// Loads modules `0..nmodules` on every context of `ctxs` (distinct
-/// contexts), one thread per context, so that the devices load (or
-/// JIT-compile) at the same time.
-pub(crate) fn load_modules_everywhere(ctxs: &[&Arc<CudaContext>], nmodules: usize) -> Result<()> {
+/// Loads `modules` on every context of `ctxs` (distinct contexts), one
+/// thread per context, so that the devices load (or JIT-compile) at the
+/// same time.
+pub(crate) fn load_modules_everywhere(ctxs: &[&Arc<CudaContext>], modules: &[Module]) -> Result<()> {
     let load_all = |ctx: &Arc<CudaContext>| -> Result<()> {
-        for index in 0..nmodules {
-            load_module(ctx, index)?;
+        for &m in modules {
+            load_module(ctx, m)?;
         }
         Ok(())
     };
@@ -110,51 +109,29 @@ pub(crate) fn load_modules_everywhere(ctxs: &[&Arc<CudaContext>], nmodules: usiz
     })
 }
 
-/// The reductions as they appear in kernel names (avg is sum, then the
-/// division kernel).
-pub(crate) const KERNEL_OPS: [&str; 4] = ["sum", "prod", "min", "max"];
-
-/// `{family}_{op}_{ty}` of the mesh module of `dtype` on `ctx` (loaded
-/// once per context).
-pub(crate) fn mesh_kernel(ctx: &Arc<CudaContext>, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
-    let ty = dtype.name();
-    let index = kernels::mesh_module(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
-    let module = load_module(ctx, index)?;
-    module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
+/// `kernel` on `ctx`, from its module (loaded once per context).
+pub(crate) fn function(ctx: &Arc<CudaContext>, kernel: Kernel) -> Result<CudaFunction> {
+    let module = load_module(ctx, kernel.module())?;
+    module.load_function(&kernel.name()).map_err(cudarc_err("cuModuleGetFunction"))
 }
 
-/// `name` of the reduction module on `ctx` (loaded once per context).
-pub(crate) fn reduce_kernel(ctx: &Arc<CudaContext>, name: &str) -> Result<CudaFunction> {
-    let module = load_module(ctx, kernels::REDUCE)?;
-    module.load_function(name).map_err(cudarc_err("cuModuleGetFunction"))
-}
-
-/// One kernel family's functions for one rank, by (op, element type),
-/// each looked up on first use and kept: a launch costs an index, not a
-/// name format and a map lookup.
+/// One kernel family's functions for one rank, by [`Kernel::slot`], each
+/// looked up on first use and kept: a launch costs an index, not a name
+/// format and a map lookup.
 pub(crate) struct FnTable {
-    cells: [OnceLock<CudaFunction>; 5 * 10],
+    cells: [OnceLock<CudaFunction>; FN_SLOTS],
 }
 
 impl Default for FnTable {
     fn default() -> Self {
-        FnTable { cells: [const { OnceLock::new() }; 50] }
+        FnTable { cells: [const { OnceLock::new() }; FN_SLOTS] }
     }
 }
 
 impl FnTable {
-    /// The function for `op` ("sum", "prod", "min", "max", or "div" for
-    /// scale_div) and `dtype`, loaded by `load` the first time.
-    pub(crate) fn get(&self, op: &str, dtype: DType, load: impl FnOnce() -> Result<CudaFunction>) -> Result<&CudaFunction> {
-        let o = match op {
-            "sum" => 0,
-            "prod" => 1,
-            "min" => 2,
-            "max" => 3,
-            _ => 4,
-        };
-        let t = DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0);
-        let cell = &self.cells[o * 10 + t];
+    /// The function for `kernel`, loaded by `load` the first time.
+    pub(crate) fn get(&self, kernel: Kernel, load: impl FnOnce() -> Result<CudaFunction>) -> Result<&CudaFunction> {
+        let cell = &self.cells[kernel.slot()];
         if let Some(f) = cell.get() {
             return Ok(f);
         }
