@@ -18,11 +18,12 @@
 //! Nothing here can track the buffers' lifetimes: that is the contract of
 //! the `# Safety` sections.
 
+use crate::driver::{event_record, raw_context, raw_event, raw_stream, raw_stream_of, stream_context, stream_wait_event};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::group::{Group, RawEvents};
 use crate::sys;
-use cudarc::driver::{result as cu, sys as cusys};
+use cudarc::driver::sys as cusys;
 
 /// One rank's buffer: a raw device pointer (`CUdeviceptr`), e.g. from
 /// `cuMemAlloc`, `cuMemAllocAsync`, a framework's allocator, or cudarc's
@@ -145,18 +146,18 @@ impl Group {
         })?;
         // The group's streams wait for the callers'.
         for r in 0..n {
-            let own = self.comm.ranks[r].stream.cu_stream();
-            if streams[r].0 != own {
+            let own = raw_stream(&self.comm.ranks[r].stream);
+            let caller = raw_stream_of(streams[r].0);
+            if caller != own {
                 crate::driver::bind(&self.comm.ranks[r].ctx)?;
-                let ev = events[r].caller_done.cu_event();
+                let ev = raw_event(&events[r].caller_done);
                 // SAFETY: `ev` is an event of rank r's context, which is
-                // current; `streams[r]` is a live stream of that context
+                // current; `caller` is a live stream of that context
                 // (checked above, and the caller's contract), `own` the
                 // group's live stream of it.
-                unsafe { cu::event::record(ev, streams[r].0) }.map_err(cudarc_err("cuEventRecord (caller's stream)"))?;
+                unsafe { event_record("cuEventRecord (caller's stream)", ev, caller) }?;
                 // SAFETY: as above.
-                unsafe { cu::stream::wait_event(own, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                    .map_err(cudarc_err("cuStreamWaitEvent"))?;
+                unsafe { stream_wait_event("cuStreamWaitEvent", own, ev) }?;
             }
         }
         let ins: Vec<u64> = send.iter().map(|b| b.0).collect();
@@ -167,15 +168,15 @@ impl Group {
         // are reused).
         let mut joined = Ok(());
         for r in 0..n {
-            let own = self.comm.ranks[r].stream.cu_stream();
-            if streams[r].0 != own {
+            let own = raw_stream(&self.comm.ranks[r].stream);
+            let caller = raw_stream_of(streams[r].0);
+            if caller != own {
                 let join = crate::driver::bind(&self.comm.ranks[r].ctx).and_then(|()| {
-                    let ev = events[r].group_done.cu_event();
+                    let ev = raw_event(&events[r].group_done);
                     // SAFETY: as for the waits above, the other way round.
-                    unsafe { cu::event::record(ev, own) }.map_err(cudarc_err("cuEventRecord"))?;
+                    unsafe { event_record("cuEventRecord", ev, own) }?;
                     // SAFETY: as above.
-                    unsafe { cu::stream::wait_event(streams[r].0, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                        .map_err(cudarc_err("cuStreamWaitEvent (caller's stream)"))
+                    unsafe { stream_wait_event("cuStreamWaitEvent (caller's stream)", caller, ev) }
                 });
                 joined = joined.and(join);
             }
@@ -187,14 +188,10 @@ impl Group {
     fn check_raw_stream(&self, r: usize, stream: RawStream) -> Result<()> {
         let ctx = &self.comm.ranks[r].ctx;
         crate::driver::bind(ctx)?;
-        let mut got: cusys::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one context handle; `stream` is a live stream (the
-        // caller's contract) or null (the current context's, bound above).
-        let res = unsafe { cusys::cuStreamGetCtx(stream.0, &mut got) };
-        if res != cusys::CUresult::CUDA_SUCCESS {
-            return Err(Error::driver("all_reduce_raw: cuStreamGetCtx (caller's stream)", res as u32));
-        }
-        if got != ctx.cu_ctx() {
+        // SAFETY: `stream` is a live stream (the caller's contract) or null
+        // (the current context's, bound above).
+        let got = unsafe { stream_context("all_reduce_raw: cuStreamGetCtx (caller's stream)", stream.0) }?;
+        if got != raw_context(ctx) {
             return Err(Error::InvalidArgument(format!(
                 "all_reduce_raw: rank {r}'s stream is not of the group's context on device {}",
                 ctx.ordinal()

@@ -12,11 +12,10 @@ use super::{divide, AllReduce};
 use crate::communicator::Communicator;
 use crate::copy::route::{copy_direct, Direct, Route};
 use crate::copy::staged::Start;
-use crate::driver::api;
+use crate::driver::{api, raw_stream};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{check, cudarc_err, Result};
 use crate::kernels::KernelOp;
-use cuda_peer_sys as sys;
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::ops::Range;
 
@@ -48,7 +47,7 @@ fn pull(comm: &Communicator, r: usize, op: KernelOp, dtype: DType, what: PullOp)
         (Route::Staged(staged), PullOp::Reduce { dst, pred: p, own, count }) => {
             let esz = dtype.size() as u64;
             let sp = scratch_ptr(&staged.scratch, stream);
-            let h2d = stream.cu_stream() as sys::CUstream;
+            let h2d = raw_stream(stream);
             staged.staging.transfer(p, count * dtype.size(), stream, Start::Ordered, |host, off, len| {
                 // SAFETY: the scratch holds one chunk (>= len bytes)
                 // and is consumed by the kernel below, in stream order.

@@ -5,11 +5,10 @@
 
 use super::staged::Staging;
 use super::{decide, LinkOptions, LinkStatus, Path, PathPolicy};
-use crate::driver::{api, bind};
+use crate::driver::{api, bind, raw_context, raw_stream};
 use crate::error::{check, cudarc_err, Result};
-use crate::peer::{raw_ctx, PeerAccess};
+use crate::peer::PeerAccess;
 use crate::sync::is_capturing;
-use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use std::sync::Arc;
 
@@ -182,7 +181,7 @@ pub(crate) unsafe fn copy_direct(
     }
     let api = api()?;
     bind(dst_ctx)?;
-    let raw = stream.cu_stream() as sys::CUstream;
+    let raw = raw_stream(stream);
     match how {
         // SAFETY: the caller's contract: both ranges hold `bytes` bytes on this device.
         Direct::Local => check("cuMemcpyDtoDAsync", unsafe { api.cuMemcpyDtoDAsync_v2(dst, src, bytes, raw) }),
@@ -193,7 +192,7 @@ pub(crate) unsafe fn copy_direct(
         }
         Direct::Peer => {
             // SAFETY: the caller's contract; both context handles are alive.
-            check("cuMemcpyPeerAsync", unsafe { api.cuMemcpyPeerAsync(dst, raw_ctx(dst_ctx), src, raw_ctx(src_ctx), bytes, raw) })
+            check("cuMemcpyPeerAsync", unsafe { api.cuMemcpyPeerAsync(dst, raw_context(dst_ctx), src, raw_context(src_ctx), bytes, raw) })
         }
     }
 }
