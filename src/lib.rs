@@ -59,6 +59,14 @@
 //! ```
 //!
 //! (`failure` keeps its control block in `copy`'s pinned host memory.)
+//!
+//! Where things go: a new all-reduce algorithm is a module in
+//! `algorithms` implementing `AllReduce`, opened in `Algorithms::open` and
+//! picked in `algorithms::choose`; a new collective (all-to-all, say) is a
+//! schedule in `algorithms::schedule` and a method in [`collectives`]; a
+//! new kind of route (another process's rank, `Ipc`) is a `Route` variant
+//! in `copy::route`, matched by the ring's pull and built with the route
+//! table.
 #![deny(missing_docs)]
 
 mod algorithms;

@@ -22,44 +22,6 @@ pub(crate) struct Mesh {
 }
 
 impl Mesh {
-    /// Sets up the mesh all-reduce on `comm` where `request` asks for it
-    /// and the group allows it (a forced mesh that it does not is an error).
-    pub(crate) fn open(comm: &Communicator, request: Algorithm) -> Result<Option<Mesh>> {
-        let ranks = &comm.ranks;
-        let n = ranks.len();
-        let refuse = |why: &str| if request == Algorithm::Mesh { Err(unavailable("mesh", why)) } else { Ok(None) };
-        if matches!(request, Algorithm::Ring | Algorithm::OneShot) {
-            return Ok(None);
-        }
-        let devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
-        if let Some(why) = layout_refusal(&devices) {
-            return refuse(&why);
-        }
-        if !comm.routes.ring_all_p2p() {
-            return refuse("needs every ring link on P2P");
-        }
-        match &comm.routes.all_pairs {
-            Some(Ok(())) => {}
-            Some(Err(why)) => return refuse(why),
-            None => return Err(Error::Internal("mesh: the routes were built without the all-pairs check".into())),
-        }
-        let mut flags = Vec::with_capacity(n);
-        let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
-        for (r, rank) in ranks.iter().enumerate() {
-            let f = rank.stream.alloc_zeros::<u32>(kernels::MESH_FLAG_WORDS).map_err(cudarc_err("cuMemAlloc (mesh flags)"))?;
-            flag_ptrs[r] = {
-                use cudarc::driver::DevicePtr;
-                f.device_ptr(&rank.stream).0
-            };
-            flags.push(f);
-        }
-        // The zeroed flags must be in place before any peer's first kernel reads them.
-        for rank in ranks {
-            rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
-        }
-        Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs }))
-    }
-
     /// The mesh's wrapping u32 sum in place on `ptrs`, whatever the size
     /// (for the fused-path check, `super::check`).
     pub(crate) fn check_sum(&self, comm: &Communicator, ptrs: &[u64], count: usize) -> Result<()> {
@@ -109,6 +71,44 @@ impl Mesh {
 }
 
 impl AllReduce for Mesh {
+    /// Sets up the mesh all-reduce on `comm` where `request` asks for it
+    /// and the group allows it (a forced mesh that it does not is an error).
+    fn open(comm: &Communicator, request: Algorithm) -> Result<Option<Mesh>> {
+        let ranks = &comm.ranks;
+        let n = ranks.len();
+        let refuse = |why: &str| if request == Algorithm::Mesh { Err(unavailable("mesh", why)) } else { Ok(None) };
+        if matches!(request, Algorithm::Ring | Algorithm::OneShot) {
+            return Ok(None);
+        }
+        let devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        if let Some(why) = layout_refusal(&devices) {
+            return refuse(&why);
+        }
+        if !comm.routes.ring_all_p2p() {
+            return refuse("needs every ring link on P2P");
+        }
+        match &comm.routes.all_pairs {
+            Some(Ok(())) => {}
+            Some(Err(why)) => return refuse(why),
+            None => return Err(Error::Internal("mesh: the routes were built without the all-pairs check".into())),
+        }
+        let mut flags = Vec::with_capacity(n);
+        let mut flag_ptrs = [0u64; kernels::MESH_MAX_RANKS];
+        for (r, rank) in ranks.iter().enumerate() {
+            let f = rank.stream.alloc_zeros::<u32>(kernels::MESH_FLAG_WORDS).map_err(cudarc_err("cuMemAlloc (mesh flags)"))?;
+            flag_ptrs[r] = {
+                use cudarc::driver::DevicePtr;
+                f.device_ptr(&rank.stream).0
+            };
+            flags.push(f);
+        }
+        // The zeroed flags must be in place before any peer's first kernel reads them.
+        for rank in ranks {
+            rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
+        }
+        Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs }))
+    }
+
     fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
         let aligned = ins.iter().chain(outs).all(|p| p % 16 == 0);
         comm.check_reach("all_reduce (mesh)", ins, true)?;

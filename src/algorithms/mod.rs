@@ -105,7 +105,12 @@ pub(crate) const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
 pub(crate) const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
 
 /// One all-reduce algorithm, opened on a communicator.
-pub(crate) trait AllReduce {
+pub(crate) trait AllReduce: Sized {
+    /// Opens the algorithm on `comm` (its per-rank state) where `request`
+    /// allows it and the group can run it: `None` where it does not apply,
+    /// [`Error::AlgorithmUnavailable`] where it is forced and cannot run.
+    fn open(comm: &Communicator, request: Algorithm) -> Result<Option<Self>>;
+
     /// Enqueues `outs[r] = reduce(ins)` (`ins == outs`: in place) of
     /// `count > 0` elements of `dtype` on every rank, the division of
     /// [`ReduceOp::Avg`] included. The caller has checked the buffers and
@@ -186,8 +191,8 @@ impl Algorithms {
     /// Opens, on `comm`, the fused algorithms that `request` allows and the
     /// group can run; a forced one that it cannot is an error.
     pub(crate) fn open(comm: &Communicator, request: Algorithm) -> Result<Algorithms> {
-        let mesh = Mesh::open(comm, request)?.map(Arc::new);
-        let oneshot = OneShot::open(comm, request)?.map(Arc::new);
+        let mesh = <Mesh as AllReduce>::open(comm, request)?.map(Arc::new);
+        let oneshot = <OneShot as AllReduce>::open(comm, request)?.map(Arc::new);
         Ok(Algorithms { request, mesh, oneshot })
     }
 

@@ -138,22 +138,6 @@ impl Drop for OneShot {
 }
 
 impl OneShot {
-    /// Sets up the one-shot all-reduce on `comm` where `request` asks for
-    /// it and the group allows it (a forced one-shot that it does not is an
-    /// error): slots in device memory when every pair has P2P, else in
-    /// host memory.
-    pub(crate) fn open(comm: &Communicator, request: Algorithm) -> Result<Option<OneShot>> {
-        if !matches!(request, Algorithm::Auto | Algorithm::OneShot) {
-            return Ok(None);
-        }
-        let devices: Vec<usize> = comm.ranks.iter().map(|r| r.ctx.ordinal()).collect();
-        if let Some(why) = layout_refusal(&devices) {
-            return if request == Algorithm::OneShot { Err(unavailable("one-shot", &why)) } else { Ok(None) };
-        }
-        let p2p = comm.routes.ring_all_p2p() && comm.routes.all_pairs == Some(Ok(()));
-        OneShot::new(comm, p2p).map(Some)
-    }
-
     /// Sets up the slots on `comm`'s ranks (2 to 8, one per device): in device
     /// memory when `p2p` (every pair verified), else in mapped host memory.
     fn new(comm: &Communicator, p2p: bool) -> Result<OneShot> {
@@ -349,6 +333,22 @@ impl OneShot {
 }
 
 impl AllReduce for OneShot {
+    /// Sets up the one-shot all-reduce on `comm` where `request` asks for
+    /// it and the group allows it (a forced one-shot that it does not is an
+    /// error): slots in device memory when every pair has P2P, else in
+    /// host memory.
+    fn open(comm: &Communicator, request: Algorithm) -> Result<Option<OneShot>> {
+        if !matches!(request, Algorithm::Auto | Algorithm::OneShot) {
+            return Ok(None);
+        }
+        let devices: Vec<usize> = comm.ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        if let Some(why) = layout_refusal(&devices) {
+            return if request == Algorithm::OneShot { Err(unavailable("one-shot", &why)) } else { Ok(None) };
+        }
+        let p2p = comm.routes.ring_all_p2p() && comm.routes.all_pairs == Some(Ok(()));
+        OneShot::new(comm, p2p).map(Some)
+    }
+
     fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
         self.ptrs(comm, op, dtype, ins, outs, count)
     }

@@ -8,7 +8,7 @@
 //! chunk.
 
 use super::schedule::{self, Action};
-use super::{divide, AllReduce};
+use super::{divide, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::copy::route::{copy_direct, Direct, Route};
 use crate::copy::staged::Start;
@@ -123,6 +123,11 @@ pub(crate) fn segments(dtype: DType, count: usize, parts: usize) -> Vec<Range<us
 pub(crate) struct Ring;
 
 impl AllReduce for Ring {
+    /// The ring applies to every group and needs nothing opened.
+    fn open(_comm: &Communicator, _request: Algorithm) -> Result<Option<Ring>> {
+        Ok(Some(Ring))
+    }
+
     fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, src: &[u64], dst: &[u64], count: usize) -> Result<()> {
         for r in 0..comm.size() {
             if src[r] != dst[r] {
