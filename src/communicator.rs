@@ -62,6 +62,8 @@ impl Rank {
 
 /// Ranks, routes and launch machinery of one group.
 pub(crate) struct Communicator {
+    /// Launcher threads for ranks 1.. (fused all-reduces only).
+    launchers: Option<Launchers>,
     /// The ranks this process drives, in rank order.
     pub(crate) ranks: Vec<Rank>,
     /// How many ranks the communicator addresses (here: every rank is driven).
@@ -70,8 +72,6 @@ pub(crate) struct Communicator {
     pub(crate) routes: Arc<RouteTable>,
     /// Peer access the routes and the fused algorithms rely on.
     pub(crate) access: Arc<Vec<PeerAccess>>,
-    /// Launcher threads for ranks 1.. (fused all-reduces only).
-    launchers: Option<Launchers>,
     /// The fused kernels' control block and the group's failed state
     /// (`crate::failure`), when the group has fused kernels.
     pub(crate) ctl: Option<Arc<Ctl>>,

@@ -159,10 +159,13 @@ pub(crate) struct RawEvents {
 
 /// A communicator of ranks in one process. See the module docs.
 pub struct Group {
-    /// Ranks, routes, launchers and the control block.
-    pub(crate) comm: Communicator,
+    // Fields drop in this order (after `Drop::drop` has waited for every
+    // rank): the algorithms' state, then the communicator's, as before the
+    // split.
     /// The all-reduce algorithms the group opened, and what it was asked for.
     pub(crate) algos: Algorithms,
+    /// Ranks, routes, launchers and the control block.
+    pub(crate) comm: Communicator,
     /// Per-rank scratch for reduce-scatter on three or more ranks.
     pub(crate) scratch: Mutex<Vec<Arc<CudaSlice<u8>>>>,
     /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
