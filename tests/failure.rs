@@ -107,7 +107,7 @@ fn a_rank_that_never_arrives_times_out() {
 }
 
 /// The fused algorithms run a check on real data when the group is created
-/// (`src/fused_check.rs`). Where it fails (a rank whose check kernel never
+/// (`src/algorithms/check.rs`). Where it fails (a rank whose check kernel never
 /// arrives, as when SM peer stores or flags are lost, or a failed launch),
 /// an Auto group keeps only the ring and gives exact results, and a forced
 /// algorithm is a typed error. Without a fault, the checks pass and the
