@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plots the CSVs written by `examples/bench.rs`.
+"""Plots the CSVs written by `cuda-peer-bench` (bench/src/).
 
     python3 bench/plot.py [RESULTS_DIR] [MACHINE]      (defaults: bench/results local)
 
