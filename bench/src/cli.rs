@@ -23,6 +23,9 @@ pub(crate) struct Cli {
 pub(crate) enum Command {
     /// Host cost of each driver call on a small collective's enqueue path (first two GPUs).
     EnqueueCosts(crate::enqueue_costs::Args),
+    /// All-reduce between processes, one GPU each, against NCCL with one rank per process;
+    /// run under `cuda-peer-run -n N --` (or torchrun).
+    MpAllreduce(crate::mp::Args),
 }
 
 #[derive(Parser, Debug, Clone)]

@@ -1,7 +1,8 @@
 //! `cuda-peer-bench`: cuda-peer's collectives and copies against NCCL (with
 //! and without P2P), in the style of nccl-tests, every point checked
 //! against a CPU reference; the host cost of each driver call on the
-//! enqueue path. See `bench/README.md`.
+//! enqueue path; and the all-reduce between processes against NCCL with one
+//! rank per process. See `bench/README.md`.
 //!
 //!     cargo build --release -p cuda-peer-bench
 //!     target/release/cuda-peer-bench [--ops all_reduce,reduce_scatter,all_gather,broadcast]
@@ -9,6 +10,7 @@
 //!         [--impls cuda-peer-p2p,cuda-peer-staged,nccl,nccl-no-p2p] [--iters N] [--warmup N]
 //!         [--machine NAME] [--out bench/results] [--copy] [--quick] [--nccl-lib PATH]
 //!     target/release/cuda-peer-bench enqueue-costs [--calls N]
+//!     cuda-peer-run -n 2 -- target/release/cuda-peer-bench mp-allreduce [--machine NAME] ...
 //!
 //! Conventions are nccl-tests': one rank per GPU; `bytes` is the per-rank
 //! buffer for all_reduce and broadcast, the send buffer (N blocks) for
@@ -23,12 +25,14 @@
 //! again with a hidden `--child-report`): NCCL reads `NCCL_P2P_DISABLE` once
 //! per process (it caches it in a static at the first communicator), so
 //! `nccl` and `nccl-no-p2p` cannot share one. The parent never loads NCCL.
+//! The multi-process mode does the same per rank (see [`mp`]).
 
 mod cli;
 mod copy;
 mod data;
 mod device;
 mod enqueue_costs;
+mod mp;
 mod nccl;
 mod plan;
 mod summary;
@@ -149,6 +153,7 @@ fn main() {
             require_gpus(2);
             enqueue_costs::run(&args)
         }
+        Some(Command::MpAllreduce(args)) => mp::main(&args),
         None => sweep_main(&cli.sweep),
     };
     if let Err(e) = result {

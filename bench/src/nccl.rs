@@ -189,3 +189,26 @@ pub(crate) fn run_nccl_child(args: &Args, imp: Impl, progress: &Progress, shim: 
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::Cli;
+    use clap::Parser;
+
+    #[test]
+    fn the_childs_command_line_parses_back_to_the_same_settings() {
+        let cli = Cli::try_parse_from(["cuda-peer-bench", "--quick", "--dtypes", "f32", "--machine", "m", "--graph"]).expect("parses");
+        let args = cli.sweep;
+        let progress = Progress { done: 5, total: 20 };
+        let mut argv: Vec<std::ffi::OsString> = vec!["cuda-peer-bench".into()];
+        argv.extend(child_args(&args, Impl::NcclNoP2p, &progress, Path::new("/tmp/r")));
+        let child = Cli::try_parse_from(argv).expect("the child's arguments parse");
+        assert!(child.command.is_none());
+        let c = child.sweep;
+        assert_eq!(c.impls, vec![Impl::NcclNoP2p]);
+        assert_eq!(c.child_report, Some(PathBuf::from("/tmp/r")));
+        assert_eq!((c.progress_offset, c.progress_total), (5, Some(20)));
+        assert_eq!((c.quick, c.graph, c.machine.as_str(), c.dtypes.clone()), (true, true, "m", args.dtypes.clone()));
+    }
+}
