@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Ratios of cuda-peer to NCCL from a benchmark CSV (one run, one machine).
 
-    python3 bench/ratios.py bench/results/h200x2-allreduce.csv [collective]
+    python3 bench/ratios.py bench/results/2026-11-30-h200x2-sweep-a52465c/h200x2-allreduce.csv [collective]
 
 For each dtype and size: latency ratio (cuda-peer / NCCL, < 1 is faster) and
 busbw ratio (cuda-peer / NCCL, > 1 is faster), for P2P against nccl and for

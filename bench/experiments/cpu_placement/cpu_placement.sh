@@ -5,7 +5,7 @@
 # sweep of cuda-peer and NCCL in several processes, unpinned and pinned to
 # each node's CPUs in turn. Needs the bench staged in .gpu/ (../shared/gpu/bundle
 # stages .gpu/bin/cuda-peer-bench; before the bench crate: .gpu/examples/bench,
-# built with --features nccl). Usage: bench/experiments/cpu_placement.sh OUTDIR [ROUNDS]
+# built with --features nccl). Usage: bench/experiments/cpu_placement/cpu_placement.sh OUTDIR [ROUNDS]
 set -u
 out=$1; rounds=${2:-2}
 mkdir -p "$out"
