@@ -47,6 +47,17 @@ fn time(calls: usize, mut f: impl FnMut() -> Res<()>, mut drain: impl FnMut() ->
     Ok(total * 1e6 / calls as f64)
 }
 
+/// The default group options, without launcher threads unless `launchers`
+/// (fields set one by one: no struct literal, so this builds when the
+/// options struct is `#[non_exhaustive]`).
+fn group_options(launchers: bool) -> GroupOptions {
+    let mut opts = GroupOptions::default();
+    if !launchers {
+        opts.launch_spin = None;
+    }
+    opts
+}
+
 /// Measures and prints every row (the caller has checked for two GPUs).
 pub(crate) fn run(args: &Args) -> Res<()> {
     let ctxs: Vec<Arc<CudaContext>> = (0..2).map(driver::context).collect::<Result<_, _>>()?;
@@ -201,8 +212,7 @@ pub(crate) fn run(args: &Args) -> Res<()> {
                 }
             }
         }
-        let opts = GroupOptions { launch_spin: if launchers { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() };
-        let group = Group::new(streams.clone(), &opts)?;
+        let group = Group::new(streams.clone(), &group_options(launchers))?;
         let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
         group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?; // warm-up: loads the kernels
         group.synchronize()?;
@@ -235,15 +245,7 @@ pub(crate) fn run(args: &Args) -> Res<()> {
         // SAFETY: no slice of these contexts is alive here (the last loop's dropped).
         unsafe { c.enable_event_tracking() };
     }
-    let groups = [true, false]
-        .iter()
-        .map(|&l| {
-            Group::new(
-                streams.clone(),
-                &GroupOptions { launch_spin: if l { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() },
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let groups = [true, false].iter().map(|&l| Group::new(streams.clone(), &group_options(l))).collect::<Result<Vec<_>, _>>()?;
     let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
     let mut steady = Vec::new();
     for rep in 0..5 {

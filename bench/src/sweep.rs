@@ -67,7 +67,9 @@ pub(crate) fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>]) -> Res<Backend>
         _ => Algorithm::Auto,
     };
     let streams = ctxs.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let mut opts = GroupOptions { algorithm, ..GroupOptions::with_policy(policy) };
+    // Fields set one by one (no struct literal: the options may become #[non_exhaustive]).
+    let mut opts = GroupOptions::with_policy(policy);
+    opts.algorithm = algorithm;
     if serial {
         opts.launch_spin = None;
     }
