@@ -306,7 +306,7 @@ impl NcclComm {
     /// `send` (same lengths).
     pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
-        self.check_buffers("all_reduce", send, recv, send.len())?;
+        self.check_buffers("all_reduce", recv, send, send.len())?;
         let count = send.len();
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
@@ -368,7 +368,7 @@ impl NcclComm {
     pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
         self.check_root("reduce", root)?;
-        self.check_buffers("reduce", send, recv, send.len())?;
+        self.check_buffers("reduce", recv, send, send.len())?;
         let count = send.len();
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
