@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 IMPL_ORDER = ["cuda-peer-p2p", "nccl", "cuda-peer-staged", "nccl-no-p2p",
-              "cuda-peer-ipc", "nccl-mp", "cuda-peer-ipc-staged", "nccl-mp-no-p2p"]
+              "cuda-peer-ipc", "nccl-mp", "cuda-peer-nccl", "cuda-peer-ipc-staged", "nccl-mp-no-p2p"]
 STYLE = {
     "cuda-peer-p2p": dict(color="tab:blue", linestyle="-", marker="o"),
     "nccl": dict(color="tab:orange", linestyle="-", marker="s"),
@@ -33,6 +33,7 @@ STYLE = {
     # mp-allreduce (one process per GPU): the same colours and line styles.
     "cuda-peer-ipc": dict(color="tab:blue", linestyle="-", marker="o"),
     "nccl-mp": dict(color="tab:orange", linestyle="-", marker="s"),
+    "cuda-peer-nccl": dict(color="tab:purple", linestyle=":", marker="x"),
     "cuda-peer-ipc-staged": dict(color="tab:blue", linestyle="--", marker="o", markerfacecolor="none"),
     "nccl-mp-no-p2p": dict(color="tab:orange", linestyle="--", marker="s", markerfacecolor="none"),
     "p2p": dict(color="tab:blue", marker="o"),

@@ -9,6 +9,7 @@
 //! | `cuda-peer-ipc-staged` | not implemented yet (the staged path between processes is later work): skipped with a line |
 //! | `nccl-mp` | NCCL, one rank per process (`ncclCommInitRank`), `NCCL_NVLS_ENABLE=0` unless set, `NCCL_P2P_DISABLE` removed |
 //! | `nccl-mp-no-p2p` | the same with `NCCL_P2P_DISABLE=1` |
+//! | `cuda-peer-nccl` | [`cuda_peer::ipc::NcclComm`] (cuda-peer's path between hosts) in `nccl-mp`'s setting: its cost over calling NCCL directly |
 //!
 //! Points, checks and timing are the collective sweep's (all_reduce in
 //! place, sum, sizes doubling or quadrupling with `--quick`): each point's
@@ -38,7 +39,7 @@ use crate::sweep::{print_table_header, Csv, Row, CSV_HEADER};
 use crate::{require_gpus, unusable, Res};
 use clap::ValueEnum;
 use cuda_peer::cudarc::driver::{sys as cu, CudaSlice, CudaStream};
-use cuda_peer::ipc::{Bootstrap, Comm, CommOptions, Exchange};
+use cuda_peer::ipc::{Bootstrap, Comm, CommOptions, Exchange, NcclComm};
 use cuda_peer::{driver, ReduceOp};
 use half::bf16;
 use rand::Rng;
@@ -50,7 +51,7 @@ use std::sync::Arc;
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct Args {
     /// Implementations, in the order run.
-    #[arg(long, value_delimiter = ',', default_value = "cuda-peer-ipc,nccl-mp,nccl-mp-no-p2p")]
+    #[arg(long, value_delimiter = ',', default_value = "cuda-peer-ipc,nccl-mp,cuda-peer-nccl,nccl-mp-no-p2p")]
     impls: Vec<MpImpl>,
     /// Element types.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
@@ -105,6 +106,9 @@ pub(crate) enum MpImpl {
     /// NCCL, one rank per process, `NCCL_P2P_DISABLE=1`.
     #[value(name = "nccl-mp-no-p2p")]
     NcclMpNoP2p,
+    /// cuda-peer's NCCL path (`ipc::NcclComm`), one rank per process.
+    #[value(name = "cuda-peer-nccl")]
+    PeerNccl,
 }
 
 impl MpImpl {
@@ -115,11 +119,13 @@ impl MpImpl {
             MpImpl::PeerIpcStaged => "cuda-peer-ipc-staged",
             MpImpl::NcclMp => "nccl-mp",
             MpImpl::NcclMpNoP2p => "nccl-mp-no-p2p",
+            MpImpl::PeerNccl => "cuda-peer-nccl",
         }
     }
 
+    /// Runs NCCL, in a child process per rank (NCCL reads its environment once per process).
     fn is_nccl(self) -> bool {
-        matches!(self, MpImpl::NcclMp | MpImpl::NcclMpNoP2p)
+        matches!(self, MpImpl::NcclMp | MpImpl::NcclMpNoP2p | MpImpl::PeerNccl)
     }
 }
 
@@ -221,7 +227,7 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
                     println!("# {}: skipped: not implemented yet (ipc::Comm needs P2P; the staged path between processes is later work)", imp.name());
                 }
             }
-            MpImpl::NcclMp | MpImpl::NcclMpNoP2p => {
+            MpImpl::NcclMp | MpImpl::NcclMpNoP2p | MpImpl::PeerNccl => {
                 let port = shared_port(&ex)?;
                 let status = if nccl_missing { None } else { Some(run_child(args, imp, port, &progress, shim.as_deref())?) };
                 // Every rank learns how every rank's child ended.
@@ -293,6 +299,9 @@ fn child_args(args: &Args, imp: MpImpl, progress: &Progress) -> Vec<std::ffi::Os
 /// A rank's NCCL child: meets the other ranks' children, makes the NCCL
 /// communicator from rank 0's unique id, and sweeps.
 fn nccl_child(args: &Args, imp: MpImpl, boot: &Bootstrap) -> Res<()> {
+    if imp == MpImpl::PeerNccl {
+        return peer_nccl_child(args, boot);
+    }
     // SAFETY: only tries to open the library under cudarc's candidate names.
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
         if boot.rank == 0 {
@@ -334,10 +343,43 @@ fn nccl_child(args: &Args, imp: MpImpl, boot: &Bootstrap) -> Res<()> {
     r.sweep(args, &mut progress)
 }
 
+/// A rank's `cuda-peer-nccl` child: cuda-peer's own NCCL communicator
+/// (which loads `libnccl.so.2` itself and shares the unique id through the
+/// exchange it is given).
+fn peer_nccl_child(args: &Args, boot: &Bootstrap) -> Res<()> {
+    let v = match cuda_peer::ipc::nccl::nccl_version() {
+        Ok(v) => v,
+        Err(e) => {
+            if boot.rank == 0 {
+                println!("# cuda-peer-nccl: NCCL cannot be loaded ({e}): skipped");
+            }
+            std::process::exit(EXIT_NO_NCCL);
+        }
+    };
+    let ex = boot.connect()?;
+    let comm = NcclComm::new(&ex, boot.local_rank, std::time::Duration::from_secs(120))?;
+    if ex.rank() == 0 {
+        println!("#");
+        println!(
+            "# cuda-peer-nccl: ipc::NcclComm on NCCL {}.{}.{}, {} processes (one rank each), NCCL_P2P_DISABLE={}, NCCL_NVLS_ENABLE={}",
+            v / 10000,
+            v / 100 % 100,
+            v % 100,
+            ex.size(),
+            std::env::var("NCCL_P2P_DISABLE").unwrap_or_else(|_| "(unset)".into()),
+            std::env::var("NCCL_NVLS_ENABLE").unwrap_or_else(|_| "(unset)".into()),
+        );
+    }
+    let mut progress = Progress { done: args.progress_offset, total: args.progress_total.unwrap_or(points(args, ex.size()).len()) };
+    let r = MpRank { ex: &ex, stream: comm.stream().clone(), imp: MpImpl::PeerNccl, engine: Engine::PeerNccl(&comm) };
+    r.sweep(args, &mut progress)
+}
+
 /// What carries the all-reduce.
 enum Engine<'a> {
     Peer(&'a Comm),
     Nccl(&'a cudarc::nccl::Comm),
+    PeerNccl(&'a NcclComm),
 }
 
 /// One rank of one implementation.
@@ -357,6 +399,7 @@ impl MpRank<'_> {
             Engine::Nccl(comm) => {
                 comm.all_reduce_in_place(buf, &cudarc::nccl::ReduceOp::Sum).map_err(|e| nccl_err("ncclAllReduce", e))?;
             }
+            Engine::PeerNccl(comm) => comm.all_reduce_in_place(buf, ReduceOp::Sum)?,
         }
         Ok(())
     }
@@ -366,6 +409,7 @@ impl MpRank<'_> {
         match self.engine {
             Engine::Peer(comm) => comm.synchronize()?,
             Engine::Nccl(_) => self.stream.synchronize()?,
+            Engine::PeerNccl(comm) => comm.synchronize()?,
         }
         Ok(())
     }
@@ -512,6 +556,24 @@ fn print_summary(args: &Args) -> Res<()> {
         }
     }
     println!("# cuda-peer-ipc against nccl-mp: {met} points meet their target, {missed} miss it");
+    // cuda-peer's NCCL path against NCCL itself (target: within 3%).
+    let (mut within, mut worse, mut worst) = (0, 0, 0f64);
+    for dt in &args.dtypes {
+        for &b in &sizes {
+            if let (Some((t0, _)), Some((t1, _))) = (get(MpImpl::PeerNccl, dt.name(), b), get(MpImpl::NcclMp, dt.name(), b)) {
+                let r = t0 / t1;
+                worst = worst.max(r);
+                if r <= 1.03 {
+                    within += 1;
+                } else {
+                    worse += 1;
+                }
+            }
+        }
+    }
+    if within + worse > 0 {
+        println!("# cuda-peer-nccl against nccl-mp (time): {within} points within 3%, {worse} beyond; largest ratio {worst:.3}");
+    }
     Ok(())
 }
 
