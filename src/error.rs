@@ -209,6 +209,16 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// An NCCL call failed (the collectives between hosts, [`crate::ipc::nccl`]).
+    #[error("{op} failed: NCCL result {code} ({message})")]
+    Nccl {
+        /// The call.
+        op: &'static str,
+        /// The raw `ncclResult_t`.
+        code: i32,
+        /// NCCL's description of it.
+        message: String,
+    },
     /// A configuration this version does not support yet (say, ranks on
     /// two hosts, or two ranks on one device, in a multi-process group).
     #[error("unsupported: {0}")]

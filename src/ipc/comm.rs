@@ -164,14 +164,6 @@ impl RankInfo {
     }
 }
 
-/// This host's identity: its name and boot id (two containers of one
-/// machine share the boot id but may not share device memory handles, so
-/// the name is part of it).
-fn host_identity() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
-    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
-}
-
 /// All-gathers each rank's outcome of a step: `Ok(values)` where every rank
 /// succeeded, else the first failing rank's error (this rank's own first).
 fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<Vec<String>> {
@@ -200,7 +192,10 @@ fn check_layout(infos: &[RankInfo]) -> Result<()> {
     }
     for (r, i) in infos.iter().enumerate() {
         if i.host != infos[0].host {
-            return Err(Error::Unsupported(format!("ranks on several hosts (rank 0 on {}, rank {r} on {})", infos[0].host, i.host)));
+            return Err(Error::Unsupported(format!(
+                "ranks on several hosts (rank 0 on {}, rank {r} on {}): use ipc::nccl::NcclComm between hosts",
+                infos[0].host, i.host
+            )));
         }
         if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus) {
             return Err(Error::Unsupported(format!("ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank", i.bus)));
@@ -251,7 +246,7 @@ impl Comm {
             own.zero(&stream)?;
             let fd = own.export_fd()?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
-            let info = RankInfo { host: host_identity(), bus, region: own.len() };
+            let info = RankInfo { host: super::host_identity(), bus, region: own.len() };
             Ok((ctx, stream, own, fd, info))
         })();
         let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.4.encode()).map_err(Clone::clone))?;
