@@ -226,6 +226,15 @@ pub enum Error {
     /// Any other argument that is out of its range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A forced all-reduce algorithm ([`crate::Algorithm`] other than
+    /// `Auto`) that the group cannot run (its layout, or its links).
+    #[error("{algorithm} all-reduce impossible: {reason}")]
+    AlgorithmUnavailable {
+        /// Which algorithm (`mesh`, `one-shot`).
+        algorithm: &'static str,
+        /// Why the group cannot run it.
+        reason: String,
+    },
 }
 
 /// The crate's result type.

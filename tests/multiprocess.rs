@@ -170,7 +170,7 @@ fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
 
 /// A child's body of the all-reduce tests.
 fn all_reduce_child() {
-    let comm = Comm::from_env(&CommOptions { check_calls: true, timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let comm = Comm::from_env(&CommOptions::default().check_calls(true).timeout(Duration::from_secs(30))).unwrap();
     let stream = comm.stream().clone();
     let mut seed = 0;
     check_type::<f32>(&comm, &stream, &mut seed);
@@ -242,7 +242,7 @@ fn a_peer_that_exits_at_creation_fails_the_survivor_in_time() {
             std::process::exit(0);
         }
         let start = Instant::now();
-        let r = Comm::from_env(&CommOptions { timeout: Duration::from_secs(10), ..Default::default() });
+        let r = Comm::from_env(&CommOptions::default().timeout(Duration::from_secs(10)));
         assert!(r.is_err(), "rank 0 created a communicator without its peer");
         assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
         println!("rank 0: {:?} after {:?}", r.err(), start.elapsed());
@@ -276,7 +276,7 @@ fn a_peer_that_never_starts_is_a_timeout() {
 #[test]
 fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
     if child() {
-        let comm = Comm::from_env(&CommOptions { check_calls: true, timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
+        let comm = Comm::from_env(&CommOptions::default().check_calls(true).timeout(Duration::from_secs(30))).unwrap();
         let mut x = comm.stream().clone_htod(&[1.0f32; 1000]).unwrap();
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
         comm.synchronize().unwrap();
@@ -304,9 +304,7 @@ fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
 #[test]
 fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
     if child() {
-        let comm =
-            Comm::from_env(&CommOptions { timeout: Duration::from_secs(30), barrier_timeout: Duration::from_millis(500), ..Default::default() })
-                .unwrap();
+        let comm = Comm::from_env(&CommOptions::default().timeout(Duration::from_secs(30)).barrier_timeout(Duration::from_millis(500))).unwrap();
         comm.exchange().barrier().unwrap();
         if comm.rank() == 1 {
             std::process::exit(0);
@@ -334,7 +332,7 @@ fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
 #[test]
 fn mismatched_counts_are_detected_by_the_per_call_check() {
     if child() {
-        let comm = Comm::from_env(&CommOptions { check_calls: true, timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
+        let comm = Comm::from_env(&CommOptions::default().check_calls(true).timeout(Duration::from_secs(30))).unwrap();
         let count = 1000 + comm.rank();
         let mut x = comm.stream().clone_htod(&vec![1.0f32; count]).unwrap();
         match comm.all_reduce_in_place(&mut x, ReduceOp::Sum) {

@@ -386,7 +386,7 @@ fn child_copy(from: usize, to: usize, bytes: usize) -> R<()> {
 /// forced and P2P only; random u32 data, checked exactly against a CPU
 /// wrapping sum on both ranks.
 fn child_allreduce(from: usize, to: usize, algorithm: Algorithm) -> Outcome {
-    let opts = GroupOptions { algorithm, ..GroupOptions::with_policy(PathPolicy::P2pOnly) };
+    let opts = GroupOptions::with_policy(PathPolicy::P2pOnly).algorithm(algorithm);
     let group = match Group::from_devices(&[from, to], &opts) {
         Ok(g) => g,
         Err(Error::PeerUnsupported { .. }) => return Outcome::Skipped("the driver reports no peer access".into()),

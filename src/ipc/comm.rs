@@ -1,5 +1,5 @@
 //! A communicator of processes, one rank per process, each on its own GPU
-//! of one host, with the one-shot all-reduce of [`crate::oneshot`] between
+//! of one host, with the one-shot all-reduce of `crate::algorithms::oneshot` between
 //! them: every rank's slots and flags live in a [`DeviceRegion`] of its own
 //! device memory that every peer process imports and maps, and each rank's
 //! kernel pushes its input into its peers' regions.
@@ -33,12 +33,13 @@
 use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener};
 use super::vmm::DeviceRegion;
+use crate::algorithms::oneshot::{lane_index, layout, LaneLayout};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
-use crate::group::{mesh_kernel, reduce_kernel, FnTable, PtrArray};
 use crate::kernels;
-use crate::oneshot::{lane_index, layout, LaneLayout};
+use crate::kernels::load::{function, FnTable, PtrArray};
+use crate::kernels::{Kernel, KernelOp};
 use crate::sync::{wait_bounded, Orderer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::os::fd::AsFd;
@@ -48,8 +49,10 @@ use std::time::Duration;
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
 pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
 
-/// Settings of a [`Comm`].
+/// Settings of a [`Comm`]: `CommOptions::default()`, then the
+/// builder-style setters (one per field).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CommOptions {
     /// Bound on each creation step that waits for peers or the device (the
     /// descriptor exchange, the verification).
@@ -71,6 +74,32 @@ pub struct CommOptions {
 impl Default for CommOptions {
     fn default() -> Self {
         CommOptions { timeout: Duration::from_secs(60), verify: true, check_calls: false, barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT }
+    }
+}
+
+impl CommOptions {
+    /// Sets [`Self::timeout`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`Self::verify`].
+    pub fn verify(mut self, verify: bool) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// Sets [`Self::check_calls`].
+    pub fn check_calls(mut self, check_calls: bool) -> Self {
+        self.check_calls = check_calls;
+        self
+    }
+
+    /// Sets [`Self::barrier_timeout`].
+    pub fn barrier_timeout(mut self, barrier_timeout: Duration) -> Self {
+        self.barrier_timeout = barrier_timeout;
+        self
     }
 }
 
@@ -446,8 +475,8 @@ impl Comm {
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
         let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
-        let kop = op.kernel_op();
-        let f = self.funcs.get(kop, dtype, || mesh_kernel(&self.ctx, "cp_oneshot", kop, dtype))?;
+        let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
+        let f = self.funcs.get(kernel, || function(&self.ctx, kernel))?;
         let mut launch = self.stream.launch_builder(f);
         launch
             .arg(&lane.push)
@@ -476,7 +505,7 @@ impl Comm {
         // device, so every rank's blocks can be resident at once.
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         if op == ReduceOp::Avg && self.size > 1 {
-            let f = self.div.get("div", dtype, || reduce_kernel(&self.ctx, &kernels::scale_div_name(dtype.name())))?;
+            let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
             let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
             let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
             let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
