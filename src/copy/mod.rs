@@ -91,6 +91,11 @@ pub struct LinkOptions {
     pub staging_chunk_bytes: usize,
     /// Pinned staging buffers per link, at least 2. Default 3.
     pub staging_buffers: usize,
+    /// Under [`PathPolicy::Auto`], follow the verdicts `cuda-peer doctor`
+    /// cached for this machine (default on): a pair it found unusable by
+    /// P2P, or slower by P2P than staged, is staged without trying P2P.
+    /// Off here or with `CUDA_PEER_NO_DOCTOR_CACHE=1`. See [`crate::verdict`].
+    pub use_doctor_verdicts: bool,
 }
 
 impl Default for LinkOptions {
@@ -101,6 +106,7 @@ impl Default for LinkOptions {
             verify_timeout: Duration::from_secs(10),
             staging_chunk_bytes: 4 << 20,
             staging_buffers: 3,
+            use_doctor_verdicts: true,
         }
     }
 }
@@ -168,6 +174,15 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         PathPolicy::Auto if !claims => return staged("driver reports no peer access".into(), None),
         _ => {}
     }
+    // Issue 18 hook (crate::verdict): under Auto, the doctor's cached verdict
+    // for this pair may stage it without trying P2P; a `p2p` verdict only
+    // adds its note to the reason below.
+    let doctor = if opts.policy == PathPolicy::Auto { crate::verdict::consult(from, to, opts.use_doctor_verdicts) } else { None };
+    if let Some(advice) = doctor.as_ref().filter(|a| a.stage) {
+        return staged(advice.reason.clone(), None);
+    }
+    let note = |reason: &str| crate::verdict::annotate(reason, doctor.as_ref());
+    // End of the issue 18 hook.
     let access = match enable_both(a, b) {
         Ok(g) => g,
         Err(e) if opts.policy == PathPolicy::Auto => {
@@ -177,12 +192,12 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         Err(e) => return Err(e),
     };
     if !opts.verify {
-        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: "P2P, not verified".into() };
+        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: note("P2P, not verified") };
         return Ok((access, status));
     }
     let why = match verify::verify_pair(a, b, opts.verify_timeout) {
         Ok(Verdict::Ok) => {
-            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: "P2P, verified".into() };
+            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: note("P2P, verified") };
             return Ok((access, status));
         }
         Ok(Verdict::Corrupt { wrong, first }) => {
@@ -195,7 +210,7 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         return fail(why);
     }
     log::warn!("link {from} <-> {to}: the driver reports P2P but {why}; using the staged path");
-    staged(why, Some(false))
+    staged(note(&why), Some(false))
 }
 
 /// Checks that `got` (a buffer's or stream's context) is `expected`'s CUDA
