@@ -101,8 +101,10 @@ pub const FORMAT_VERSION: u32 = 1;
 /// it latency, not bandwidth, decides, and the rule is about large messages.
 pub const SPEED_RULE_MIN_BYTES: usize = 1 << 20;
 
-/// What the prefix of a [`LinkStatus::reason`](crate::copy::LinkStatus::reason)
-/// taken from a verdict starts with.
+/// The words that start the part of a
+/// [`LinkStatus::reason`](crate::copy::LinkStatus::reason) taken from a
+/// verdict (the whole reason where the verdict staged the link, after `; `
+/// where P2P stays).
 pub const REASON_PREFIX: &str = "doctor verdict";
 
 /// Why a cache could not be read or written, or no key could be made.

@@ -57,7 +57,9 @@ impl std::fmt::Display for Path {
 /// Which path a link may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum PathPolicy {
-    /// P2P where the driver supports it and verification passes, else staged.
+    /// P2P where the driver supports it and verification passes, else
+    /// staged; a pair that `cuda-peer doctor`'s cached verdict for this
+    /// machine stages is staged without trying P2P ([`crate::verdict`]).
     #[default]
     Auto,
     /// P2P or an error ([`Error::P2pUnavailable`], [`Error::PeerUnsupported`], ...).
@@ -127,7 +129,9 @@ pub struct LinkStatus {
     pub driver_claims_p2p: bool,
     /// The verification result, if one ran.
     pub verified: Option<bool>,
-    /// A human-readable reason for the path.
+    /// A human-readable reason for the path. Where the doctor's cache
+    /// decided it, or confirmed P2P, it says `doctor verdict (cache <path>): ...`
+    /// ([`crate::verdict`]).
     pub reason: String,
 }
 
