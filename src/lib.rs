@@ -3,7 +3,8 @@
 //! CUDA peer memory for Rust programs that already use [`cudarc`]: which
 //! devices can reach each other ([`topology`]), peer access as RAII guards
 //! ([`peer`]), verified peer copies with a staged-host fallback ([`copy`]),
-//! and ring collectives over those links ([`group`]).
+//! and ring collectives over those links ([`group`]). `Auto` links follow
+//! the verdicts `cuda-peer doctor` cached for this machine ([`verdict`]).
 //!
 //! The driver is loaded at run time ([`driver`]); on a machine with no GPU or
 //! no driver every entry point returns an [`Error`] instead of panicking.
@@ -88,6 +89,7 @@ pub mod raw;
 mod reach;
 mod sync;
 pub mod topology;
+pub mod verdict;
 
 pub use cuda_peer_sys as sys;
 

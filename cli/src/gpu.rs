@@ -170,6 +170,8 @@ pub fn spawn_child(kind: ChildKind, from: usize, to: usize, bytes: usize, timeou
     };
     let mut cmd = Command::new(exe);
     cmd.args(["__check", kind.name(), &from.to_string(), &to.to_string(), "--bytes", &bytes.to_string()]);
+    // A check never follows an earlier run's verdicts (it forces its paths anyway).
+    cmd.env(cuda_peer::verdict::NO_CACHE_ENV, "1");
     run_with_timeout(cmd, timeout)
 }
 

@@ -58,7 +58,9 @@ impl std::fmt::Display for Path {
 /// Which path a link may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum PathPolicy {
-    /// P2P where the driver supports it and verification passes, else staged.
+    /// P2P where the driver supports it and verification passes, else
+    /// staged; a pair that `cuda-peer doctor`'s cached verdict for this
+    /// machine stages is staged without trying P2P ([`crate::verdict`]).
     #[default]
     Auto,
     /// P2P or an error ([`Error::P2pUnavailable`], [`Error::PeerUnsupported`], ...).
@@ -95,6 +97,11 @@ pub struct LinkOptions {
     pub staging_chunk_bytes: usize,
     /// Pinned staging buffers per link, at least 2. Default 3.
     pub staging_buffers: usize,
+    /// Under [`PathPolicy::Auto`], follow the verdicts `cuda-peer doctor`
+    /// cached for this machine (default on): a pair it found unusable by
+    /// P2P, or slower by P2P than staged, is staged without trying P2P.
+    /// Off here or with `CUDA_PEER_NO_DOCTOR_CACHE=1`. See [`crate::verdict`].
+    pub use_doctor_verdicts: bool,
 }
 
 impl Default for LinkOptions {
@@ -105,6 +112,7 @@ impl Default for LinkOptions {
             verify_timeout: Duration::from_secs(10),
             staging_chunk_bytes: 4 << 20,
             staging_buffers: 3,
+            use_doctor_verdicts: true,
         }
     }
 }
@@ -155,7 +163,9 @@ pub struct LinkStatus {
     pub driver_claims_p2p: bool,
     /// The verification result, if one ran.
     pub verified: Option<bool>,
-    /// A human-readable reason for the path.
+    /// A human-readable reason for the path. Where the doctor's cache
+    /// decided it, or confirmed P2P, it says `doctor verdict (cache <path>): ...`
+    /// ([`crate::verdict`]).
     pub reason: String,
 }
 
@@ -202,6 +212,15 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         route::FirstStep::Unsupported => return Err(Error::PeerUnsupported { from, to }),
         route::FirstStep::TryP2p => {}
     }
+    // Issue 18 hook (crate::verdict): under Auto, the doctor's cached verdict
+    // for this pair may stage it without trying P2P; a `p2p` verdict only
+    // adds its note to the reason below.
+    let doctor = if opts.policy == PathPolicy::Auto { crate::verdict::consult(from, to, opts.use_doctor_verdicts) } else { None };
+    if let Some(advice) = doctor.as_ref().filter(|a| a.stage) {
+        return staged(advice.reason.clone(), None);
+    }
+    let note = |reason: &str| crate::verdict::annotate(reason, doctor.as_ref());
+    // End of the issue 18 hook.
     let access = match enable_both(a, b) {
         Ok(g) => g,
         Err(e) if route::falls_back(opts.policy) => {
@@ -211,12 +230,12 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         Err(e) => return Err(e),
     };
     if !opts.verify {
-        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: "P2P, not verified".into() };
+        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: note("P2P, not verified") };
         return Ok((access, status));
     }
     let why = match verify::verify_pair(a, b, opts.verify_timeout) {
         Ok(Verdict::Ok) => {
-            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: "P2P, verified".into() };
+            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: note("P2P, verified") };
             return Ok((access, status));
         }
         Ok(Verdict::Corrupt { wrong, first }) => {
@@ -229,7 +248,7 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         return fail(why);
     }
     log::warn!("link {from} <-> {to}: the driver reports P2P but {why}; using the staged path");
-    staged(why, Some(false))
+    staged(note(&why), Some(false))
 }
 
 /// Checks that `got` (a buffer's or stream's context) is `expected`'s CUDA
