@@ -83,7 +83,6 @@
 //! tests) keeps the library's dependencies as they were; the doctor, which
 //! has serde for its report, shares the format by calling this module.
 
-use crate::copy::Path as LinkPath;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -176,16 +175,16 @@ pub struct SpeedSample {
 /// The speed rule, one function for the doctor and the library: where P2P
 /// works, which path is faster for large messages.
 ///
-/// `Some(Path::Staged)` when P2P measured slower than staging,
-/// `Some(Path::P2p)` when it did not, `None` when the sample says nothing
+/// `Some(CachedPath::Staged)` when P2P measured slower than staging,
+/// `Some(CachedPath::P2p)` when it did not, `None` when the sample says nothing
 /// about large messages (copies under [`SPEED_RULE_MIN_BYTES`], or a
 /// bandwidth that is not a positive finite number).
-pub fn faster_path(s: &SpeedSample) -> Option<LinkPath> {
+pub fn faster_path(s: &SpeedSample) -> Option<CachedPath> {
     let valid = |g: f64| g.is_finite() && g > 0.0;
     if s.bytes < SPEED_RULE_MIN_BYTES || !valid(s.p2p_gbs) || !valid(s.staged_gbs) {
         return None;
     }
-    Some(if s.p2p_gbs < s.staged_gbs { LinkPath::Staged } else { LinkPath::P2p })
+    Some(if s.p2p_gbs < s.staged_gbs { CachedPath::Staged } else { CachedPath::P2p })
 }
 
 /// What a cache is valid for.
@@ -456,7 +455,7 @@ pub(crate) fn advise(cache: &Cache, origin: &Path, here: &CacheKey, a: &str, b: 
         }
     }
     for p in &entries {
-        if let Some(s) = p.speed.filter(|s| faster_path(s) == Some(LinkPath::Staged)) {
+        if let Some(s) = p.speed.filter(|s| faster_path(s) == Some(CachedPath::Staged)) {
             let reason = format!(
                 "{head}: {} -> {}: P2P measured slower than staging ({:.1} against {:.1} GB/s at {} bytes)",
                 p.from, p.to, s.p2p_gbs, s.staged_gbs, s.bytes
@@ -774,11 +773,11 @@ mod tests {
 
     #[test]
     fn the_speed_rule_on_fixture_numbers() {
-        assert_eq!(faster_path(&sample(6.0, 12.0)), Some(LinkPath::Staged), "P2P slower than staging");
-        assert_eq!(faster_path(&sample(368.2, 25.1)), Some(LinkPath::P2p));
-        assert_eq!(faster_path(&sample(12.0, 12.0)), Some(LinkPath::P2p), "a tie keeps P2P");
+        assert_eq!(faster_path(&sample(6.0, 12.0)), Some(CachedPath::Staged), "P2P slower than staging");
+        assert_eq!(faster_path(&sample(368.2, 25.1)), Some(CachedPath::P2p));
+        assert_eq!(faster_path(&sample(12.0, 12.0)), Some(CachedPath::P2p), "a tie keeps P2P");
         assert_eq!(faster_path(&SpeedSample { bytes: 4096, ..sample(1.0, 2.0) }), None, "small copies say nothing");
-        assert_eq!(faster_path(&SpeedSample { bytes: SPEED_RULE_MIN_BYTES, ..sample(1.0, 2.0) }), Some(LinkPath::Staged));
+        assert_eq!(faster_path(&SpeedSample { bytes: SPEED_RULE_MIN_BYTES, ..sample(1.0, 2.0) }), Some(CachedPath::Staged));
         assert_eq!(faster_path(&sample(f64::NAN, 2.0)), None);
         assert_eq!(faster_path(&sample(0.0, 2.0)), None);
         assert_eq!(faster_path(&sample(3.0, f64::INFINITY)), None);

@@ -78,7 +78,7 @@ fn auto_links_and_groups_follow_the_doctors_verdicts() {
     std::env::set_var(CACHE_ENV, &path);
     std::env::remove_var(NO_CACHE_ENV);
     let claims = cuda_peer::topology::link_info(0, 1).unwrap().can_access_peer && cuda_peer::topology::link_info(1, 0).unwrap().can_access_peer;
-    let no_doctor = LinkOptions { use_doctor_verdicts: false, ..LinkOptions::default() };
+    let no_doctor = LinkOptions::default().use_doctor_verdicts(false);
 
     // "staged" for 0 -> 1: Auto stages both directions without trying P2P.
     cache(&key, CachedPath::Staged, None).write(&path).unwrap();
@@ -102,7 +102,7 @@ fn auto_links_and_groups_follow_the_doctors_verdicts() {
     let link = link_copy(&ctx, 0, 1, &no_doctor);
     assert!(link.path() == expect && !link.status().reason.contains(REASON_PREFIX), "{:?}", link.status());
     println!("opted out by option: {:?}", link.status());
-    let group = group_sum(&ctx, &GroupOptions { link: no_doctor.clone(), ..GroupOptions::default() });
+    let group = group_sum(&ctx, &GroupOptions::default().link(no_doctor.clone()));
     assert!(group.link_status(1).is_some_and(|st| st.path == expect && !st.reason.contains(REASON_PREFIX)), "{:?}", group.link_status(1));
     drop(group);
     std::env::set_var(NO_CACHE_ENV, "1");

@@ -487,7 +487,7 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
             let (p2p, st) = (sample.p2p_gbs, sample.staged_gbs);
             // The rule the library applies to the cached speeds too.
             let faster = cuda_peer::verdict::faster_path(&sample);
-            if faster == Some(cuda_peer::Path::Staged) {
+            if faster == Some(cuda_peer::verdict::CachedPath::Staged) {
                 findings.push(finding(
                     Severity::Problem,
                     format!("P2P works but is slower than host staging on this path ({p2p:.1} against {st:.1} GB/s)"),

@@ -283,7 +283,7 @@ fn verdict_cache_round_trip_and_keying() {
     assert!(p.summary.contains("slower than host staging"), "{}", p.summary);
     let sample = p.speed.expect("the speeds were cached");
     assert_eq!((sample.bytes, sample.p2p_gbs, sample.staged_gbs), (64 << 20, 6.0, 12.0));
-    assert_eq!(cuda_peer::verdict::faster_path(&sample), Some(cuda_peer::Path::Staged));
+    assert_eq!(cuda_peer::verdict::faster_path(&sample), Some(cuda_peer::verdict::CachedPath::Staged));
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -152,6 +152,12 @@ impl LinkOptions {
         self.staging_buffers = staging_buffers;
         self
     }
+
+    /// Sets [`Self::use_doctor_verdicts`].
+    pub fn use_doctor_verdicts(mut self, use_doctor_verdicts: bool) -> Self {
+        self.use_doctor_verdicts = use_doctor_verdicts;
+        self
+    }
 }
 
 /// Why a link took its path.
