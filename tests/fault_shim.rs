@@ -414,8 +414,32 @@ fn fakecuda_shim_builds_and_layers() {
     }
     let out = std::env::temp_dir().join(format!("cuda-peer-fakecuda-selftest-{}", std::process::id()));
     let run = std::process::Command::new("bash").arg(&script).arg(&out).output().expect("run selftest.sh");
-    let _ = std::fs::remove_dir_all(&out);
     let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
     assert!(run.status.success(), "tests/fakecuda/selftest.sh failed:\n{text}");
     assert!(text.contains("fakecuda: exports and layering ok"), "{text}");
+    // The Rust side, in a child process (the driver loads once per
+    // process): this binary's `layering_probe` over the pretend driver.
+    let exe = std::env::current_exe().expect("this test binary");
+    let probe = std::process::Command::new(exe)
+        .args(["--ignored", "--exact", "layering_probe", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", &out)
+        .env("CUDA_PEER_FAKE", "off")
+        .output()
+        .expect("run the probe");
+    let _ = std::fs::remove_dir_all(&out);
+    let text = format!("{}{}", String::from_utf8_lossy(&probe.stdout), String::from_utf8_lossy(&probe.stderr));
+    assert!(probe.status.success() && text.contains("layering probe: ok") && text.contains("1 passed"), "the layering probe failed:\n{text}");
+}
+
+/// Run by `fakecuda_shim_builds_and_layers` in a child process whose
+/// `LD_LIBRARY_PATH` puts the shim in front of a pretend driver: both
+/// cuda-peer-sys's loader and cudarc's open the shim and call its overrides.
+#[test]
+#[ignore = "run by fakecuda_shim_builds_and_layers in a child process, over a pretend driver"]
+fn layering_probe() {
+    cuda_peer::driver::api().expect("the pretend driver loads through the shim");
+    let shim = find_shim().expect("the library loaded as libcuda.so.1 is the shim");
+    assert_eq!(shim.mode, "off");
+    same_entry_points("layering_probe", &shim);
+    say("layering probe: ok");
 }
