@@ -6,7 +6,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/../../target/fakecuda-selftest}
-CUDA_PEER_REAL_LIBCUDA=/nonexistent "$here/build.sh" "$out" >/dev/null
+FAKECUDA_WERROR=1 CUDA_PEER_REAL_LIBCUDA=/nonexistent "$here/build.sh" "$out" >/dev/null
 out=$(cd "$out" && pwd)
 readelf -d "$out/libcuda.so.1" | grep -q 'SONAME.*\[libcuda.so.1\]' || { echo "shim: soname is not libcuda.so.1" >&2; exit 1; }
 readelf -d "$out/libcuda.so.1" | grep -q 'NEEDED.*\[libcuda-real.so.1\]' || { echo "shim: no DT_NEEDED on libcuda-real.so.1" >&2; exit 1; }
