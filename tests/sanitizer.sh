@@ -13,7 +13,7 @@
 #   soak    examples/soak, 40 random collectives of at most 1025 elements,
 #           every type, op and collective, eager and graph-replayed
 # memcheck runs all three; racecheck and synccheck (shared memory and
-# __syncthreads hazards) the two with kernels. The fused kernels wait for
+# __syncthreads hazards) the two with kernels (SANITIZER_RUNS picks fewer). The fused kernels wait for
 # each other across GPUs at device-side barriers: where a tool serializes
 # kernels, a barrier times out after 10 s into a typed error (no hang), the
 # fused-path check fails, and Auto groups fall back to the ring; the logs say
@@ -58,12 +58,16 @@ run() {  # tool, name, command...
 copy_args=("$copy" --test-threads=1 --exact p2p_copies_every_byte_both_ways staged_copies_every_byte_both_ways)
 coll_args=("$coll" --test-threads=1 --exact single_rank_group_is_identity bad_input_is_refused)
 soak_args=("$soak" --iters 40 --max-ranks 2 --max-count 1025 --graph-every 4 --seed 16)
-run memcheck copy "${copy_args[@]}"
-run memcheck groups "${coll_args[@]}"
-run memcheck soak "${soak_args[@]}"
-for tool in racecheck synccheck; do
-  run "$tool" groups "${coll_args[@]}"
-  run "$tool" soak "${soak_args[@]}"
+# SANITIZER_RUNS picks a subset ("tool:name ...", e.g. "memcheck:soak").
+runs=${SANITIZER_RUNS:-memcheck:copy memcheck:groups memcheck:soak racecheck:groups racecheck:soak synccheck:groups synccheck:soak}
+for r in $runs; do
+  tool=${r%%:*}
+  case ${r#*:} in
+    copy) run "$tool" copy "${copy_args[@]}" ;;
+    groups) run "$tool" groups "${coll_args[@]}" ;;
+    soak) run "$tool" soak "${soak_args[@]}" ;;
+    *) echo "sanitizer.sh: unknown run $r" >&2; status=1 ;;
+  esac
 done
 echo "sanitizer.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL); logs in $out" | tee -a "$out/summary.txt"
 exit $status

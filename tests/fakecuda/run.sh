@@ -11,6 +11,7 @@
 #   tests/fakecuda/run.sh [TEST_BINARY]      (from the repository root)
 #
 # Logs and a summary go to $OUT/fakecuda/ (or target/fakecuda-results/).
+# FAKECUDA_TIMEOUT bounds each mode's run (seconds, default 300).
 # Exit 0 only if every mode passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,11 +46,11 @@ run() {  # name, timeout seconds, command...
   [ "$rc" -eq 0 ] || status=1
 }
 for mode in peer-unavailable corrupt-peer-copies fail-module-load=1; do
-  CUDA_PEER_FAKE=$mode run "mode-${mode//=/-}" 300 "$bin" --test-threads=1 --nocapture
+  CUDA_PEER_FAKE=$mode run "mode-${mode//=/-}" "${FAKECUDA_TIMEOUT:-300}" "$bin" --test-threads=1 --nocapture
 done
 copy=$(ls .gpu/tests/*-copy-test 2>/dev/null | head -1)
 if [ -n "$copy" ]; then
-  CUDA_PEER_FAKE=off run "mode-off-copy-tests" 120 "$copy" --test-threads=1
+  CUDA_PEER_FAKE=off run "mode-off-copy-tests" "${FAKECUDA_TIMEOUT:-300}" "$copy" --test-threads=1
 fi
 echo "fakecuda/run.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL); logs in $results" | tee -a "$summary"
 exit $status
