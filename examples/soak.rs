@@ -431,7 +431,9 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> Vec<Soak> {
                 continue;
             }
         };
-        match Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::with_policy(policy) }) {
+        let mut opts = GroupOptions::with_policy(policy);
+        opts.algorithm = algorithm;
+        match Group::new(streams.clone(), &opts) {
             Ok(group) => {
                 let paths: Vec<String> = (0..n).filter_map(|r| group.link_status(r).map(|s| s.path.to_string())).collect();
                 println!(

@@ -253,7 +253,10 @@ fn every_group(mode: &str, ctxs: &[Arc<CudaContext>], judge: impl Fn(PathPolicy,
     let mut failures = Vec::new();
     for policy in POLICIES {
         for algorithm in ALGORITHMS {
-            let opts = GroupOptions { algorithm, barrier_timeout: Duration::from_secs(5), ..GroupOptions::with_policy(policy) };
+            // Field by field (builds if the options become #[non_exhaustive]).
+            let mut opts = GroupOptions::with_policy(policy);
+            opts.algorithm = algorithm;
+            opts.barrier_timeout = Duration::from_secs(5);
             let outcome = group_case(&streams, &opts);
             say(&format!("  [{mode}] group policy {policy:?}, algorithm {algorithm:?}: {}", outcome.short()));
             let verdict = match &outcome {
@@ -345,12 +348,15 @@ fn corrupt_peer_copies_reach_unverified_p2p() {
     const T: &str = "corrupt_peer_copies_reach_unverified_p2p";
     let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
     bounded(T, move || {
-        let link = LinkOptions { verify: false, ..LinkOptions::with_policy(PathPolicy::P2pOnly) };
+        let mut link = LinkOptions::with_policy(PathPolicy::P2pOnly);
+        link.verify = false;
         let o = link_case(&ctxs, &link);
         say(&format!("  [corrupt-peer-copies, verify off] link P2pOnly: {}", o.short()));
         assert!(matches!(o, Outcome::Wrong(_)), "with verification off the shim's corruption should show: {}", o.short());
         let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
-        let opts = GroupOptions { algorithm: Algorithm::Ring, link, ..Default::default() };
+        let mut opts = GroupOptions::with_policy(PathPolicy::P2pOnly);
+        opts.algorithm = Algorithm::Ring;
+        opts.link = link;
         let o = group_case(&streams, &opts);
         say(&format!("  [corrupt-peer-copies, verify off] ring over P2P: {}", o.short()));
         assert!(matches!(o, Outcome::Wrong(_)), "with verification off the ring's P2P copies should be corrupt: {}", o.short());
@@ -377,7 +383,9 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
         // Two ranks on the good device alone: exact.
         let streams: Vec<Arc<CudaStream>> = (0..2).map(|_| ctxs[good].new_stream().unwrap()).collect();
         for algorithm in [Algorithm::Auto, Algorithm::Ring] {
-            let o = group_case(&streams, &GroupOptions { algorithm, ..Default::default() });
+            let mut opts = GroupOptions::with_policy(PathPolicy::Auto);
+            opts.algorithm = algorithm;
+            let o = group_case(&streams, &opts);
             say(&format!("  [{mode}] two ranks on device {good}, {algorithm:?}: {}", o.short()));
             assert!(matches!(o, Outcome::Correct(_)), "a group on device {good} alone: {}", o.short());
         }
