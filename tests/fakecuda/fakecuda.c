@@ -152,6 +152,14 @@ EXPORT long cuda_peer_fake_fired(void) { return atomic_load(&g_fired); }
 
 static void fired(void) { atomic_fetch_add(&g_fired, 1); }
 
+/* Faults apply at the outermost call only: should the driver call one of
+ * its own exported entry points through its PLT, that call resolves to the
+ * override here (this library comes first in the handle's scope), and must
+ * pass through, not corrupt or count twice. */
+static __thread int g_depth;
+static int enter(void) { return g_depth++ == 0; }
+static void leave(void) { g_depth--; }
+
 /* ---- peer-unavailable ---------------------------------------------------- */
 
 typedef CUresult (*can_access_peer_t)(int *, CUdevice, CUdevice);
@@ -305,47 +313,57 @@ typedef CUresult (*memcpy_peer_async_t)(CUdeviceptr, CUcontext, CUdeviceptr, CUc
 EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes,
                                   CUstream stream) {
     REAL(memcpy_peer_async_t, "cuMemcpyPeerAsync");
+    int outer = enter();
     CUresult r = real_fn(dst, dctx, src, sctx, bytes, stream);
-    if (r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_async(dst, stream);
     }
+    leave();
     return r;
 }
 
 typedef CUresult (*memcpy_peer_t)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
 EXPORT CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes) {
     REAL(memcpy_peer_t, "cuMemcpyPeer");
+    int outer = enter();
     CUresult r = real_fn(dst, dctx, src, sctx, bytes);
-    if (r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_sync(dst);
     }
+    leave();
     return r;
 }
 
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     REAL(memcpy_async_t, "cuMemcpyAsync");
+    int outer = enter();
     CUresult r = real_fn(dst, src, bytes, stream);
-    if (r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_async(dst, stream);
     }
+    leave();
     return r;
 }
 
 EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     REAL(memcpy_async_t, "cuMemcpyDtoDAsync_v2");
+    int outer = enter();
     CUresult r = real_fn(dst, src, bytes, stream);
-    if (r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_async(dst, stream);
     }
+    leave();
     return r;
 }
 
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     REAL(memcpy_t, "cuMemcpyDtoD_v2");
+    int outer = enter();
     CUresult r = real_fn(dst, src, bytes);
-    if (r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_sync(dst);
     }
+    leave();
     return r;
 }
 
@@ -375,20 +393,28 @@ static int module_load_fails(void) {
 typedef CUresult (*module_load_data_t)(CUmodule *, const void *);
 EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) {
     REAL(module_load_data_t, "cuModuleLoadData");
-    if (module_load_fails()) {
+    int outer = enter();
+    if (outer && module_load_fails()) {
+        leave();
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    return real_fn(module, image);
+    CUresult r = real_fn(module, image);
+    leave();
+    return r;
 }
 
 typedef CUresult (*module_load_data_ex_t)(CUmodule *, const void *, unsigned int, CUjit_option *, void **);
 EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n, CUjit_option *opts,
                                    void **vals) {
     REAL(module_load_data_ex_t, "cuModuleLoadDataEx");
-    if (module_load_fails()) {
+    int outer = enter();
+    if (outer && module_load_fails()) {
+        leave();
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    return real_fn(module, image, n, opts, vals);
+    CUresult r = real_fn(module, image, n, opts, vals);
+    leave();
+    return r;
 }
 
 typedef CUresult (*library_load_data_t)(CUlibrary *, const void *, CUjit_option *, void **, unsigned int,
@@ -396,13 +422,21 @@ typedef CUresult (*library_load_data_t)(CUlibrary *, const void *, CUjit_option 
 EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jit_opts, void **jit_vals,
                                   unsigned int njit, CUlibraryOption *lib_opts, void **lib_vals, unsigned int nlib) {
     REAL(library_load_data_t, "cuLibraryLoadData");
-    if (module_load_fails()) {
+    int outer = enter();
+    if (outer && module_load_fails()) {
+        leave();
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    return real_fn(library, code, jit_opts, jit_vals, njit, lib_opts, lib_vals, nlib);
+    CUresult r = real_fn(library, code, jit_opts, jit_vals, njit, lib_opts, lib_vals, nlib);
+    leave();
+    return r;
 }
 
 /* ---- cuGetProcAddress ----------------------------------------------------- */
+
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags);
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
+                                    int *status);
 
 /* The override for `symbol` (a base name, as cuGetProcAddress takes), or
  * NULL. Per-thread-default-stream lookups keep the real entry points (the
@@ -427,6 +461,10 @@ static void *override_for(const char *symbol, int version, unsigned long long fl
         {"cuModuleLoadData", (void *)cuModuleLoadData, 0},
         {"cuModuleLoadDataEx", (void *)cuModuleLoadDataEx, 0},
         {"cuLibraryLoadData", (void *)cuLibraryLoadData, 0},
+        /* A caller that looks cuGetProcAddress up through itself keeps
+         * getting the overrides. */
+        {"cuGetProcAddress", (void *)cuGetProcAddress_v2, 12000},
+        {"cuGetProcAddress", (void *)cuGetProcAddress, 0},
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
         if (strcmp(symbol, table[i].name) == 0 && version >= table[i].min_version) {
