@@ -526,7 +526,7 @@ fn main() {
             }
         };
         // Log-uniform odd counts.
-        let bits = rng.random_range(0.0..(max_count as f64).log2());
+        let bits = rng.random_range(0.0..=(max_count as f64).log2());
         let count = ((2f64.powf(bits) as usize) | 1).min(max_count);
         let root = rng.random_range(0..n);
         let graph = rng.random_ratio(1, args.graph_every.max(1));
