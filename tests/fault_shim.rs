@@ -274,8 +274,7 @@ fn every_group(mode: &str, ctxs: &[Arc<CudaContext>], judge: impl Fn(PathPolicy,
 /// An error that says, by its type, that peer access or P2P is not to be
 /// had, or that the requested algorithm is impossible without it.
 fn is_no_p2p(e: &Error) -> bool {
-    matches!(e, Error::PeerUnsupported { .. } | Error::P2pUnavailable { .. } | Error::FusedUnverified { .. })
-        || matches!(e, Error::InvalidArgument(s) if s.contains("impossible"))
+    matches!(e, Error::PeerUnsupported { .. } | Error::P2pUnavailable { .. } | Error::FusedUnverified { .. } | Error::AlgorithmUnavailable { .. })
 }
 
 /// The verdict shared by the two P2P lies: Auto policy must fall back and
