@@ -242,6 +242,22 @@ fn group_case(streams: &[Arc<CudaStream>], opts: &GroupOptions) -> Outcome {
     Outcome::Correct(format!("pulls {paths:?}, algorithms {used:?}"))
 }
 
+/// Link options under `policy`, without the doctor's cached verdicts (a
+/// cache on the test machine could stage a pair before the lie is met).
+fn link_opts(policy: PathPolicy) -> LinkOptions {
+    let mut o = LinkOptions::with_policy(policy);
+    o.use_doctor_verdicts = false;
+    o
+}
+
+/// Group options under `policy` and `algorithm`, without the doctor's verdicts.
+fn group_opts(policy: PathPolicy, algorithm: Algorithm) -> GroupOptions {
+    let mut o = GroupOptions::with_policy(policy);
+    o.algorithm = algorithm;
+    o.link.use_doctor_verdicts = false;
+    o
+}
+
 const ALGORITHMS: [Algorithm; 4] = [Algorithm::Auto, Algorithm::Ring, Algorithm::Mesh, Algorithm::OneShot];
 const POLICIES: [PathPolicy; 3] = [PathPolicy::Auto, PathPolicy::P2pOnly, PathPolicy::StagedOnly];
 
@@ -254,8 +270,7 @@ fn every_group(mode: &str, ctxs: &[Arc<CudaContext>], judge: impl Fn(PathPolicy,
     for policy in POLICIES {
         for algorithm in ALGORITHMS {
             // Field by field (builds if the options become #[non_exhaustive]).
-            let mut opts = GroupOptions::with_policy(policy);
-            opts.algorithm = algorithm;
+            let mut opts = group_opts(policy, algorithm);
             opts.barrier_timeout = Duration::from_secs(5);
             let outcome = group_case(&streams, &opts);
             say(&format!("  [{mode}] group policy {policy:?}, algorithm {algorithm:?}: {}", outcome.short()));
@@ -295,17 +310,17 @@ fn judge_p2p_lie(policy: PathPolicy, algorithm: Algorithm, o: &Outcome) -> Resul
 
 /// Link cases shared by the two P2P lies.
 fn links_under_p2p_lie(mode: &str, ctxs: &[Arc<CudaContext>], want_unverified: bool) {
-    let auto = link_case(ctxs, &LinkOptions::with_policy(PathPolicy::Auto));
+    let auto = link_case(ctxs, &link_opts(PathPolicy::Auto));
     say(&format!("  [{mode}] link policy Auto: {}", auto.short()));
     assert!(matches!(&auto, Outcome::Correct(how) if how.starts_with("staged")), "[{mode}] link Auto: {}", auto.short());
-    let only = link_case(ctxs, &LinkOptions::with_policy(PathPolicy::P2pOnly));
+    let only = link_case(ctxs, &link_opts(PathPolicy::P2pOnly));
     say(&format!("  [{mode}] link policy P2pOnly: {}", only.short()));
     assert!(matches!(&only, Outcome::Failed(e) if is_no_p2p(e)), "[{mode}] link P2pOnly: {}", only.short());
-    let staged = link_case(ctxs, &LinkOptions::with_policy(PathPolicy::StagedOnly));
+    let staged = link_case(ctxs, &link_opts(PathPolicy::StagedOnly));
     say(&format!("  [{mode}] link policy StagedOnly: {}", staged.short()));
     assert!(matches!(&staged, Outcome::Correct(_)), "[{mode}] link StagedOnly: {}", staged.short());
     // The status tells the lie apart from a driver that says no.
-    let link = Link::open(&ctxs[0], &ctxs[1], &LinkOptions::default()).expect("an Auto link");
+    let link = Link::open(&ctxs[0], &ctxs[1], &link_opts(PathPolicy::Auto)).expect("an Auto link");
     let st = link.status();
     assert_eq!(st.path, Path::Staged, "[{mode}]");
     assert!(st.driver_claims_p2p, "[{mode}] the shim claims P2P, the status should say so: {st:?}");
@@ -347,7 +362,7 @@ fn corrupt_peer_copies_reach_unverified_p2p() {
     const T: &str = "corrupt_peer_copies_reach_unverified_p2p";
     let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
     bounded(T, move || {
-        let mut link = LinkOptions::with_policy(PathPolicy::P2pOnly);
+        let mut link = link_opts(PathPolicy::P2pOnly);
         link.verify = false;
         let o = link_case(&ctxs, &link);
         say(&format!("  [corrupt-peer-copies, verify off] link P2pOnly: {}", o.short()));
@@ -382,9 +397,7 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
         // Two ranks on the good device alone: exact.
         let streams: Vec<Arc<CudaStream>> = (0..2).map(|_| ctxs[good].new_stream().unwrap()).collect();
         for algorithm in [Algorithm::Auto, Algorithm::Ring] {
-            let mut opts = GroupOptions::with_policy(PathPolicy::Auto);
-            opts.algorithm = algorithm;
-            let o = group_case(&streams, &opts);
+            let o = group_case(&streams, &group_opts(PathPolicy::Auto, algorithm));
             say(&format!("  [{mode}] two ranks on device {good}, {algorithm:?}: {}", o.short()));
             assert!(matches!(o, Outcome::Correct(_)), "a group on device {good} alone: {}", o.short());
         }
@@ -395,7 +408,7 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
         let copy = s.clone_dtod(&buf).unwrap();
         assert!(s.clone_dtoh(&copy).unwrap() == data, "a device-to-device copy on device {bad}");
         // And links (no kernels) between the two devices work.
-        let o = link_case(&ctxs, &LinkOptions::default());
+        let o = link_case(&ctxs, &link_opts(PathPolicy::Auto));
         say(&format!("  [{mode}] link 0 -> 1: {}", o.short()));
         assert!(matches!(o, Outcome::Correct(_)), "a link after the failed loads: {}", o.short());
         say(&format!("  [{mode}] faults injected: {}", shim.fired()));

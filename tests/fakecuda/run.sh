@@ -29,7 +29,8 @@ if [ ! -e "$shim/libcuda-real.so.1" ]; then
   echo "fakecuda/run.sh: no real driver found (ldconfig -p has no libcuda.so.1; set CUDA_PEER_REAL_LIBCUDA)" >&2
   exit 1
 fi
-export CUDA_PEER_REQUIRE_GPU=1 CUDA_PEER_FAKE_EXPECTED=1 RUST_BACKTRACE=1
+# No doctor's cache (crate::verdict): the copy tests' Auto links must meet the driver.
+export CUDA_PEER_REQUIRE_GPU=1 CUDA_PEER_FAKE_EXPECTED=1 RUST_BACKTRACE=1 CUDA_PEER_NO_DOCTOR_CACHE=1
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="$shim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 status=0
