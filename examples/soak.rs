@@ -1,0 +1,591 @@
+//! Soak: many randomized collectives, every result checked against the CPU
+//! (issue 16, item 2).
+//!
+//!     cargo run --release --example soak -- [--iters 10000] [--seed S] [--max-ranks 8]
+//!
+//! Groups of 2 to `--max-ranks` ranks are laid round-robin over the GPUs
+//! (a group may put several ranks on one device: `Group::new` takes any
+//! streams, so with 2 GPUs a group of 8 ranks has 4 on each; the fused
+//! algorithms need one device per rank, so only groups of at most one rank
+//! per GPU use them). Each has one stream per rank, P2P-or-staged links
+//! (`PathPolicy::Auto`, verified) or staged links (`StagedOnly`); where
+//! every rank has its own GPU, groups with each algorithm forced (ring,
+//! mesh, one-shot over P2P and through host memory) are added.
+//!
+//! Each iteration picks a group, an element type (all ten), a collective
+//! (all-reduce in place and out of place, reduce-scatter, all-gather,
+//! broadcast, reduce), a reduction (sum, prod, min, max; avg on floats), an
+//! odd element count (log-uniform, 1 to 2^18 + 1) and a root, fills fresh
+//! random inputs, poisons the outputs, runs it eagerly, and checks every
+//! rank's result bit for bit against the CPU's. One in eight is then
+//! captured into a CUDA graph and replayed twice on new inputs in the same
+//! buffers, each replay checked. Results are exact: integers wrap as the
+//! GPU's do; floats are small integers, so every partial sum and product
+//! is exact in any order (bf16 included), and avg is that exact sum divided
+//! once (in f32 for f32/f16/bf16, as the kernel does).
+//!
+//! Memory: after a warm-up (every group and collective once at the largest
+//! count, 8-byte elements, so that group scratch reaches its size), and at
+//! the end, each device's default pool is trimmed and its used bytes
+//! (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`), `cuMemGetInfo`'s free bytes and the
+//! process's resident set (pinned host memory is resident) are recorded;
+//! growth beyond 1 MiB used, 64 MiB device or 64 MiB host fails the run.
+//!
+//! Prints the groups, a line per 1000 iterations and a summary; exits 0
+//! only if every check passed, 1 otherwise, 2 (one line) without a GPU.
+
+use clap::Parser;
+use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
+use cuda_peer::{driver, Algorithm, Element, Error, Group, GroupOptions, PathPolicy, ReduceOp};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(about = "Randomized collectives, every result checked against the CPU")]
+struct Args {
+    /// Iterations (collectives) after the warm-up.
+    #[arg(long, default_value_t = 10_000)]
+    iters: u64,
+    /// Random seed (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Largest group (ranks laid round-robin over the GPUs), 2 to 8.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(2..=8))]
+    max_ranks: u64,
+    /// Largest element count per rank (rounded up to odd).
+    #[arg(long, default_value_t = (1 << 18) + 1)]
+    max_count: usize,
+    /// One in this many iterations is also captured and replayed from a graph.
+    #[arg(long, default_value_t = 8)]
+    graph_every: u32,
+}
+
+/// An element type with an exact CPU reference.
+trait Val: Element + Copy + std::fmt::Debug {
+    fn gen(rng: &mut StdRng, op: ReduceOp) -> Self;
+    /// `a op b` (sum for avg).
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
+    /// The average of `n` values whose sum is `sum` (floats only).
+    fn avg(sum: Self, n: usize) -> Self;
+    fn same(a: Self, b: Self) -> bool;
+    fn poison() -> Self;
+}
+
+macro_rules! int_val {
+    ($($t:ty),*) => {$(
+        impl Val for $t {
+            fn gen(rng: &mut StdRng, _: ReduceOp) -> Self { rng.random() }
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                    ReduceOp::Prod => a.wrapping_mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }
+            }
+            fn avg(sum: Self, _: usize) -> Self { sum }
+            fn same(a: Self, b: Self) -> bool { a == b }
+            fn poison() -> Self { 0x5a as Self }
+        }
+    )*};
+}
+int_val!(i8, u8, i32, u32, i64, u64);
+
+macro_rules! float_val {
+    ($t:ty, $to:expr, $from:expr, $avg:expr, $bits:expr) => {
+        impl Val for $t {
+            fn gen(rng: &mut StdRng, op: ReduceOp) -> Self {
+                let v: f64 = match op {
+                    // At most 8 ranks: sums within +-64, products within +-256,
+                    // every partial result an integer that bf16 holds exactly.
+                    ReduceOp::Sum | ReduceOp::Avg => f64::from(rng.random_range(-8i32..=8)),
+                    ReduceOp::Prod => [-2.0, -1.0, 1.0, 2.0][rng.random_range(0..4usize)],
+                    ReduceOp::Min | ReduceOp::Max => f64::from(rng.random_range(-100i32..=100)),
+                };
+                $from(v)
+            }
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                let (a, b): (f64, f64) = ($to(a), $to(b));
+                $from(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Prod => a * b,
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                })
+            }
+            fn avg(sum: Self, n: usize) -> Self {
+                $avg(sum, n)
+            }
+            fn same(a: Self, b: Self) -> bool {
+                $bits(a) == $bits(b)
+            }
+            fn poison() -> Self {
+                $from(f64::NAN)
+            }
+        }
+    };
+}
+float_val!(f32, f64::from, |v: f64| v as f32, |s: f32, n: usize| s / n as f32, f32::to_bits);
+float_val!(f64, |v: f64| v, |v: f64| v, |s: f64, n: usize| s / n as f64, f64::to_bits);
+float_val!(f16, |v: f16| v.to_f64(), f16::from_f64, |s: f16, n: usize| f16::from_f32(s.to_f32() / n as f32), f16::to_bits);
+float_val!(bf16, |v: bf16| v.to_f64(), bf16::from_f64, |s: bf16, n: usize| bf16::from_f32(s.to_f32() / n as f32), bf16::to_bits);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    AllReduceInPlace,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Reduce,
+}
+const KINDS: [Kind; 6] = [Kind::AllReduceInPlace, Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce];
+const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+const DTYPES: [&str; 10] = ["f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8"];
+
+struct Soak {
+    group: Group,
+    streams: Vec<Arc<CudaStream>>,
+    name: String,
+}
+
+/// One collective's buffers and expected results.
+struct Case<T> {
+    kind: Kind,
+    op: ReduceOp,
+    root: usize,
+    count: usize,
+    /// Inputs (`send`, or the in-place buffers) per rank.
+    send: Vec<CudaSlice<T>>,
+    recv: Vec<CudaSlice<T>>,
+}
+
+impl<T: Val> Case<T> {
+    fn in_place(&self) -> bool {
+        matches!(self.kind, Kind::AllReduceInPlace | Kind::Broadcast)
+    }
+    fn in_len(&self, n: usize) -> usize {
+        if self.kind == Kind::ReduceScatter {
+            n * self.count
+        } else {
+            self.count
+        }
+    }
+    fn out_len(&self, n: usize) -> usize {
+        if self.kind == Kind::AllGather {
+            n * self.count
+        } else {
+            self.count
+        }
+    }
+
+    /// Fresh inputs and poisoned outputs, on every rank's stream; returns
+    /// the expected outputs (`None` for ranks whose output is unspecified).
+    fn fill(&mut self, s: &Soak, rng: &mut StdRng) -> Result<Vec<Option<Vec<T>>>, String> {
+        let n = s.streams.len();
+        let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..self.in_len(n)).map(|_| T::gen(rng, self.op)).collect()).collect();
+        let reduce = |len: usize| -> Vec<T> {
+            (0..len)
+                .map(|i| {
+                    let v = inputs[1..].iter().fold(inputs[0][i], |a, x| T::combine(self.op, a, x[i]));
+                    if self.op == ReduceOp::Avg {
+                        T::avg(v, n)
+                    } else {
+                        v
+                    }
+                })
+                .collect()
+        };
+        let want: Vec<Option<Vec<T>>> = match self.kind {
+            Kind::AllReduceInPlace | Kind::AllReduce => vec![Some(reduce(self.count)); n],
+            Kind::ReduceScatter => {
+                let all = reduce(n * self.count);
+                (0..n).map(|r| Some(all[r * self.count..(r + 1) * self.count].to_vec())).collect()
+            }
+            Kind::AllGather => vec![Some(inputs.concat()); n],
+            Kind::Broadcast => vec![Some(inputs[self.root].clone()); n],
+            Kind::Reduce => (0..n).map(|r| (r == self.root).then(|| reduce(self.count))).collect(),
+        };
+        let poison = vec![T::poison(); self.out_len(n)];
+        for (r, (st, input)) in s.streams.iter().zip(&inputs).enumerate() {
+            if self.in_place() {
+                st.memcpy_htod(input, &mut self.recv[r]).map_err(|e| format!("fill: {e:?}"))?;
+            } else {
+                st.memcpy_htod(input, &mut self.send[r]).map_err(|e| format!("fill: {e:?}"))?;
+                st.memcpy_htod(&poison, &mut self.recv[r]).map_err(|e| format!("poison: {e:?}"))?;
+            }
+        }
+        Ok(want)
+    }
+
+    fn call(&mut self, g: &Group) -> cuda_peer::Result<()> {
+        match self.kind {
+            Kind::AllReduceInPlace => g.all_reduce_in_place(&mut self.recv, self.op),
+            Kind::AllReduce => g.all_reduce(&self.send, &mut self.recv, self.op),
+            Kind::ReduceScatter => g.reduce_scatter(&self.send, &mut self.recv, self.op),
+            Kind::AllGather => g.all_gather(&self.send, &mut self.recv),
+            Kind::Broadcast => g.broadcast(&mut self.recv, self.root),
+            Kind::Reduce => g.reduce(&self.send, &mut self.recv, self.root, self.op),
+        }
+    }
+
+    fn check(&self, s: &Soak, want: &[Option<Vec<T>>]) -> Result<(), String> {
+        for (r, w) in want.iter().enumerate() {
+            let Some(w) = w else { continue };
+            let got = s.streams[r].clone_dtoh(&self.recv[r]).map_err(|e| format!("read back: {e:?}"))?;
+            if let Some(i) = got.iter().zip(w).position(|(a, b)| !T::same(*a, *b)) {
+                let wrong = got.iter().zip(w).filter(|(a, b)| !T::same(**a, **b)).count();
+                return Err(format!("rank {r}: {wrong} of {} wrong, first at {i}: {:?} instead of {:?}", w.len(), got[i], w[i]));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn sync(s: &Soak) -> Result<(), String> {
+    for st in &s.streams {
+        st.synchronize().map_err(|e| format!("synchronize: {e:?}"))?;
+    }
+    s.group.synchronize().map_err(|e| format!("group: {e}"))
+}
+
+/// Captures `call` on every rank's stream into one graph (the other
+/// streams join stream 0's capture and are joined back).
+fn capture(streams: &[Arc<CudaStream>], call: impl FnOnce() -> cuda_peer::Result<()>) -> Result<CudaGraph, Result<Error, String>> {
+    let s0 = &streams[0];
+    s0.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| Err(format!("begin capture: {e:?}")))?;
+    let mut res: Result<(), Result<Error, String>> = s0
+        .record_event(None)
+        .map_err(|e| Err(format!("fork event: {e:?}")))
+        .and_then(|fork| streams[1..].iter().try_for_each(|s| s.wait(&fork).map_err(|e| Err(format!("join capture: {e:?}")))));
+    res = res.and_then(|()| call().map_err(Ok));
+    for s in &streams[1..] {
+        res = res.and_then(|()| s0.join(s).map_err(|e| Err(format!("join back: {e:?}"))));
+    }
+    let graph = s0.end_capture(CUgraphInstantiate_flags(0));
+    res?;
+    match graph {
+        Ok(Some(g)) => Ok(g),
+        Ok(None) => Err(Err("an empty graph".into())),
+        Err(e) => Err(Err(format!("end capture: {e:?}"))),
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    eager: u64,
+    replays: u64,
+    capture_refused: BTreeMap<String, u64>,
+    failures: Vec<String>,
+    by: BTreeMap<String, u64>,
+}
+
+impl Tally {
+    fn fail(&mut self, what: String) {
+        if self.failures.len() < 20 {
+            eprintln!("FAIL {what}");
+        }
+        self.failures.push(what);
+    }
+}
+
+/// One collective: eager, then (if `graph`) captured and replayed twice.
+#[allow(clippy::too_many_arguments)]
+fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usize, graph: bool, rng: &mut StdRng, tally: &mut Tally, tag: &str) {
+    let n = s.streams.len();
+    let what = format!("{tag} {} {kind:?} {op:?} {} count {count} root {root}", s.name, T::DTYPE.name());
+    let mut case = Case::<T> { kind, op, root, count, send: Vec::new(), recv: Vec::new() };
+    let (in_len, out_len) = (case.in_len(n), case.out_len(n));
+    for st in &s.streams {
+        let alloc = |len: usize| st.clone_htod(&vec![T::poison(); len]);
+        let bufs = (if case.in_place() { Ok(None) } else { alloc(in_len).map(Some) }).and_then(|snd| alloc(out_len).map(|rcv| (snd, rcv)));
+        match bufs {
+            Ok((snd, rcv)) => {
+                case.send.extend(snd);
+                case.recv.push(rcv);
+            }
+            Err(e) => return tally.fail(format!("{what}: allocating: {e:?}")),
+        }
+    }
+    let eager = case.fill(s, rng).and_then(|want| {
+        sync(s)?;
+        case.call(&s.group).map_err(|e| format!("eager call: {e}"))?;
+        sync(s)?;
+        case.check(s, &want).map_err(|e| format!("eager: {e}"))
+    });
+    if let Err(e) = eager {
+        return tally.fail(format!("{what}: {e}"));
+    }
+    tally.eager += 1;
+    if !graph {
+        return;
+    }
+    let g = match capture(&s.streams, || case.call(&s.group)) {
+        Ok(g) => g,
+        Err(Ok(e @ Error::Capture { .. })) => {
+            *tally.capture_refused.entry(format!("{kind:?}: {e}")).or_default() += 1;
+            return;
+        }
+        Err(Ok(e)) => return tally.fail(format!("{what}: under capture: {e}")),
+        Err(Err(e)) => return tally.fail(format!("{what}: capture: {e}")),
+    };
+    for replay in 0..2 {
+        let r = case.fill(s, rng).and_then(|want| {
+            for st in &s.streams[1..] {
+                s.streams[0].join(st).map_err(|e| format!("join: {e:?}"))?;
+            }
+            g.launch().map_err(|e| format!("graph launch: {e:?}"))?;
+            sync(s)?;
+            case.check(s, &want).map_err(|e| format!("replay {replay}: {e}"))
+        });
+        if let Err(e) = r {
+            return tally.fail(format!("{what} (graph): {e}"));
+        }
+        tally.replays += 1;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dispatch(s: &Soak, dtype: &str, kind: Kind, op: ReduceOp, count: usize, root: usize, graph: bool, rng: &mut StdRng, tally: &mut Tally, tag: &str) {
+    match dtype {
+        "f32" => run_case::<f32>(s, kind, op, count, root, graph, rng, tally, tag),
+        "f64" => run_case::<f64>(s, kind, op, count, root, graph, rng, tally, tag),
+        "f16" => run_case::<f16>(s, kind, op, count, root, graph, rng, tally, tag),
+        "bf16" => run_case::<bf16>(s, kind, op, count, root, graph, rng, tally, tag),
+        "i32" => run_case::<i32>(s, kind, op, count, root, graph, rng, tally, tag),
+        "i64" => run_case::<i64>(s, kind, op, count, root, graph, rng, tally, tag),
+        "u32" => run_case::<u32>(s, kind, op, count, root, graph, rng, tally, tag),
+        "u64" => run_case::<u64>(s, kind, op, count, root, graph, rng, tally, tag),
+        "i8" => run_case::<i8>(s, kind, op, count, root, graph, rng, tally, tag),
+        _ => run_case::<u8>(s, kind, op, count, root, graph, rng, tally, tag),
+    }
+}
+
+/// Per device: (pool bytes in use, cuMemGetInfo free bytes), after
+/// synchronising and trimming the default pool; and the resident set.
+fn memory(ctxs: &[Arc<CudaContext>]) -> Result<(Vec<(u64, usize)>, u64), String> {
+    use cuda_peer::cudarc::driver::sys;
+    let mut per = Vec::new();
+    for ctx in ctxs {
+        ctx.synchronize().map_err(|e| format!("{e:?}"))?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: writes one pool handle of an existing device.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuDeviceGetDefaultMemPool: {r:?}"));
+        }
+        // SAFETY: a valid pool; trimming releases only unused reserved memory.
+        let r = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuMemPoolTrimTo: {r:?}"));
+        }
+        let mut used = 0u64;
+        // SAFETY: USED_MEM_CURRENT writes one u64.
+        let r =
+            unsafe { sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, (&mut used as *mut u64).cast()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuMemPoolGetAttribute: {r:?}"));
+        }
+        let (free, _total) = ctx.mem_get_info().map_err(|e| format!("cuMemGetInfo: {e:?}"))?;
+        per.push((used, free));
+    }
+    let rss_kib = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .unwrap_or(0);
+    Ok((per, rss_kib * 1024))
+}
+
+fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> Vec<Soak> {
+    let gpus = ctxs.len();
+    let mut specs: Vec<(usize, PathPolicy, Algorithm)> = Vec::new();
+    for n in 2..=max_ranks {
+        specs.push((n, PathPolicy::Auto, Algorithm::Auto));
+        specs.push((n, PathPolicy::StagedOnly, Algorithm::Auto));
+    }
+    if gpus >= 2 {
+        let n = gpus.min(max_ranks);
+        for (p, a) in [
+            (PathPolicy::Auto, Algorithm::Ring),
+            (PathPolicy::Auto, Algorithm::Mesh),
+            (PathPolicy::Auto, Algorithm::OneShot),
+            (PathPolicy::StagedOnly, Algorithm::OneShot),
+            (PathPolicy::StagedOnly, Algorithm::Ring),
+        ] {
+            specs.push((n, p, a));
+        }
+    }
+    let mut out = Vec::new();
+    for (n, policy, algorithm) in specs {
+        let name = format!("n={n}/{policy:?}/{algorithm:?}");
+        let streams: Result<Vec<_>, _> = (0..n).map(|r| ctxs[r % gpus].new_stream()).collect();
+        let streams = match streams {
+            Ok(s) => s,
+            Err(e) => {
+                println!("group {name}: no streams ({e:?}); left out");
+                continue;
+            }
+        };
+        let mut opts = GroupOptions::with_policy(policy);
+        opts.algorithm = algorithm;
+        match Group::new(streams.clone(), &opts) {
+            Ok(group) => {
+                let paths: Vec<String> = (0..n).filter_map(|r| group.link_status(r).map(|s| s.path.to_string())).collect();
+                println!(
+                    "group {name}: links {}, all-reduce of 4 KiB / 8 MiB by {:?} / {:?}",
+                    paths.join(","),
+                    group.all_reduce_algorithm(4096),
+                    group.all_reduce_algorithm(8 << 20)
+                );
+                out.push(Soak { group, streams, name });
+            }
+            // A forced algorithm these devices cannot run (no P2P for the mesh).
+            Err(e) if algorithm != Algorithm::Auto => println!("group {name}: not possible here ({e}); left out"),
+            Err(e) => {
+                println!("group {name}: creating it failed: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    out
+}
+
+fn main() {
+    let args = Args::parse();
+    let gpus = match driver::device_count() {
+        Ok(0) => Err("no CUDA device found".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    };
+    let gpus = match gpus {
+        Ok(n) => n,
+        Err(e) => {
+            println!("soak: no usable CUDA device: {e}");
+            std::process::exit(2);
+        }
+    };
+    let ctxs: Vec<Arc<CudaContext>> = match (0..gpus).map(driver::context).collect() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("soak: no usable CUDA device: {e}");
+            std::process::exit(2);
+        }
+    };
+    for c in &ctxs {
+        // SAFETY: the soak's own contexts: every buffer is made after this,
+        // on a group's stream, and the soak orders all work itself (it
+        // synchronises every stream around each collective), as graph
+        // capture needs.
+        unsafe { c.disable_event_tracking() };
+    }
+    let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64));
+    let max_count = args.max_count | 1;
+    println!(
+        "soak: {gpus} GPU(s), ranks 2..={}, {} iterations, seed {seed}, counts 1..={max_count} (odd), graph 1 in {}",
+        args.max_ranks, args.iters, args.graph_every
+    );
+    let start = Instant::now();
+    let soaks = groups(&ctxs, args.max_ranks as usize);
+    println!("soak: {} groups in {:.1} s", soaks.len(), start.elapsed().as_secs_f64());
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut tally = Tally::default();
+
+    // Warm-up: every group and collective at the largest count with 8-byte
+    // elements (scratch reaches its size), eager and from a graph.
+    for s in &soaks {
+        for kind in KINDS {
+            dispatch(s, "u64", kind, ReduceOp::Sum, max_count, s.streams.len() - 1, true, &mut rng, &mut tally, "warm-up");
+        }
+    }
+    let warm_failures = tally.failures.len();
+    let before = match memory(&ctxs) {
+        Ok(m) => m,
+        Err(e) => {
+            println!("soak: memory after warm-up: {e}");
+            std::process::exit(1);
+        }
+    };
+    println!("soak: warm-up done ({warm_failures} failures) at {:.1} s", start.elapsed().as_secs_f64());
+
+    let t0 = Instant::now();
+    for i in 1..=args.iters {
+        let s = &soaks[rng.random_range(0..soaks.len())];
+        let n = s.streams.len();
+        let dtype = DTYPES[rng.random_range(0..DTYPES.len())];
+        let kind = KINDS[rng.random_range(0..KINDS.len())];
+        let float = matches!(dtype, "f32" | "f64" | "f16" | "bf16");
+        let op = loop {
+            let op = OPS[rng.random_range(0..OPS.len())];
+            if op != ReduceOp::Avg || float {
+                break op;
+            }
+        };
+        // Log-uniform odd counts.
+        let bits = rng.random_range(0.0..=(max_count as f64).log2());
+        let count = ((2f64.powf(bits) as usize) | 1).min(max_count);
+        let root = rng.random_range(0..n);
+        let graph = rng.random_ratio(1, args.graph_every.max(1));
+        *tally.by.entry(format!("dtype {dtype}")).or_default() += 1;
+        *tally.by.entry(format!("kind {kind:?}")).or_default() += 1;
+        *tally.by.entry(format!("op {op:?}")).or_default() += 1;
+        *tally.by.entry(format!("group {}", s.name)).or_default() += 1;
+        dispatch(s, dtype, kind, op, count, root, graph, &mut rng, &mut tally, &format!("#{i}"));
+        if i % 1000 == 0 || i == args.iters {
+            println!(
+                "soak: {i}/{} done, {} eager + {} graph replays checked, {} failures, {:.1} s",
+                args.iters,
+                tally.eager,
+                tally.replays,
+                tally.failures.len(),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+    // Measured with the same groups alive as after the warm-up.
+    let after = match memory(&ctxs) {
+        Ok(m) => m,
+        Err(e) => {
+            println!("soak: memory at the end: {e}");
+            std::process::exit(1);
+        }
+    };
+    drop(soaks);
+    println!("soak: by type, collective, reduction and group:");
+    for (k, v) in &tally.by {
+        println!("  {k}: {v}");
+    }
+    for (k, v) in &tally.capture_refused {
+        println!("  capture refused (typed Error::Capture), {v}x: {k}");
+    }
+    let mut ok = tally.failures.is_empty();
+    for (d, ((u0, f0), (u1, f1))) in before.0.iter().zip(&after.0).enumerate() {
+        let used = *u1 as i64 - *u0 as i64;
+        let free = *f1 as i64 - *f0 as i64;
+        println!("soak: GPU{d}: pool in use {u0} -> {u1} bytes ({used:+}), cuMemGetInfo free {f0} -> {f1} bytes ({free:+})");
+        if used > 1 << 20 || free < -(64 << 20) {
+            println!("soak: GPU{d}: device memory grew after the warm-up");
+            ok = false;
+        }
+    }
+    let rss = after.1 as i64 - before.1 as i64;
+    println!("soak: resident set (pinned host memory included) {} -> {} bytes ({rss:+})", before.1, after.1);
+    if rss > 64 << 20 {
+        println!("soak: host memory grew after the warm-up");
+        ok = false;
+    }
+    println!(
+        "soak: {} iterations + warm-up: {} eager collectives and {} graph replays checked, {} failures, seed {seed}, {:.1} s: {}",
+        args.iters,
+        tally.eager,
+        tally.replays,
+        tally.failures.len(),
+        start.elapsed().as_secs_f64(),
+        if ok { "PASS" } else { "FAIL" }
+    );
+    std::process::exit(if ok { 0 } else { 1 });
+}

@@ -1,0 +1,498 @@
+/*
+ * fakecuda: a libcuda stand-in that lies, for cuda-peer's fault tests
+ * (tests/fault_shim.rs, issue 16).
+ *
+ * How it is put in front of the real driver: this library has the SONAME
+ * libcuda.so.1 and a DT_NEEDED on "libcuda-real.so.1". The runner
+ * (tests/fakecuda/run.sh) puts a directory first on LD_LIBRARY_PATH that
+ * holds this library as libcuda.so.1 and libcuda.so, and libcuda-real.so.1
+ * as a symlink to the real driver. cudarc (which tries "libcuda.so" first)
+ * and cuda-peer-sys ("libcuda.so.1") both dlopen this file (one handle: the
+ * same file, and the same soname), and dlsym(handle, "cuX") searches this
+ * object first and then its dependencies: the overrides below win, every
+ * other symbol is the real driver's. LD_PRELOAD would not work: a symbol
+ * looked up with dlsym on a dlopen'ed handle is not interposed.
+ * cuGetProcAddress(_v2) are overridden too, so callers that look entry
+ * points up through the driver (the CUDA runtime, NCCL) get the overrides.
+ *
+ * Modes, from the environment variable CUDA_PEER_FAKE (read once):
+ *   (unset), "off"          pass everything through.
+ *   peer-unavailable        cuDeviceCanAccessPeer and the P2P access
+ *                           attribute say yes for every pair of distinct
+ *                           devices; cuCtxEnablePeerAccess fails with
+ *                           CUDA_ERROR_PEER_ACCESS_UNSUPPORTED.
+ *   corrupt-peer-copies     every copy whose source and destination are
+ *                           device memory on different devices lands with
+ *                           its first byte's low bit flipped: after the real
+ *                           copy, on the same stream, the byte goes to a
+ *                           pinned host slot, a host function flips it, and
+ *                           it comes back (also under graph capture).
+ *                           Covered: cuMemcpyPeerAsync, cuMemcpyPeer,
+ *                           cuMemcpyAsync, cuMemcpyDtoDAsync_v2, cuMemcpyDtoD_v2.
+ *                           (SM peer loads and stores in kernels cannot be
+ *                           corrupted from here.)
+ *   fail-module-load=N      cuModuleLoadData, cuModuleLoadDataEx and
+ *                           cuLibraryLoadData fail with
+ *                           CUDA_ERROR_OUT_OF_MEMORY when the current
+ *                           context's device is ordinal N.
+ *
+ * Exported for tests: cuda_peer_fake_mode() (the mode string, "off" when
+ * none) and cuda_peer_fake_fired() (how many faults were injected so far).
+ *
+ * Built without CUDA headers (CI has none): the few types are declared here.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUmodule;
+typedef void *CUlibrary;
+typedef unsigned long long CUdeviceptr;
+typedef int CUjit_option;
+typedef int CUlibraryOption;
+typedef int CUdevice_P2PAttribute;
+typedef void (*CUhostFn)(void *);
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_PEER_ACCESS_UNSUPPORTED 217
+#define CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED 0x02
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_MEMORYTYPE_DEVICE 2
+#define CU_MEMHOSTALLOC_PORTABLE 0x01
+#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 0x2
+
+#define EXPORT __attribute__((visibility("default")))
+
+enum mode { MODE_OFF, MODE_PEER_UNAVAILABLE, MODE_CORRUPT, MODE_FAIL_MODULE_LOAD };
+
+static enum mode g_mode = MODE_OFF;
+static int g_fail_ordinal = -1;
+static char g_mode_name[64] = "off";
+static atomic_long g_fired;
+static void *g_real;
+
+static void fake_init(void) {
+    const char *m = getenv("CUDA_PEER_FAKE");
+    if (m == NULL || m[0] == '\0' || strcmp(m, "off") == 0) {
+        g_mode = MODE_OFF;
+    } else if (strcmp(m, "peer-unavailable") == 0) {
+        g_mode = MODE_PEER_UNAVAILABLE;
+    } else if (strcmp(m, "corrupt-peer-copies") == 0) {
+        g_mode = MODE_CORRUPT;
+    } else if (strncmp(m, "fail-module-load=", 17) == 0) {
+        char *end = NULL;
+        long n = strtol(m + 17, &end, 10);
+        if (end == m + 17 || *end != '\0' || n < 0) {
+            fprintf(stderr, "fakecuda: CUDA_PEER_FAKE=%s: expected fail-module-load=<ordinal>\n", m);
+            abort();
+        }
+        g_mode = MODE_FAIL_MODULE_LOAD;
+        g_fail_ordinal = (int)n;
+    } else {
+        fprintf(stderr, "fakecuda: unknown CUDA_PEER_FAKE=%s (expected off, peer-unavailable, "
+                        "corrupt-peer-copies or fail-module-load=<ordinal>)\n", m);
+        abort();
+    }
+    if (g_mode != MODE_OFF) {
+        snprintf(g_mode_name, sizeof g_mode_name, "%s", m);
+    }
+    /* Already loaded as this library's dependency: no new load. */
+    g_real = dlopen("libcuda-real.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (g_real == NULL) {
+        g_real = dlopen("libcuda-real.so.1", RTLD_LAZY);
+    }
+    if (g_real == NULL) {
+        fprintf(stderr, "fakecuda: cannot open the real driver as libcuda-real.so.1: %s\n", dlerror());
+    }
+    if (getenv("CUDA_PEER_FAKE_VERBOSE") != NULL) {
+        fprintf(stderr, "fakecuda: mode %s\n", g_mode_name);
+    }
+}
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+__attribute__((constructor)) static void fake_ctor(void) { pthread_once(&g_once, fake_init); }
+
+static void *real(const char *name) {
+    pthread_once(&g_once, fake_init);
+    if (g_real == NULL) {
+        return NULL;
+    }
+    return dlsym(g_real, name);
+}
+
+/* The real entry point `name` with type `type`, resolved once. */
+#define REAL(type, name)                                                                           \
+    static type real_fn = NULL;                                                                    \
+    if (real_fn == NULL) {                                                                         \
+        real_fn = (type)real(name);                                                                \
+    }                                                                                              \
+    if (real_fn == NULL) {                                                                         \
+        return CUDA_ERROR_NOT_INITIALIZED;                                                         \
+    }
+
+EXPORT const char *cuda_peer_fake_mode(void) {
+    pthread_once(&g_once, fake_init);
+    return g_mode_name;
+}
+
+EXPORT long cuda_peer_fake_fired(void) { return atomic_load(&g_fired); }
+
+static void fired(void) { atomic_fetch_add(&g_fired, 1); }
+
+/* Faults apply at the outermost call only: should the driver call one of
+ * its own exported entry points through its PLT, that call resolves to the
+ * override here (this library comes first in the handle's scope), and must
+ * pass through, not corrupt or count twice. */
+static __thread int g_depth;
+static int enter(void) { return g_depth++ == 0; }
+static void leave(void) { g_depth--; }
+
+/* ---- peer-unavailable ---------------------------------------------------- */
+
+typedef CUresult (*can_access_peer_t)(int *, CUdevice, CUdevice);
+EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+    REAL(can_access_peer_t, "cuDeviceCanAccessPeer");
+    CUresult r = real_fn(can, dev, peer);
+    if (r == CUDA_SUCCESS && g_mode == MODE_PEER_UNAVAILABLE && dev != peer && can != NULL) {
+        *can = 1;
+    }
+    return r;
+}
+
+typedef CUresult (*p2p_attr_t)(int *, CUdevice_P2PAttribute, CUdevice, CUdevice);
+EXPORT CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attr, CUdevice src, CUdevice dst) {
+    REAL(p2p_attr_t, "cuDeviceGetP2PAttribute");
+    CUresult r = real_fn(value, attr, src, dst);
+    if (r == CUDA_SUCCESS && g_mode == MODE_PEER_UNAVAILABLE && src != dst && value != NULL &&
+        attr == CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED) {
+        *value = 1;
+    }
+    return r;
+}
+
+typedef CUresult (*enable_peer_t)(CUcontext, unsigned int);
+EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
+    REAL(enable_peer_t, "cuCtxEnablePeerAccess");
+    if (g_mode == MODE_PEER_UNAVAILABLE) {
+        fired();
+        return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+    }
+    return real_fn(peer, flags);
+}
+
+/* ---- corrupt-peer-copies -------------------------------------------------- */
+
+typedef CUresult (*ptr_attr_t)(void *, int, CUdeviceptr);
+typedef CUresult (*memcpy_async_t)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+typedef CUresult (*memcpy_t)(CUdeviceptr, CUdeviceptr, size_t);
+typedef CUresult (*host_func_t)(CUstream, CUhostFn, void *);
+typedef CUresult (*host_alloc_t)(void **, size_t, unsigned int);
+typedef CUresult (*memset_async_t)(CUdeviceptr, unsigned char, size_t, CUstream);
+
+/* The device ordinal of device memory at `p`, or -1 (host memory, unknown). */
+static int device_of(CUdeviceptr p) {
+    static ptr_attr_t get = NULL;
+    if (get == NULL) {
+        get = (ptr_attr_t)real("cuPointerGetAttribute");
+    }
+    if (get == NULL) {
+        return -1;
+    }
+    unsigned int type = 0;
+    if (get(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p) != CUDA_SUCCESS || type != CU_MEMORYTYPE_DEVICE) {
+        return -1;
+    }
+    int ordinal = -1;
+    if (get(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p) != CUDA_SUCCESS) {
+        return -1;
+    }
+    return ordinal;
+}
+
+static int crosses_devices(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+    if (g_mode != MODE_CORRUPT || bytes == 0) {
+        return 0;
+    }
+    int d = device_of(dst), s = device_of(src);
+    return d >= 0 && s >= 0 && d != s;
+}
+
+/* Pinned one-byte slots, used round robin (a slot is reused only after
+ * SLOTS later corruptions). */
+#define SLOTS 65536
+static unsigned char *g_slots;
+static atomic_ulong g_next_slot;
+static pthread_mutex_t g_slots_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static unsigned char *next_slot(void) {
+    pthread_mutex_lock(&g_slots_lock);
+    if (g_slots == NULL) {
+        host_alloc_t alloc = (host_alloc_t)real("cuMemHostAlloc");
+        void *p = NULL;
+        if (alloc != NULL && alloc(&p, SLOTS, CU_MEMHOSTALLOC_PORTABLE) == CUDA_SUCCESS) {
+            g_slots = p;
+        }
+    }
+    pthread_mutex_unlock(&g_slots_lock);
+    if (g_slots == NULL) {
+        return NULL;
+    }
+    return g_slots + (atomic_fetch_add(&g_next_slot, 1) % SLOTS);
+}
+
+static void flip(void *slot) { *(volatile unsigned char *)slot ^= 0x01; }
+
+/* Enqueues, on `stream` after the copy, the flip of the first byte of `dst`. */
+static CUresult corrupt_async(CUdeviceptr dst, CUstream stream) {
+    static memcpy_async_t cp = NULL;
+    static host_func_t host = NULL;
+    if (cp == NULL) {
+        cp = (memcpy_async_t)real("cuMemcpyAsync");
+    }
+    if (host == NULL) {
+        host = (host_func_t)real("cuLaunchHostFunc");
+    }
+    unsigned char *slot = next_slot();
+    if (cp == NULL || host == NULL || slot == NULL) {
+        /* No pinned memory: overwrite the byte with a fixed value instead. */
+        memset_async_t ms = (memset_async_t)real("cuMemsetD8Async");
+        if (ms == NULL) {
+            return CUDA_ERROR_NOT_INITIALIZED;
+        }
+        fired();
+        return ms(dst, 0xA5, 1, stream);
+    }
+    CUresult r = cp((CUdeviceptr)(uintptr_t)slot, dst, 1, stream);
+    if (r == CUDA_SUCCESS) {
+        r = host(stream, flip, slot);
+    }
+    if (r == CUDA_SUCCESS) {
+        r = cp(dst, (CUdeviceptr)(uintptr_t)slot, 1, stream);
+    }
+    if (r == CUDA_SUCCESS) {
+        fired();
+    }
+    return r;
+}
+
+static CUresult corrupt_sync(CUdeviceptr dst) {
+    static memcpy_t cp = NULL;
+    if (cp == NULL) {
+        cp = (memcpy_t)real("cuMemcpy");
+    }
+    unsigned char byte = 0;
+    if (cp == NULL) {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
+    CUresult r = cp((CUdeviceptr)(uintptr_t)&byte, dst, 1);
+    if (r != CUDA_SUCCESS) {
+        return r;
+    }
+    byte ^= 0x01;
+    r = cp(dst, (CUdeviceptr)(uintptr_t)&byte, 1);
+    if (r == CUDA_SUCCESS) {
+        fired();
+    }
+    return r;
+}
+
+typedef CUresult (*memcpy_peer_async_t)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes,
+                                  CUstream stream) {
+    REAL(memcpy_peer_async_t, "cuMemcpyPeerAsync");
+    int outer = enter();
+    CUresult r = real_fn(dst, dctx, src, sctx, bytes, stream);
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+        r = corrupt_async(dst, stream);
+    }
+    leave();
+    return r;
+}
+
+typedef CUresult (*memcpy_peer_t)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
+EXPORT CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes) {
+    REAL(memcpy_peer_t, "cuMemcpyPeer");
+    int outer = enter();
+    CUresult r = real_fn(dst, dctx, src, sctx, bytes);
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+        r = corrupt_sync(dst);
+    }
+    leave();
+    return r;
+}
+
+EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+    REAL(memcpy_async_t, "cuMemcpyAsync");
+    int outer = enter();
+    CUresult r = real_fn(dst, src, bytes, stream);
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+        r = corrupt_async(dst, stream);
+    }
+    leave();
+    return r;
+}
+
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+    REAL(memcpy_async_t, "cuMemcpyDtoDAsync_v2");
+    int outer = enter();
+    CUresult r = real_fn(dst, src, bytes, stream);
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+        r = corrupt_async(dst, stream);
+    }
+    leave();
+    return r;
+}
+
+EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+    REAL(memcpy_t, "cuMemcpyDtoD_v2");
+    int outer = enter();
+    CUresult r = real_fn(dst, src, bytes);
+    if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
+        r = corrupt_sync(dst);
+    }
+    leave();
+    return r;
+}
+
+/* ---- fail-module-load ------------------------------------------------------ */
+
+typedef CUresult (*ctx_get_device_t)(CUdevice *);
+
+static int module_load_fails(void) {
+    if (g_mode != MODE_FAIL_MODULE_LOAD) {
+        return 0;
+    }
+    static ctx_get_device_t get = NULL;
+    if (get == NULL) {
+        get = (ctx_get_device_t)real("cuCtxGetDevice");
+    }
+    CUdevice dev = -1;
+    if (get == NULL || get(&dev) != CUDA_SUCCESS) {
+        return 0;
+    }
+    if (dev == g_fail_ordinal) {
+        fired();
+        return 1;
+    }
+    return 0;
+}
+
+typedef CUresult (*module_load_data_t)(CUmodule *, const void *);
+EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    REAL(module_load_data_t, "cuModuleLoadData");
+    int outer = enter();
+    if (outer && module_load_fails()) {
+        leave();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult r = real_fn(module, image);
+    leave();
+    return r;
+}
+
+typedef CUresult (*module_load_data_ex_t)(CUmodule *, const void *, unsigned int, CUjit_option *, void **);
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n, CUjit_option *opts,
+                                   void **vals) {
+    REAL(module_load_data_ex_t, "cuModuleLoadDataEx");
+    int outer = enter();
+    if (outer && module_load_fails()) {
+        leave();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult r = real_fn(module, image, n, opts, vals);
+    leave();
+    return r;
+}
+
+typedef CUresult (*library_load_data_t)(CUlibrary *, const void *, CUjit_option *, void **, unsigned int,
+                                        CUlibraryOption *, void **, unsigned int);
+EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jit_opts, void **jit_vals,
+                                  unsigned int njit, CUlibraryOption *lib_opts, void **lib_vals, unsigned int nlib) {
+    REAL(library_load_data_t, "cuLibraryLoadData");
+    int outer = enter();
+    if (outer && module_load_fails()) {
+        leave();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult r = real_fn(library, code, jit_opts, jit_vals, njit, lib_opts, lib_vals, nlib);
+    leave();
+    return r;
+}
+
+/* ---- cuGetProcAddress ----------------------------------------------------- */
+
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags);
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
+                                    int *status);
+
+/* The override for `symbol` (a base name, as cuGetProcAddress takes), or
+ * NULL. Per-thread-default-stream lookups keep the real entry points (the
+ * overrides call the legacy-stream variants). */
+static void *override_for(const char *symbol, int version, unsigned long long flags) {
+    if (symbol == NULL || (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0) {
+        return NULL;
+    }
+    static const struct {
+        const char *name;
+        void *fn;
+        int min_version;
+    } table[] = {
+        {"cuDeviceCanAccessPeer", (void *)cuDeviceCanAccessPeer, 0},
+        {"cuDeviceGetP2PAttribute", (void *)cuDeviceGetP2PAttribute, 0},
+        {"cuCtxEnablePeerAccess", (void *)cuCtxEnablePeerAccess, 0},
+        {"cuMemcpyPeerAsync", (void *)cuMemcpyPeerAsync, 0},
+        {"cuMemcpyPeer", (void *)cuMemcpyPeer, 0},
+        {"cuMemcpyAsync", (void *)cuMemcpyAsync, 0},
+        {"cuMemcpyDtoDAsync", (void *)cuMemcpyDtoDAsync_v2, 3020},
+        {"cuMemcpyDtoD", (void *)cuMemcpyDtoD_v2, 3020},
+        {"cuModuleLoadData", (void *)cuModuleLoadData, 0},
+        {"cuModuleLoadDataEx", (void *)cuModuleLoadDataEx, 0},
+        {"cuLibraryLoadData", (void *)cuLibraryLoadData, 0},
+        /* A caller that looks cuGetProcAddress up through itself keeps
+         * getting the overrides. */
+        {"cuGetProcAddress", (void *)cuGetProcAddress_v2, 12000},
+        {"cuGetProcAddress", (void *)cuGetProcAddress, 0},
+    };
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        if (strcmp(symbol, table[i].name) == 0 && version >= table[i].min_version) {
+            return table[i].fn;
+        }
+    }
+    return NULL;
+}
+
+typedef CUresult (*get_proc_t)(const char *, void **, int, unsigned long long);
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags) {
+    REAL(get_proc_t, "cuGetProcAddress");
+    CUresult r = real_fn(symbol, pfn, version, flags);
+    void *o = override_for(symbol, version, flags);
+    if (r == CUDA_SUCCESS && pfn != NULL && *pfn != NULL && o != NULL) {
+        *pfn = o;
+    }
+    return r;
+}
+
+typedef CUresult (*get_proc_v2_t)(const char *, void **, int, unsigned long long, int *);
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
+                                    int *status) {
+    REAL(get_proc_v2_t, "cuGetProcAddress_v2");
+    CUresult r = real_fn(symbol, pfn, version, flags, status);
+    void *o = override_for(symbol, version, flags);
+    if (r == CUDA_SUCCESS && pfn != NULL && *pfn != NULL && o != NULL) {
+        *pfn = o;
+    }
+    return r;
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs tests/fault_shim.rs under the fakecuda shim, once per mode, on a GPU
+# machine (needs gcc, no Rust): builds the shim with gcc (build.sh), puts it
+# first on LD_LIBRARY_PATH in front of the real driver, and runs the staged
+# test binary (from ../shared/gpu/bundle: .gpu/tests/*-fault_shim-test) with
+# CUDA_PEER_REQUIRE_GPU=1 and CUDA_PEER_FAKE_EXPECTED=1, so a test that does
+# not find the shim, or two GPUs, fails instead of skipping. As a check that
+# the shim passes through when it is not lying, the copy tests also run
+# under it in mode "off".
+#
+#   tests/fakecuda/run.sh [TEST_BINARY]      (from the repository root)
+#
+# Logs and a summary go to $OUT/fakecuda/ (or target/fakecuda-results/).
+# FAKECUDA_TIMEOUT bounds each mode's run (seconds, default 300).
+# Exit 0 only if every mode passed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bin=${1:-$(ls .gpu/tests/*-fault_shim-test 2>/dev/null | head -1)}
+if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+  echo "fakecuda/run.sh: no fault_shim test binary (stage it with ../shared/gpu/bundle, carry .gpu)" >&2
+  exit 1
+fi
+results=${OUT:-target}/fakecuda
+[ -n "${OUT:-}" ] || results=target/fakecuda-results
+mkdir -p "$results"
+shim=$PWD/target/fakecuda
+tests/fakecuda/build.sh "$shim" | tee "$results/build.txt"
+if [ ! -e "$shim/libcuda-real.so.1" ]; then
+  echo "fakecuda/run.sh: no real driver found (ldconfig -p has no libcuda.so.1; set CUDA_PEER_REAL_LIBCUDA)" >&2
+  exit 1
+fi
+# No doctor's cache (crate::verdict): the copy tests' Auto links must meet the driver.
+export CUDA_PEER_REQUIRE_GPU=1 CUDA_PEER_FAKE_EXPECTED=1 RUST_BACKTRACE=1 CUDA_PEER_NO_DOCTOR_CACHE=1
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH="$shim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+status=0
+summary="$results/summary.txt"
+: > "$summary"
+run() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$results/$name.txt" 2>&1
+  local rc=$?
+  local line
+  line=$(grep -E '^test result:' "$results/$name.txt" | tail -1)
+  echo "$name: rc=$rc in $((SECONDS - start)) s; ${line:-no test result line}" | tee -a "$summary"
+  [ "$rc" -eq 0 ] || status=1
+}
+for mode in peer-unavailable corrupt-peer-copies fail-module-load=1; do
+  CUDA_PEER_FAKE=$mode run "mode-${mode//=/-}" "${FAKECUDA_TIMEOUT:-300}" "$bin" --test-threads=1 --nocapture
+done
+copy=$(ls .gpu/tests/*-copy-test 2>/dev/null | head -1)
+if [ -n "$copy" ]; then
+  CUDA_PEER_FAKE=off run "mode-off-copy-tests" "${FAKECUDA_TIMEOUT:-300}" "$copy" --test-threads=1
+fi
+echo "fakecuda/run.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL); logs in $results" | tee -a "$summary"
+exit $status

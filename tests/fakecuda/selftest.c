@@ -1,0 +1,141 @@
+/*
+ * CPU self-test of the shim's layering (tests/fakecuda/selftest.sh), with
+ * no GPU: a pretend driver (built from this file with -DPRETEND_DRIVER as
+ * libcuda-real.so.1) stands for the real one. Checks what the GPU runs
+ * rely on: "libcuda.so" and "libcuda.so.1" (cudarc's and cuda-peer-sys's
+ * names) open one handle, dlsym on it finds the shim's overrides first
+ * and the pretend driver's other symbols, cuGetProcAddress hands out the
+ * overrides, and each mode answers as documented.
+ */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+#ifdef PRETEND_DRIVER
+CUresult cuInit(unsigned int f) { (void)f; return 0; }
+CUresult cuDeviceCanAccessPeer(int *can, int a, int b) { (void)a; (void)b; *can = 0; return 0; }
+CUresult cuDeviceGetP2PAttribute(int *v, int attr, int a, int b) { (void)attr; (void)a; (void)b; *v = 0; return 0; }
+CUresult cuCtxEnablePeerAccess(void *peer, unsigned int flags) { (void)peer; (void)flags; return 0; }
+CUresult cuCtxGetDevice(int *dev) { *dev = 1; return 0; }
+CUresult cuModuleLoadData(void **m, const void *image) { (void)image; *m = (void *)0x1; return 0; }
+CUresult cuGetProcAddress(const char *s, void **pfn, int v, unsigned long long f) {
+    (void)v; (void)f;
+    *pfn = dlsym(RTLD_DEFAULT, s);
+    if (strcmp(s, "cuCtxEnablePeerAccess") == 0) *pfn = (void *)cuCtxEnablePeerAccess;
+    if (strcmp(s, "cuInit") == 0) *pfn = (void *)cuInit;
+    if (strcmp(s, "cuGetProcAddress") == 0) *pfn = (void *)cuGetProcAddress;
+    return *pfn ? 0 : 500;
+}
+/* Pretend device memory: two arrays standing for devices 0 and 1; copies
+ * and host functions run at once (a stream in order). */
+unsigned char pretend_dev[2][64];
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    for (int d = 0; d < 2; d++) {
+        if (p >= (CUdeviceptr)(uintptr_t)pretend_dev[d] && p < (CUdeviceptr)(uintptr_t)(pretend_dev[d] + 64)) {
+            if (attr == 2) *(unsigned int *)data = 2; /* CU_MEMORYTYPE_DEVICE */
+            else if (attr == 9) *(int *)data = d;    /* device ordinal */
+            return 0;
+        }
+    }
+    return 1; /* not device memory */
+}
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
+    (void)stream; memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n); return 0;
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) { return cuMemcpyAsync(dst, src, n, stream); }
+CUresult cuMemcpyPeerAsync(CUdeviceptr dst, void *dc, CUdeviceptr src, void *sc, size_t n, void *stream) {
+    (void)dc; (void)sc; return cuMemcpyAsync(dst, src, n, stream);
+}
+CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) { return cuMemcpyAsync(dst, src, n, NULL); }
+CUresult cuLaunchHostFunc(void *stream, void (*fn)(void *), void *arg) { (void)stream; fn(arg); return 0; }
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) { (void)flags; *p = calloc(1, n); return *p ? 0 : 2; }
+CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void *stream) { (void)stream; memset((void *)(uintptr_t)p, v, n); return 0; }
+int pretend_driver_marker = 42;
+#else
+static int failures;
+#define CHECK(c, ...) do { if (!(c)) { fprintf(stderr, "selftest FAILED: " __VA_ARGS__); fprintf(stderr, "\n"); failures++; } } while (0)
+
+int main(void) {
+    const char *mode = getenv("CUDA_PEER_FAKE");
+    void *a = dlopen("libcuda.so", RTLD_LAZY | RTLD_LOCAL);
+    void *b = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (!a || !b) { fprintf(stderr, "selftest FAILED: dlopen: %s\n", dlerror()); return 1; }
+    CHECK(a == b, "libcuda.so and libcuda.so.1 opened different objects");
+    const char *(*fake_mode)(void) = (const char *(*)(void))dlsym(b, "cuda_peer_fake_mode");
+    long (*fake_fired)(void) = (long (*)(void))dlsym(b, "cuda_peer_fake_fired");
+    CHECK(fake_mode && fake_fired, "the shim's test symbols are missing");
+    CHECK(dlsym(b, "pretend_driver_marker") != NULL, "the driver's own symbols are not reachable through the handle");
+    CUresult (*init)(unsigned int) = (CUresult (*)(unsigned int))dlsym(b, "cuInit");
+    CUresult (*can)(int *, int, int) = (CUresult (*)(int *, int, int))dlsym(b, "cuDeviceCanAccessPeer");
+    CUresult (*enable)(void *, unsigned int) = (CUresult (*)(void *, unsigned int))dlsym(b, "cuCtxEnablePeerAccess");
+    CUresult (*load)(void **, const void *) = (CUresult (*)(void **, const void *))dlsym(b, "cuModuleLoadData");
+    CUresult (*gpa)(const char *, void **, int, unsigned long long) =
+        (CUresult (*)(const char *, void **, int, unsigned long long))dlsym(b, "cuGetProcAddress");
+    CHECK(init && can && enable && load && gpa, "symbols missing");
+    if (failures) return 1;
+    CHECK(init(0) == 0, "cuInit passes through");
+    int v = -1;
+    CHECK(can(&v, 0, 1) == 0, "cuDeviceCanAccessPeer");
+    void *m = NULL;
+    void *via_gpa = NULL;
+    CHECK(gpa("cuCtxEnablePeerAccess", &via_gpa, 12000, 0) == 0 && via_gpa == (void *)enable,
+          "cuGetProcAddress does not hand out the override");
+    via_gpa = NULL;
+    CHECK(gpa("cuInit", &via_gpa, 12000, 0) == 0 && via_gpa == (void *)init, "cuGetProcAddress(cuInit) is not the driver's");
+    via_gpa = NULL;
+    CHECK(gpa("cuGetProcAddress", &via_gpa, 12000, 0) == 0 && via_gpa == dlsym(b, "cuGetProcAddress_v2"),
+          "cuGetProcAddress(cuGetProcAddress) is not the shim's");
+    if (!mode || !*mode || strcmp(mode, "off") == 0) {
+        CHECK(strcmp(fake_mode(), "off") == 0, "mode %s, expected off", fake_mode());
+        CHECK(v == 0, "off: cuDeviceCanAccessPeer changed to %d", v);
+        CHECK(enable(NULL, 0) == 0, "off: cuCtxEnablePeerAccess should pass through");
+        CHECK(load(&m, "x") == 0 && m == (void *)0x1, "off: cuModuleLoadData should pass through");
+        CHECK(fake_fired() == 0, "off: %ld faults fired", fake_fired());
+    } else if (strcmp(mode, "peer-unavailable") == 0) {
+        CHECK(strcmp(fake_mode(), mode) == 0, "mode %s", fake_mode());
+        CHECK(v == 1, "peer-unavailable: cuDeviceCanAccessPeer says %d", v);
+        v = -1;
+        CHECK(can(&v, 1, 1) == 0 && v == 0, "peer-unavailable: a device with itself: %d", v);
+        CHECK(enable(NULL, 0) == 217, "peer-unavailable: cuCtxEnablePeerAccess should be 217");
+        CHECK(fake_fired() == 1, "peer-unavailable: %ld faults fired", fake_fired());
+    } else if (strcmp(mode, "corrupt-peer-copies") == 0) {
+        unsigned char (*dev)[64] = (unsigned char (*)[64])dlsym(b, "pretend_dev");
+        CUresult (*peer)(CUdeviceptr, void *, CUdeviceptr, void *, size_t, void *) =
+            (CUresult (*)(CUdeviceptr, void *, CUdeviceptr, void *, size_t, void *))dlsym(b, "cuMemcpyPeerAsync");
+        CUresult (*dtod)(CUdeviceptr, CUdeviceptr, size_t, void *) =
+            (CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, void *))dlsym(b, "cuMemcpyDtoDAsync_v2");
+        CUresult (*cp)(CUdeviceptr, CUdeviceptr, size_t, void *) =
+            (CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, void *))dlsym(b, "cuMemcpyAsync");
+        CHECK(dev && peer && dtod && cp, "pretend memory or copy entry points missing");
+        if (failures) return 1;
+        for (int i = 0; i < 64; i++) { dev[0][i] = (unsigned char)(3 * i + 1); dev[1][i] = 0; }
+#define D(d, off) ((CUdeviceptr)(uintptr_t)&dev[d][off])
+        CHECK(peer(D(1, 0), NULL, D(0, 0), NULL, 16, NULL) == 0, "peer copy");
+        CHECK(dev[1][0] == (dev[0][0] ^ 1) && memcmp(&dev[1][1], &dev[0][1], 15) == 0,
+              "a peer copy between devices should land with only its first byte flipped");
+        CHECK(dtod(D(1, 32), D(0, 16), 8, NULL) == 0 && dev[1][32] == (dev[0][16] ^ 1), "cuMemcpyDtoDAsync_v2 across devices");
+        CHECK(cp(D(1, 48), D(0, 40), 8, NULL) == 0 && dev[1][48] == (dev[0][40] ^ 1), "cuMemcpyAsync across devices");
+        CHECK(dtod(D(0, 48), D(0, 0), 8, NULL) == 0 && memcmp(&dev[0][48], &dev[0][0], 8) == 0,
+              "a copy within one device should be left alone");
+        unsigned char host[8];
+        CHECK(cp((CUdeviceptr)(uintptr_t)host, D(1, 0), 8, NULL) == 0 && memcmp(host, &dev[1][0], 8) == 0,
+              "a device-to-host copy should be left alone");
+        CHECK(fake_fired() == 3, "corrupt-peer-copies: %ld faults fired, expected 3", fake_fired());
+#undef D
+    } else if (strcmp(mode, "fail-module-load=1") == 0) {
+        CHECK(load(&m, "x") == 2, "fail-module-load=1 on device 1 should be out of memory");
+        CHECK(fake_fired() == 1, "fail-module-load: %ld faults fired", fake_fired());
+    } else if (strcmp(mode, "fail-module-load=0") == 0) {
+        CHECK(load(&m, "x") == 0, "fail-module-load=0 on device 1 should pass");
+        CHECK(fake_fired() == 0, "fail-module-load=0: %ld faults fired", fake_fired());
+    }
+    if (failures) return 1;
+    printf("fakecuda selftest (%s): ok\n", fake_mode());
+    return 0;
+}
+#endif
