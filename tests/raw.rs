@@ -37,6 +37,12 @@ impl DeviceAlloc {
         self.ctx.bind_to_thread().expect("bind");
         // SAFETY: `ptr` holds `bytes` bytes.
         unsafe { result::memcpy_htod_sync(self.ptr, &vec![0xA5u8; self.bytes]) }.expect("poison");
+        // A copy from pageable memory returns once the bytes are staged, not
+        // once they land; it runs on the legacy stream, which the callers'
+        // (non-blocking) streams do not wait for: without this the poison
+        // could land after the upload that follows it. (Seen once on 2x H200
+        // under load: every element of an i64 all-reduce wrong.)
+        result::ctx::synchronize().expect("poison: cuCtxSynchronize");
     }
 }
 
