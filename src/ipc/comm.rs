@@ -1,8 +1,27 @@
 //! A communicator of processes, one rank per process, each on its own GPU
-//! of one host, with the one-shot all-reduce of [`crate::oneshot`] between
-//! them: every rank's slots and flags live in a [`DeviceRegion`] of its own
-//! device memory that every peer process imports and maps, and each rank's
-//! kernel pushes its input into its peers' regions.
+//! of one host, with the collectives of the single-process API between
+//! them: every rank's slots, flags and staging buffer live in a
+//! [`DeviceRegion`] of its own device memory that every peer process
+//! imports and maps.
+//!
+//! * all-reduce: the one-shot of [`crate::oneshot`]; each rank's kernel
+//!   pushes its input into its peers' regions (SM stores over P2P);
+//! * all-gather, broadcast, reduce-scatter, reduce: in chunks of half the
+//!   staging buffer ([`CommOptions::buffer_bytes`]), alternating halves:
+//!   each rank copies what its peers need into its own buffer, the ranks
+//!   meet at a device-side barrier (a one-element one-shot all-reduce,
+//!   bounded by [`CommOptions::barrier_timeout`] like any one-shot), and
+//!   each rank then reads its peers' buffers: copies (copy engine, over
+//!   P2P) for all-gather and broadcast, the reduction kernel (SM loads over
+//!   P2P, in rank order) for reduce-scatter and reduce. A last barrier ends
+//!   each call, so that no rank overwrites a buffer a peer still reads.
+//!
+//! Before any of that, each call publishes a descriptor (collective,
+//! element type, op, count, root) in host memory the processes share
+//! ([`super::shm`]) and compares it with every peer's: ranks that make
+//! different calls get [`Error::Mismatch`] on every rank, before anything
+//! is enqueued; a rank that does not make the call within the barrier
+//! timeout is an [`Error::Timeout`] (see [`CommOptions::check_calls`]).
 //!
 //! Creating a [`Comm`] takes a few steps, each ended by an all-gather of
 //! every rank's outcome, so that a failure on one rank fails every rank at
@@ -22,16 +41,20 @@
 //!    bounded by [`CommOptions::timeout`].
 //!
 //! A peer process that dies is noticed at creation within the timeout. In a
-//! collective, the kernel waits for the peers' flags: if a peer died before
-//! raising them, the kernel gives up after 10 s by trapping, which leaves
-//! this process's CUDA context unusable (the error then surfaces at the next
-//! synchronization); with [`CommOptions::check_calls`], a call first
-//! all-gathers its arguments through the rendezvous, so a dead peer (or one
-//! calling with another count, type or op) is an error before anything is
-//! launched, at the cost of a TCP round trip per call.
+//! collective, with [`CommOptions::check_calls`] (the default), a dead peer
+//! never publishes its call: the call fails with [`Error::Timeout`] after
+//! the barrier timeout, before anything is enqueued. Without it (or if the
+//! peer dies between publishing and launching), the kernels wait for the
+//! peer's flags until the barrier timeout, then give up cleanly (no trap:
+//! the context stays usable) and the communicator reports
+//! [`Error::PeerTimeout`] from then on.
+//!
+//! A failed communicator (a timeout) refuses every later call: make a new
+//! one. A mismatch leaves it usable.
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener};
+use super::shm::{board_bytes, CallBoard, CallDesc, Kind, SharedMemory};
 use super::vmm::DeviceRegion;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -45,8 +68,17 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod ops;
+
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
 pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
+
+/// The default of [`CommOptions::buffer_bytes`].
+pub const DEFAULT_BUFFER_BYTES: usize = 8 << 20;
+
+/// The tag of the call board's descriptor (with its length) among the
+/// descriptors rank 0 sends.
+const BOARD_TAG: u64 = 1 << 63;
 
 /// Settings of a [`Comm`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,11 +88,21 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// Check every rank's slots with a small all-reduce at creation.
     pub verify: bool,
-    /// Before each collective, all-gather (call number, count, element
-    /// type, op) through the exchange and fail with [`Error::Bootstrap`]
-    /// where ranks disagree or one is gone. Costs a round trip to rank 0
-    /// per call: for tests and debugging.
+    /// Before each collective, publish its descriptor (collective, element
+    /// type, op, count, root) in host memory the processes share, wait
+    /// until every rank has published its own for the same call (at most
+    /// [`Self::barrier_timeout`]) and compare: ranks that disagree get
+    /// [`Error::Mismatch`], and one that does not make the call in time an
+    /// [`Error::Timeout`] (the communicator then fails), before anything is
+    /// enqueued. Costs well under a microsecond when the ranks call
+    /// together, but a call's enqueue waits for every rank's (the host of
+    /// a rank cannot run more than one call ahead of its peers'). Off, a
+    /// mismatch is undefined (wrong results, or a barrier timeout).
     pub check_calls: bool,
+    /// Bytes of each rank's staging buffer (in its device memory, mapped by
+    /// every peer) for the collectives other than all-reduce: they run in
+    /// chunks of half of it (rounded down to 256 bytes).
+    pub buffer_bytes: usize,
     /// How long this rank's kernel waits for its peers at the barrier
     /// before it gives up (a peer that died or stopped calling): the kernel
     /// ends cleanly, the context stays usable, and the communicator reports
@@ -70,7 +112,13 @@ pub struct CommOptions {
 
 impl Default for CommOptions {
     fn default() -> Self {
-        CommOptions { timeout: Duration::from_secs(60), verify: true, check_calls: false, barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT }
+        CommOptions {
+            timeout: Duration::from_secs(60),
+            verify: true,
+            check_calls: true,
+            buffer_bytes: DEFAULT_BUFFER_BYTES,
+            barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
+        }
     }
 }
 
@@ -98,9 +146,22 @@ pub struct Comm {
     funcs: FnTable,
     div: FnTable,
     order: Orderer,
-    /// Number of the last call; held for a whole call.
+    /// Number of the next call; held for a whole call.
     calls: Mutex<u64>,
     check_calls: bool,
+    barrier_timeout: Duration,
+    /// The per-call descriptors of every rank (host memory shared with the
+    /// peers).
+    board: CallBoard,
+    /// Every rank's staging buffer, as mapped here (this rank's own at
+    /// `rank`): two halves of `half` bytes.
+    data: Vec<u64>,
+    half: usize,
+    /// The reduction kernels (`dst = a op b`) by op and type.
+    red: FnTable,
+    /// The device barrier's word (its address: `bar_ptr`).
+    _bar: CudaSlice<u32>,
+    bar_ptr: u64,
     /// The kernel's control block and this communicator's failed state.
     ctl: Ctl,
     // Dropped after the fields above (the stream is synchronized in Drop).
@@ -210,6 +271,7 @@ impl Comm {
             return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
         }
         let (lanes, bytes) = layout(size, true);
+        let staging = opts.buffer_bytes.max(1024).div_ceil(512) * 512;
 
         // Step 1: device, own region, identity.
         let opened = (|| {
@@ -218,15 +280,17 @@ impl Comm {
             }
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
-            let own = DeviceRegion::allocate(&ctx, bytes)?;
+            let own = DeviceRegion::allocate(&ctx, bytes + staging)?;
             own.zero(&stream)?;
             let fd = own.export_fd()?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
             let info = RankInfo { host: host_identity(), bus, region: own.len() };
-            Ok((ctx, stream, own, fd, info))
+            // Rank 0 makes the call board and sends it to every peer.
+            let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
+            Ok((ctx, stream, own, fd, info, board))
         })();
         let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.4.encode()).map_err(Clone::clone))?;
-        let (ctx, stream, own, fd, _) = opened?;
+        let (ctx, stream, own, fd, _, board) = opened?;
         let infos: Vec<RankInfo> = infos
             .iter()
             .enumerate()
@@ -262,8 +326,22 @@ impl Comm {
         let imported = (|| {
             for k in (0..size).filter(|&k| k != rank) {
                 send_fd(&job, rank, k, fd.as_fd(), own.len() as u64, opts.timeout)?;
+                if let Some(b) = &board {
+                    send_fd(&job, rank, k, b.fd(), BOARD_TAG | b.len() as u64, opts.timeout)?;
+                }
             }
-            let mut got = listener.receive(size - 1, opts.timeout)?;
+            let mut got = listener.receive(size - 1 + usize::from(rank != 0), opts.timeout)?;
+            let board = match board {
+                Some(b) => b,
+                None => {
+                    let i = got
+                        .iter()
+                        .position(|g| g.from == 0 && g.tag & BOARD_TAG != 0)
+                        .ok_or_else(|| Error::Bootstrap { op: "communicator: descriptors", reason: "rank 0 sent no call board".into() })?;
+                    let g = got.remove(i);
+                    SharedMemory::import(g.fd.as_fd(), (g.tag & !BOARD_TAG) as usize)?
+                }
+            };
             got.sort_by_key(|g| g.from);
             let mut peers = Vec::with_capacity(size - 1);
             for (i, g) in got.iter().enumerate() {
@@ -276,12 +354,28 @@ impl Comm {
                 }
                 peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), infos[expected].region)?);
             }
-            Ok(peers)
+            Ok((peers, CallBoard::new(board, size)?))
         })();
         drop(listener);
         drop(fd);
         agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
-        let peers = imported?;
+        let (peers, board) = imported?;
+        // Every rank's staging buffer follows its one-shot lanes; its halves
+        // are the same size on every rank (the smallest region's).
+        let smallest = infos.iter().map(|i| i.region).min().unwrap_or(0);
+        let half = (smallest.saturating_sub(bytes) / 2) & !255;
+        if half < 256 * size {
+            return Err(Error::Internal(format!("a staging buffer of {half} bytes per half")));
+        }
+        let data: Vec<u64> = (0..size)
+            .map(|k| match k.cmp(&rank) {
+                std::cmp::Ordering::Equal => own.device_ptr(),
+                std::cmp::Ordering::Less => peers[k].device_ptr(),
+                std::cmp::Ordering::Greater => peers[k - 1].device_ptr(),
+            } + bytes as u64)
+            .collect();
+        let bar = stream.alloc_zeros::<u32>(4).map_err(cudarc_err("cuMemAlloc (barrier word)"))?;
+        let bar_ptr = bar.device_ptr(&stream).0;
 
         // Counters, and the lanes as this rank launches them.
         let counters = stream.alloc_zeros::<u32>(lanes.len() * kernels::ONESHOT_MAX_BLOCKS).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
@@ -311,6 +405,13 @@ impl Comm {
             order: Orderer::default(),
             calls: Mutex::new(0),
             check_calls: opts.check_calls,
+            barrier_timeout: opts.barrier_timeout,
+            board,
+            data,
+            half,
+            red: FnTable::default(),
+            _bar: bar,
+            bar_ptr,
             ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
             _counters: counters,
             _peers: peers,
@@ -359,6 +460,13 @@ impl Comm {
         self.size
     }
 
+    /// The bytes per rank that each chunk of all-gather, broadcast and
+    /// reduce moves (half the staging buffer; a reduce-scatter chunk is
+    /// this divided among the ranks): larger messages take several chunks.
+    pub fn chunk_bytes(&self) -> usize {
+        self.half
+    }
+
     /// This rank's device context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
@@ -391,13 +499,12 @@ impl Comm {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
-        let mut calls = self.enter(count, T::DTYPE, op)?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let launched = self.launch::<T>(op, ptr, ptr, count);
-        *calls += 1;
         launched.and(held.finish())
     }
 
@@ -412,36 +519,40 @@ impl Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
-        let mut calls = self.enter(count, T::DTYPE, op)?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let launched = self.launch::<T>(op, src, dst, count);
-        *calls += 1;
         launched.and(read.finish()).and(write.finish())
     }
 
     /// Takes the call lock and, with [`CommOptions::check_calls`], checks
-    /// that every rank makes the same call.
-    fn enter(&self, count: usize, dtype: DType, op: ReduceOp) -> Result<std::sync::MutexGuard<'_, u64>> {
-        let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+    /// that every rank makes the same call (see [`CallBoard::agree`]). A
+    /// mismatch leaves the communicator usable; a peer that does not make
+    /// the call in time fails it.
+    fn enter(&self, desc: CallDesc) -> Result<std::sync::MutexGuard<'_, u64>> {
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.ctl.check()?;
+        let call = *calls;
         if self.check_calls {
-            let mine = format!("{} {count} {} {}", *calls, dtype.name(), op.name());
-            let all = self.exchange.all_gather(mine.as_bytes())?;
-            if let Some(k) = all.iter().position(|b| b != mine.as_bytes()) {
-                return Err(Error::Bootstrap {
-                    op: "all_reduce",
-                    reason: format!(
-                        "ranks disagree: rank {} calls (call, count, type, op) = ({mine}), rank {k} ({})",
-                        self.rank,
-                        String::from_utf8_lossy(&all[k])
-                    ),
-                });
+            match self.board.agree(self.rank, call, &desc, self.barrier_timeout) {
+                Ok(()) => {}
+                Err(e @ Error::Mismatch { .. }) => {
+                    // Every rank saw the same descriptors and refuses the
+                    // call: they stay in step.
+                    *calls += 1;
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.ctl.fail(e.clone());
+                    return Err(e);
+                }
             }
         }
+        *calls += 1;
         Ok(calls)
     }
 
@@ -501,6 +612,17 @@ impl Drop for Comm {
         if let Err(e) = self.stream.synchronize() {
             log::warn!("cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}", self.rank);
         }
+    }
+}
+
+/// The descriptor of a call.
+fn desc(kind: Kind, dtype: DType, op: Option<ReduceOp>, count: usize, root: Option<usize>) -> CallDesc {
+    CallDesc {
+        kind,
+        dtype: DType::ALL.iter().position(|d| *d == dtype).unwrap_or(255) as u8,
+        op: op.and_then(|o| ReduceOp::ALL.iter().position(|x| *x == o)).unwrap_or(255) as u8,
+        root: root.map(|r| r.min(u32::MAX as usize - 1) as u32).unwrap_or(u32::MAX),
+        count: count as u64,
     }
 }
 
