@@ -23,6 +23,14 @@ fn child() -> bool {
     std::env::var_os(CHILD).is_some()
 }
 
+/// Set in a child: ranks share the GPUs (more processes than devices).
+const SHARE: &str = "CUDA_PEER_MP_SHARE";
+
+/// The children's options: `share_devices` where the parent asked.
+fn child_opts() -> CommOptions {
+    CommOptions { timeout: Duration::from_secs(30), share_devices: std::env::var_os(SHARE).is_some(), ..Default::default() }
+}
+
 fn rank() -> usize {
     std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)
 }
@@ -78,6 +86,19 @@ fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> Vec<
             (code, out)
         })
         .collect()
+}
+
+/// Runs test `name` as three processes: on fewer than three GPUs, two of
+/// them share a device (`CommOptions::share_devices`).
+fn three_processes(name: &str) {
+    let Some(gpus) = gpu_count(name, 2) else {
+        return;
+    };
+    let share: Vec<(&'static str, String)> = if gpus < 3 { vec![(SHARE, "1".into())] } else { vec![] };
+    if gpus < 3 {
+        eprintln!("{name}: {gpus} GPUs: ranks 0 and 2 share device 0");
+    }
+    all_succeeded(name, &spawn(name, 3, Duration::from_secs(400), |_| share.clone()));
 }
 
 /// Asserts that every child exited 0.
@@ -170,7 +191,7 @@ fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
 
 /// A child's body of the all-reduce tests.
 fn all_reduce_child() {
-    let comm = Comm::from_env(&CommOptions { check_calls: true, timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let comm = Comm::from_env(&child_opts()).unwrap();
     let stream = comm.stream().clone();
     let mut seed = 0;
     check_type::<f32>(&comm, &stream, &mut seed);
@@ -205,15 +226,7 @@ fn three_processes_all_reduce_every_type_and_op() {
         return all_reduce_child();
     }
     let name = "three_processes_all_reduce_every_type_and_op";
-    let Some(gpus) = gpu_count(name, 2) else {
-        return;
-    };
-    // The one-shot needs a device per rank: with 2 GPUs, 2 processes.
-    let n = gpus.min(3);
-    if n < 3 {
-        eprintln!("{name}: {gpus} GPUs, running {n} processes");
-    }
-    all_succeeded(name, &spawn(name, n, Duration::from_secs(300), |_| vec![]));
+    three_processes(name);
 }
 
 #[test]
@@ -354,7 +367,7 @@ fn expect_mismatch(what: &str, r: Result<(), Error>) {
 /// roots all get `Error::Mismatch`, nothing moves, and the communicator
 /// still works afterwards.
 fn mismatch_child() {
-    let comm = Comm::from_env(&CommOptions { timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let comm = Comm::from_env(&child_opts()).unwrap();
     let (me, n, s) = (comm.rank(), comm.size(), comm.stream().clone());
     let count = 1000 + me;
     let mut x = s.clone_htod(&vec![1.0f32; count]).unwrap();
@@ -397,6 +410,14 @@ fn mismatched_calls_are_an_error_on_every_rank_then_the_comm_works() {
         return;
     }
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
+
+#[test]
+fn three_processes_mismatched_calls_are_an_error_on_every_rank() {
+    if child() {
+        return mismatch_child();
+    }
+    three_processes("three_processes_mismatched_calls_are_an_error_on_every_rank");
 }
 
 /// The value that poisons outputs (the inputs are 1..=5).
@@ -467,7 +488,7 @@ fn check_collectives<T: Num>(comm: &Comm, seed: &mut u64) {
 /// A child's body of the collectives tests: a staging buffer of 1 MiB, so
 /// that the larger sizes take several chunks.
 fn collectives_child() {
-    let opts = CommOptions { timeout: Duration::from_secs(30), buffer_bytes: 1 << 20, ..Default::default() };
+    let opts = CommOptions { buffer_bytes: 1 << 20, ..child_opts() };
     let comm = Comm::from_env(&opts).unwrap();
     let mut seed = 1000;
     check_collectives::<f32>(&comm, &mut seed);
@@ -502,21 +523,14 @@ fn three_processes_every_collective_type_and_op() {
         return collectives_child();
     }
     let name = "three_processes_every_collective_type_and_op";
-    let Some(gpus) = gpu_count(name, 2) else {
-        return;
-    };
-    let n = gpus.min(3);
-    if n < 3 {
-        eprintln!("{name}: {gpus} GPUs, running {n} processes");
-    }
-    all_succeeded(name, &spawn(name, n, Duration::from_secs(300), |_| vec![]));
+    three_processes(name);
 }
 
 /// A graph captured on each process's communicator stream (an all-reduce,
 /// then an all-gather of its result), replayed on fresh inputs.
 fn graph_child() {
     use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    let comm = Comm::from_env(&CommOptions { timeout: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let comm = Comm::from_env(&child_opts()).unwrap();
     // SAFETY: the test orders its own work: everything runs on the
     // communicator's stream, so cudarc's events are not needed (a captured
     // stream may not wait for events recorded outside the capture).
@@ -558,6 +572,14 @@ fn two_processes_replay_a_captured_graph() {
         return;
     }
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
+
+#[test]
+fn three_processes_replay_a_captured_graph() {
+    if child() {
+        return graph_child();
+    }
+    three_processes("three_processes_replay_a_captured_graph");
 }
 
 /// The exchange is usable by the caller after creation, and ranks agree.

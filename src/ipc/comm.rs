@@ -29,8 +29,8 @@
 //!
 //! 1. each rank opens its device, allocates and zeroes its region and
 //!    exports it; ranks share their host, device (PCI bus id) and region
-//!    size. Ranks on several hosts or two ranks on one device are
-//!    [`Error::Unsupported`];
+//!    size. Ranks on several hosts, or two ranks on one device without
+//!    [`CommOptions::share_devices`], are [`Error::Unsupported`];
 //! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`:
 //!    without it, [`Error::P2pUnavailable`]; the staged path between
 //!    processes is later work) and binds its Unix socket;
@@ -103,6 +103,14 @@ pub struct CommOptions {
     /// every peer) for the collectives other than all-reduce: they run in
     /// chunks of half of it (rounded down to 256 bytes).
     pub buffer_bytes: usize,
+    /// Let ranks share a device (more processes than GPUs, as in testing);
+    /// [`Comm::from_env`] then takes device `LOCAL_RANK` modulo the
+    /// number of devices. Without it two ranks on one device are
+    /// [`Error::Unsupported`]. The kernels of ranks on one device do not
+    /// run at the same time but take turns (the driver's time slices
+    /// between processes), so each barrier can take a time slice: slow,
+    /// but every barrier is still bounded by [`Self::barrier_timeout`].
+    pub share_devices: bool,
     /// How long this rank's kernel waits for its peers at the barrier
     /// before it gives up (a peer that died or stopped calling): the kernel
     /// ends cleanly, the context stays usable, and the communicator reports
@@ -117,6 +125,7 @@ impl Default for CommOptions {
             verify: true,
             check_calls: true,
             buffer_bytes: DEFAULT_BUFFER_BYTES,
+            share_devices: false,
             barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
         }
     }
@@ -226,7 +235,7 @@ fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<
 }
 
 /// The checks of step 1 on every rank's info: one host, one device per rank.
-fn check_layout(infos: &[RankInfo]) -> Result<()> {
+fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<()> {
     if infos.len() > MAX_RANKS {
         return Err(Error::Unsupported(format!("{} ranks in one communicator (at most {MAX_RANKS})", infos.len())));
     }
@@ -234,8 +243,11 @@ fn check_layout(infos: &[RankInfo]) -> Result<()> {
         if i.host != infos[0].host {
             return Err(Error::Unsupported(format!("ranks on several hosts (rank 0 on {}, rank {r} on {})", infos[0].host, i.host)));
         }
-        if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus) {
-            return Err(Error::Unsupported(format!("ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank", i.bus)));
+        if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus).filter(|_| !share_devices) {
+            return Err(Error::Unsupported(format!(
+                "ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank (or CommOptions::share_devices)",
+                i.bus
+            )));
         }
     }
     Ok(())
@@ -253,10 +265,11 @@ fn ordinal_of(bus: &str) -> Result<Option<usize>> {
 
 impl Comm {
     /// Reads torchrun's variables ([`Bootstrap::from_env`]), meets the
-    /// other ranks and creates the communicator on device `LOCAL_RANK`.
+    /// other ranks and creates the communicator on device `LOCAL_RANK`
+    /// (modulo the device count with [`CommOptions::share_devices`]).
     pub fn from_env(opts: &CommOptions) -> Result<Comm> {
         let boot = Bootstrap::from_env()?;
-        let device = boot.local_rank;
+        let device = if opts.share_devices { boot.local_rank % crate::driver::device_count()?.max(1) } else { boot.local_rank };
         let rv = boot.connect()?;
         Comm::new(Box::new(rv), device, opts)
     }
@@ -296,7 +309,7 @@ impl Comm {
             .enumerate()
             .map(|(r, s)| RankInfo::decode(s).ok_or_else(|| Error::Bootstrap { op: "communicator", reason: format!("rank {r}: malformed info") }))
             .collect::<Result<_>>()?;
-        check_layout(&infos)?;
+        check_layout(&infos, opts.share_devices)?;
 
         // Step 2: P2P to every peer's device, and this rank's socket.
         let job = ex.job_id().to_string();
@@ -309,7 +322,7 @@ impl Comm {
                         reason: format!("rank {k}'s device {} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)", info.bus),
                     });
                 };
-                if !crate::peer::can_access_peer(device, peer)? {
+                if peer != device && !crate::peer::can_access_peer(device, peer)? {
                     return Err(Error::P2pUnavailable {
                         from: device,
                         to: peer,
@@ -658,11 +671,12 @@ mod tests {
 
     #[test]
     fn layouts_with_shared_devices_or_hosts_are_refused() {
-        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")]).is_ok());
-        assert!(matches!(check_layout(&[info("a", "0"), info("a", "0")]), Err(Error::Unsupported(m)) if m.contains("same device")));
-        assert!(matches!(check_layout(&[info("a", "0"), info("b", "1")]), Err(Error::Unsupported(m)) if m.contains("several hosts")));
+        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")], false).is_ok());
+        assert!(matches!(check_layout(&[info("a", "0"), info("a", "0")], false), Err(Error::Unsupported(m)) if m.contains("same device")));
+        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "0")], true).is_ok());
+        assert!(matches!(check_layout(&[info("a", "0"), info("b", "1")], true), Err(Error::Unsupported(m)) if m.contains("several hosts")));
         let nine: Vec<_> = (0..9).map(|d| info("a", &d.to_string())).collect();
-        assert!(matches!(check_layout(&nine), Err(Error::Unsupported(_))));
+        assert!(matches!(check_layout(&nine, false), Err(Error::Unsupported(_))));
     }
 
     #[test]
