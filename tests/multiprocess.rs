@@ -9,7 +9,7 @@ mod common;
 
 use cuda_peer::cudarc::driver::CudaStream;
 use cuda_peer::ipc::{comm::seeded, Bootstrap, Comm, CommOptions};
-use cuda_peer::{Element, Error, ReduceOp};
+use cuda_peer::{Element, Error, Path, PathPolicy, ReduceOp};
 use half::{bf16, f16};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -26,9 +26,22 @@ fn child() -> bool {
 /// Set in a child: ranks share the GPUs (more processes than devices).
 const SHARE: &str = "CUDA_PEER_MP_SHARE";
 
-/// The children's options: `share_devices` where the parent asked.
+/// Set in a child: the staged path (shared host memory), forced.
+const STAGED: &str = "CUDA_PEER_MP_STAGED";
+
+/// The children's options: `share_devices` and the staged path where the
+/// parent asked.
 fn child_opts() -> CommOptions {
-    CommOptions { timeout: Duration::from_secs(30), share_devices: std::env::var_os(SHARE).is_some(), ..Default::default() }
+    let path = if std::env::var_os(STAGED).is_some() { PathPolicy::StagedOnly } else { PathPolicy::Auto };
+    CommOptions { timeout: Duration::from_secs(30), share_devices: std::env::var_os(SHARE).is_some(), path, ..Default::default() }
+}
+
+/// The communicator of a child, on the path the parent asked for.
+fn child_comm(opts: &CommOptions) -> Comm {
+    let comm = Comm::from_env(opts).unwrap();
+    let want = if opts.path == PathPolicy::StagedOnly { Path::Staged } else { Path::P2p };
+    assert_eq!(comm.path(), want, "rank {}", comm.rank());
+    comm
 }
 
 fn rank() -> usize {
@@ -91,10 +104,18 @@ fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> Vec<
 /// Runs test `name` as three processes: on fewer than three GPUs, two of
 /// them share a device (`CommOptions::share_devices`).
 fn three_processes(name: &str) {
+    three_processes_with(name, vec![]);
+}
+
+/// As [`three_processes`], with `env` set in every child.
+fn three_processes_with(name: &str, env: Vec<(&'static str, String)>) {
     let Some(gpus) = gpu_count(name, 2) else {
         return;
     };
-    let share: Vec<(&'static str, String)> = if gpus < 3 { vec![(SHARE, "1".into())] } else { vec![] };
+    let mut share = env;
+    if gpus < 3 {
+        share.push((SHARE, "1".into()));
+    }
     if gpus < 3 {
         eprintln!("{name}: {gpus} GPUs: ranks 0 and 2 share device 0");
     }
@@ -191,7 +212,7 @@ fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
 
 /// A child's body of the all-reduce tests.
 fn all_reduce_child() {
-    let comm = Comm::from_env(&child_opts()).unwrap();
+    let comm = child_comm(&child_opts());
     let stream = comm.stream().clone();
     let mut seed = 0;
     check_type::<f32>(&comm, &stream, &mut seed);
@@ -367,7 +388,7 @@ fn expect_mismatch(what: &str, r: Result<(), Error>) {
 /// roots all get `Error::Mismatch`, nothing moves, and the communicator
 /// still works afterwards.
 fn mismatch_child() {
-    let comm = Comm::from_env(&child_opts()).unwrap();
+    let comm = child_comm(&child_opts());
     let (me, n, s) = (comm.rank(), comm.size(), comm.stream().clone());
     let count = 1000 + me;
     let mut x = s.clone_htod(&vec![1.0f32; count]).unwrap();
@@ -489,7 +510,7 @@ fn check_collectives<T: Num>(comm: &Comm, seed: &mut u64) {
 /// that the larger sizes take several chunks.
 fn collectives_child() {
     let opts = CommOptions { buffer_bytes: 1 << 20, ..child_opts() };
-    let comm = Comm::from_env(&opts).unwrap();
+    let comm = child_comm(&opts);
     let mut seed = 1000;
     check_collectives::<f32>(&comm, &mut seed);
     check_collectives::<f64>(&comm, &mut seed);
@@ -526,11 +547,60 @@ fn three_processes_every_collective_type_and_op() {
     three_processes(name);
 }
 
+/// The staged path between processes (shared pinned host memory), forced.
+fn staged() -> Vec<(&'static str, String)> {
+    vec![(STAGED, "1".into())]
+}
+
+#[test]
+fn two_processes_staged_every_collective_type_and_op() {
+    if child() {
+        return collectives_child();
+    }
+    let name = "two_processes_staged_every_collective_type_and_op";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| staged()));
+}
+
+#[test]
+fn two_processes_staged_all_reduce_every_type_and_op() {
+    if child() {
+        return all_reduce_child();
+    }
+    let name = "two_processes_staged_all_reduce_every_type_and_op";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| staged()));
+}
+
+#[test]
+fn three_processes_staged_every_collective_type_and_op() {
+    if child() {
+        return collectives_child();
+    }
+    three_processes_with("three_processes_staged_every_collective_type_and_op", staged());
+}
+
+#[test]
+fn two_processes_staged_replay_a_captured_graph() {
+    if child() {
+        return graph_child();
+    }
+    let name = "two_processes_staged_replay_a_captured_graph";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| staged()));
+}
+
 /// A graph captured on each process's communicator stream (an all-reduce,
 /// then an all-gather of its result), replayed on fresh inputs.
 fn graph_child() {
     use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    let comm = Comm::from_env(&child_opts()).unwrap();
+    let comm = child_comm(&child_opts());
     // SAFETY: the test orders its own work: everything runs on the
     // communicator's stream, so cudarc's events are not needed (a captured
     // stream may not wait for events recorded outside the capture).

@@ -27,18 +27,22 @@
 //! every rank's outcome, so that a failure on one rank fails every rank at
 //! once (with the failing rank's error) instead of leaving them waiting:
 //!
-//! 1. each rank opens its device, allocates and zeroes its region and
-//!    exports it; ranks share their host, device (PCI bus id) and region
-//!    size. Ranks on several hosts, or two ranks on one device without
+//! 1. each rank opens its device (rank 0 also makes the call board); ranks
+//!    share their host and device (PCI bus id). Ranks on several hosts, or two ranks on one device without
 //!    [`CommOptions::share_devices`], are [`Error::Unsupported`];
-//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`:
-//!    without it, [`Error::P2pUnavailable`]; the staged path between
-//!    processes is later work) and binds its Unix socket;
-//! 3. each rank sends its region's descriptor to every peer and imports
-//!    theirs ([`super::fdpass`]);
+//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`)
+//!    and binds its Unix socket; where one rank has no P2P to a peer (or
+//!    asks for it, [`CommOptions::path`]), every rank takes the staged path;
+//! 3. P2P: each rank allocates and zeroes its region in its device memory,
+//!    sends its descriptor to every peer and imports theirs
+//!    ([`super::fdpass`]). Staged: rank 0 makes one shared host buffer for
+//!    every rank's region and sends it; each rank registers it for its
+//!    device. Rank 0 also sends the call board;
 //! 4. unless [`CommOptions::verify`] is off, a small all-reduce of random
-//!    data on each lane is checked against a CPU reference on every rank,
-//!    bounded by [`CommOptions::timeout`].
+//!    data on each lane (the SM stores into the peers' memory and loads of
+//!    their flags) and an all-gather (copies from the peers' staging
+//!    buffers) are checked against a CPU reference on every rank, bounded
+//!    by [`CommOptions::timeout`].
 //!
 //! A peer process that dies is noticed at creation within the timeout. In a
 //! collective, with [`CommOptions::check_calls`] (the default), a dead peer
@@ -54,8 +58,9 @@
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener};
-use super::shm::{board_bytes, CallBoard, CallDesc, Kind, SharedMemory};
+use super::shm::{board_bytes, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
+use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
@@ -79,6 +84,8 @@ pub const DEFAULT_BUFFER_BYTES: usize = 8 << 20;
 /// The tag of the call board's descriptor (with its length) among the
 /// descriptors rank 0 sends.
 const BOARD_TAG: u64 = 1 << 63;
+/// The tag of the staged path's shared host buffer (with its length).
+const HOST_TAG: u64 = 1 << 62;
 
 /// Settings of a [`Comm`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,6 +118,15 @@ pub struct CommOptions {
     /// between processes), so each barrier can take a time slice: slow,
     /// but every barrier is still bounded by [`Self::barrier_timeout`].
     pub share_devices: bool,
+    /// Which path the ranks' data takes: [`PathPolicy::Auto`] (P2P where
+    /// every rank reaches every peer's device, else staged),
+    /// [`PathPolicy::P2pOnly`] (else [`Error::P2pUnavailable`]) or
+    /// [`PathPolicy::StagedOnly`]. Staged, every rank's slots, flags and
+    /// staging buffer live in host memory the processes share (a `memfd`,
+    /// page-locked and mapped for each device with `cuMemHostRegister`):
+    /// the kernels and copies reach it over PCIe, no P2P needed. One rank
+    /// that stages makes every rank stage.
+    pub path: PathPolicy,
     /// How long this rank's kernel waits for its peers at the barrier
     /// before it gives up (a peer that died or stopped calling): the kernel
     /// ends cleanly, the context stays usable, and the communicator reports
@@ -126,6 +142,7 @@ impl Default for CommOptions {
             check_calls: true,
             buffer_bytes: DEFAULT_BUFFER_BYTES,
             share_devices: false,
+            path: PathPolicy::Auto,
             barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
         }
     }
@@ -174,9 +191,21 @@ pub struct Comm {
     /// The kernel's control block and this communicator's failed state.
     ctl: Ctl,
     // Dropped after the fields above (the stream is synchronized in Drop).
+    /// Whether the slots and staging buffers are in shared host memory.
+    staged: bool,
     _counters: CudaSlice<u32>,
-    _peers: Vec<DeviceRegion>,
-    _own: DeviceRegion,
+    _memory: Memory,
+}
+
+/// Where every rank's slots, flags and staging buffer live.
+#[derive(Debug)]
+enum Memory {
+    /// In each rank's device memory, mapped by every peer (P2P).
+    Device { own: DeviceRegion, peers: Vec<DeviceRegion> },
+    /// In one host buffer the processes share, page-locked and mapped for
+    /// each rank's device: rank k's region at `k * per_rank` (the staged
+    /// path).
+    Host { reg: RegisteredMemory, per_rank: usize },
 }
 
 impl std::fmt::Debug for Comm {
@@ -283,27 +312,23 @@ impl Comm {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
         }
-        let (lanes, bytes) = layout(size, true);
         let staging = opts.buffer_bytes.max(1024).div_ceil(512) * 512;
 
-        // Step 1: device, own region, identity.
+        // Step 1: device, identity, and (rank 0) the call board.
         let opened = (|| {
             if size > MAX_RANKS {
                 return Err(Error::Unsupported(format!("{size} ranks in one communicator (at most {MAX_RANKS})")));
             }
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
-            let own = DeviceRegion::allocate(&ctx, bytes + staging)?;
-            own.zero(&stream)?;
-            let fd = own.export_fd()?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
-            let info = RankInfo { host: host_identity(), bus, region: own.len() };
+            let info = RankInfo { host: host_identity(), bus, region: staging };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
-            Ok((ctx, stream, own, fd, info, board))
+            Ok((ctx, stream, info, board))
         })();
-        let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.4.encode()).map_err(Clone::clone))?;
-        let (ctx, stream, own, fd, _, board) = opened?;
+        let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.2.encode()).map_err(Clone::clone))?;
+        let (ctx, stream, _, board) = opened?;
         let infos: Vec<RankInfo> = infos
             .iter()
             .enumerate()
@@ -311,82 +336,134 @@ impl Comm {
             .collect::<Result<_>>()?;
         check_layout(&infos, opts.share_devices)?;
 
-        // Step 2: P2P to every peer's device, and this rank's socket.
+        // Step 2: P2P to every peer's device (or the staged path), and this
+        // rank's socket.
         let job = ex.job_id().to_string();
         let listened = (|| {
+            let mut verdict = "p2p";
             for (k, info) in infos.iter().enumerate().filter(|&(k, _)| k != rank) {
-                let Some(peer) = ordinal_of(&info.bus)? else {
-                    return Err(Error::P2pUnavailable {
-                        from: device,
-                        to: usize::MAX,
-                        reason: format!("rank {k}'s device {} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)", info.bus),
-                    });
+                if opts.path == PathPolicy::StagedOnly {
+                    verdict = "staged";
+                    break;
+                }
+                let peer = ordinal_of(&info.bus)?;
+                let reason = match peer {
+                    None => Some(format!("rank {k}'s device {} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)", info.bus)),
+                    Some(p) if p != device && !crate::peer::can_access_peer(device, p)? => Some(format!("no P2P from rank {rank} to rank {k}")),
+                    Some(_) => None,
                 };
-                if peer != device && !crate::peer::can_access_peer(device, peer)? {
-                    return Err(Error::P2pUnavailable {
-                        from: device,
-                        to: peer,
-                        reason: format!("no P2P from rank {rank} to rank {k} (the staged path between processes is not implemented yet)"),
-                    });
+                if let Some(reason) = reason {
+                    if opts.path == PathPolicy::P2pOnly {
+                        return Err(Error::P2pUnavailable { from: device, to: peer.unwrap_or(usize::MAX), reason });
+                    }
+                    verdict = "staged";
                 }
             }
-            FdListener::bind(&job, rank)
+            Ok((verdict, FdListener::bind(&job, rank)?))
         })();
-        agree(ex, "communicator: checking P2P", listened.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
-        let listener = listened?;
+        let verdicts = agree(ex, "communicator: checking P2P", listened.as_ref().map(|l| l.0.to_string()).map_err(Clone::clone))?;
+        let listener = listened?.1;
+        // One rank without P2P to a peer (or asking for it) stages every rank.
+        let staged = verdicts.iter().any(|v| v == "staged");
+        let (lanes, bytes) = layout(size, !staged);
 
-        // Step 3: descriptors out, then in, then mapped.
+        // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
+            let own = if staged {
+                None
+            } else {
+                let own = DeviceRegion::allocate(&ctx, bytes + staging)?;
+                own.zero(&stream)?;
+                Some((own.export_fd()?, own))
+            };
+            // Staged: every rank's region in one shared host buffer of rank 0's.
+            let per_rank = (bytes + staging).div_ceil(4096) * 4096;
+            let host = if staged && rank == 0 { Some(SharedMemory::create(size * per_rank)?) } else { None };
             for k in (0..size).filter(|&k| k != rank) {
-                send_fd(&job, rank, k, fd.as_fd(), own.len() as u64, opts.timeout)?;
+                if let Some((fd, own)) = &own {
+                    send_fd(&job, rank, k, fd.as_fd(), own.len() as u64, opts.timeout)?;
+                }
                 if let Some(b) = &board {
                     send_fd(&job, rank, k, b.fd(), BOARD_TAG | b.len() as u64, opts.timeout)?;
                 }
+                if let Some(h) = &host {
+                    send_fd(&job, rank, k, h.fd(), HOST_TAG | h.len() as u64, opts.timeout)?;
+                }
             }
-            let mut got = listener.receive(size - 1 + usize::from(rank != 0), opts.timeout)?;
+            let expected = if staged { 0 } else { size - 1 }
+                + if rank == 0 {
+                    0
+                } else if staged {
+                    2
+                } else {
+                    1
+                };
+            let mut got = listener.receive(expected, opts.timeout)?;
+            let mut from_rank0 = |tag: u64, what: &str| -> Result<SharedMemory> {
+                let i = got
+                    .iter()
+                    .position(|g| g.from == 0 && g.tag & (BOARD_TAG | HOST_TAG) == tag)
+                    .ok_or_else(|| Error::Bootstrap { op: "communicator: descriptors", reason: format!("rank 0 sent no {what}") })?;
+                let g = got.remove(i);
+                SharedMemory::import(g.fd.as_fd(), (g.tag & !(BOARD_TAG | HOST_TAG)) as usize)
+            };
             let board = match board {
                 Some(b) => b,
-                None => {
-                    let i = got
-                        .iter()
-                        .position(|g| g.from == 0 && g.tag & BOARD_TAG != 0)
-                        .ok_or_else(|| Error::Bootstrap { op: "communicator: descriptors", reason: "rank 0 sent no call board".into() })?;
-                    let g = got.remove(i);
-                    SharedMemory::import(g.fd.as_fd(), (g.tag & !BOARD_TAG) as usize)?
-                }
+                None => from_rank0(BOARD_TAG, "call board")?,
             };
-            got.sort_by_key(|g| g.from);
-            let mut peers = Vec::with_capacity(size - 1);
-            for (i, g) in got.iter().enumerate() {
-                let expected = if i < rank { i } else { i + 1 };
-                if g.from != expected || g.tag != infos[expected].region as u64 {
+            let memory = if staged {
+                let host = match host {
+                    Some(h) => h,
+                    None => from_rank0(HOST_TAG, "shared host buffer")?,
+                };
+                if host.len() < size * per_rank {
                     return Err(Error::Bootstrap {
                         op: "communicator: descriptors",
-                        reason: format!("unexpected descriptor from rank {} (tag {})", g.from, g.tag),
+                        reason: format!("rank 0's host buffer has {} bytes, {} expected", host.len(), size * per_rank),
                     });
                 }
-                peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), infos[expected].region)?);
-            }
-            Ok((peers, CallBoard::new(board, size)?))
+                Memory::Host { reg: RegisteredMemory::register(&ctx, host)?, per_rank }
+            } else {
+                got.sort_by_key(|g| g.from);
+                let mut peers = Vec::with_capacity(size - 1);
+                for (i, g) in got.iter().enumerate() {
+                    let expected = if i < rank { i } else { i + 1 };
+                    if g.from != expected || g.tag & (BOARD_TAG | HOST_TAG) != 0 {
+                        return Err(Error::Bootstrap {
+                            op: "communicator: descriptors",
+                            reason: format!("unexpected descriptor from rank {} (tag {})", g.from, g.tag),
+                        });
+                    }
+                    peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), g.tag as usize)?);
+                }
+                let own = own.map(|o| o.1).ok_or_else(|| Error::Internal("no own region".into()))?;
+                Memory::Device { peers, own }
+            };
+            Ok((memory, CallBoard::new(board, size)?))
         })();
         drop(listener);
-        drop(fd);
         agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
-        let (peers, board) = imported?;
+        let (memory, board) = imported?;
+        // Each rank's region, as mapped here, and its length.
+        let regions: Vec<(u64, usize)> = match &memory {
+            Memory::Host { reg, per_rank } => (0..size).map(|k| (reg.device_ptr() + (k * per_rank) as u64, *per_rank)).collect(),
+            Memory::Device { own, peers } => (0..size)
+                .map(|k| match k.cmp(&rank) {
+                    std::cmp::Ordering::Equal => own,
+                    std::cmp::Ordering::Less => &peers[k],
+                    std::cmp::Ordering::Greater => &peers[k - 1],
+                })
+                .map(|r| (r.device_ptr(), r.len()))
+                .collect(),
+        };
         // Every rank's staging buffer follows its one-shot lanes; its halves
         // are the same size on every rank (the smallest region's).
-        let smallest = infos.iter().map(|i| i.region).min().unwrap_or(0);
+        let smallest = regions.iter().map(|r| r.1).min().unwrap_or(0);
         let half = (smallest.saturating_sub(bytes) / 2) & !255;
         if half < 256 * size {
             return Err(Error::Internal(format!("a staging buffer of {half} bytes per half")));
         }
-        let data: Vec<u64> = (0..size)
-            .map(|k| match k.cmp(&rank) {
-                std::cmp::Ordering::Equal => own.device_ptr(),
-                std::cmp::Ordering::Less => peers[k].device_ptr(),
-                std::cmp::Ordering::Greater => peers[k - 1].device_ptr(),
-            } + bytes as u64)
-            .collect();
+        let data: Vec<u64> = regions.iter().map(|r| r.0 + bytes as u64).collect();
         let bar = stream.alloc_zeros::<u32>(4).map_err(cudarc_err("cuMemAlloc (barrier word)"))?;
         let bar_ptr = bar.device_ptr(&stream).0;
 
@@ -399,8 +476,10 @@ impl Comm {
             .enumerate()
             .map(|(l, layout)| Lane {
                 layout,
-                push: PtrArray::from_slice(&peers.iter().map(|p| p.device_ptr() + layout.offset as u64).collect::<Vec<_>>()),
-                pull: own.device_ptr() + layout.offset as u64,
+                push: PtrArray::from_slice(
+                    &regions.iter().enumerate().filter(|&(k, _)| k != rank).map(|(_, r)| r.0 + layout.offset as u64).collect::<Vec<_>>(),
+                ),
+                pull: regions[rank].0 + layout.offset as u64,
                 counters: counter_base + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64,
             })
             .collect();
@@ -426,9 +505,9 @@ impl Comm {
             _bar: bar,
             bar_ptr,
             ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
+            staged,
             _counters: counters,
-            _peers: peers,
-            _own: own,
+            _memory: memory,
         };
         // Every rank's region is zeroed and mapped everywhere before any kernel.
         comm.exchange.barrier()?;
@@ -460,6 +539,23 @@ impl Comm {
                 });
             }
         }
+        // The copies from the peers' staging buffers.
+        let count = 1000;
+        let inputs: Vec<Vec<u32>> = (0..self.size).map(|r| seeded(0x5eed_1000 + r as u64, count)).collect();
+        let send = self.stream.clone_htod(&inputs[self.rank]).map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
+        let mut recv = self.stream.alloc_zeros::<u32>(count * self.size).map_err(cudarc_err("cuMemAlloc (verification)"))?;
+        self.all_gather(&send, &mut recv)?;
+        let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
+        done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
+        wait_bounded(&done, "communicator verification (all-gather)", timeout)?;
+        let got = self.stream.clone_dtoh(&recv).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
+        if let Some(i) = (0..count * self.size).find(|&i| got[i] != inputs[i / count][i % count]) {
+            return Err(Error::P2pUnavailable {
+                from: self.ctx.ordinal(),
+                to: self.ctx.ordinal(),
+                reason: format!("verification all-gather of {count} u32 per rank wrong at {i}"),
+            });
+        }
         Ok(())
     }
 
@@ -478,6 +574,16 @@ impl Comm {
     /// this divided among the ranks): larger messages take several chunks.
     pub fn chunk_bytes(&self) -> usize {
         self.half
+    }
+
+    /// The path the ranks' data takes: [`Path::P2p`] or [`Path::Staged`]
+    /// (see [`CommOptions::path`]).
+    pub fn path(&self) -> Path {
+        if self.staged {
+            Path::Staged
+        } else {
+            Path::P2p
+        }
     }
 
     /// This rank's device context.

@@ -102,6 +102,75 @@ impl Drop for SharedMemory {
     }
 }
 
+/// [`SharedMemory`] page-locked and mapped for one device
+/// (`cuMemHostRegister` with `DEVICEMAP`), so that the device's kernels
+/// and copies reach it at [`Self::device_ptr`]: the staged path between
+/// processes. Unregistered on drop, then unmapped.
+#[derive(Debug)]
+pub struct RegisteredMemory {
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    dptr: u64,
+    // Dropped after `drop` unregisters it.
+    mem: SharedMemory,
+}
+
+impl RegisteredMemory {
+    /// Registers `mem` for `ctx`'s device.
+    pub fn register(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, mem: SharedMemory) -> Result<RegisteredMemory> {
+        use cudarc::driver::sys as cu;
+        crate::driver::bind(ctx)?;
+        let flags = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: `mem` is a live mapping of `mem.len()` bytes, page aligned,
+        // registered once here and unregistered in `drop` before it is
+        // unmapped; a context is current (bound above), so the driver, which
+        // cudarc loaded to make that context, is loaded.
+        let r = unsafe { cu::cuMemHostRegister_v2(mem.as_ptr().cast(), mem.len(), flags) };
+        if r != cu::CUresult::CUDA_SUCCESS {
+            return Err(Error::driver("cuMemHostRegister", r as u32));
+        }
+        let mut dptr: cuda_peer_sys::CUdeviceptr = 0;
+        // SAFETY: the registered range, alive for the call; the driver writes
+        // one device address.
+        let got = crate::error::check("cuMemHostGetDevicePointer", unsafe {
+            crate::driver::api()?.cuMemHostGetDevicePointer_v2(&mut dptr, mem.as_ptr().cast(), 0)
+        });
+        let reg = RegisteredMemory { ctx: ctx.clone(), dptr, mem };
+        got?;
+        Ok(reg)
+    }
+
+    /// Its address for the device's kernels and copies.
+    pub fn device_ptr(&self) -> u64 {
+        self.dptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Always false (see [`SharedMemory::is_empty`]).
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+}
+
+impl Drop for RegisteredMemory {
+    fn drop(&mut self) {
+        use cudarc::driver::sys as cu;
+        if crate::driver::bind(&self.ctx).is_err() {
+            log::warn!("cuda-peer: no context to unregister shared host memory");
+            return;
+        }
+        // SAFETY: registered in `register`, unregistered once; its users
+        // (the communicator's kernels and copies) were synchronized first.
+        let r = unsafe { cu::cuMemHostUnregister(self.mem.as_ptr().cast()) };
+        if r != cu::CUresult::CUDA_SUCCESS {
+            log::warn!("cuda-peer: cuMemHostUnregister failed: {r:?}");
+        }
+    }
+}
+
 /// What a rank calls: compared between the ranks before data moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct CallDesc {
