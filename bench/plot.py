@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plots the CSVs written by `examples/bench.rs`.
+"""Plots the CSVs written by `cuda-peer-bench` (bench/src/).
 
     python3 bench/plot.py [RESULTS_DIR] [MACHINE]      (defaults: bench/results local)
 
@@ -8,7 +8,8 @@ and, if present, RESULTS_DIR/MACHINE-copy.csv; writes MACHINE-allreduce.png
 (per collective and dtype: bus bandwidth and latency against size, log-log,
 one line per implementation) and MACHINE-copy.png (GB/s against size, one line per
 path, one panel per direction; the line is the mean over GPU pairs and the
-band their min..max) next to them.
+band their min..max) next to them. For `mp-allreduce`'s
+MACHINE-multiprocess-allreduce.csv, pass MACHINE-multiprocess as MACHINE.
 """
 
 import csv
@@ -22,12 +23,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-IMPL_ORDER = ["cuda-peer-p2p", "nccl", "cuda-peer-staged", "nccl-no-p2p"]
+IMPL_ORDER = ["cuda-peer-p2p", "nccl", "cuda-peer-staged", "nccl-no-p2p",
+              "cuda-peer-ipc", "nccl-mp", "cuda-peer-nccl", "cuda-peer-ipc-staged", "nccl-mp-no-p2p"]
 STYLE = {
     "cuda-peer-p2p": dict(color="tab:blue", linestyle="-", marker="o"),
     "nccl": dict(color="tab:orange", linestyle="-", marker="s"),
     "cuda-peer-staged": dict(color="tab:blue", linestyle="--", marker="o", markerfacecolor="none"),
     "nccl-no-p2p": dict(color="tab:orange", linestyle="--", marker="s", markerfacecolor="none"),
+    # mp-allreduce (one process per GPU): the same colours and line styles.
+    "cuda-peer-ipc": dict(color="tab:blue", linestyle="-", marker="o"),
+    "nccl-mp": dict(color="tab:orange", linestyle="-", marker="s"),
+    "cuda-peer-nccl": dict(color="tab:purple", linestyle=":", marker="x"),
+    "cuda-peer-ipc-staged": dict(color="tab:blue", linestyle="--", marker="o", markerfacecolor="none"),
+    "nccl-mp-no-p2p": dict(color="tab:orange", linestyle="--", marker="s", markerfacecolor="none"),
     "p2p": dict(color="tab:blue", marker="o"),
     "staged": dict(color="tab:green", marker="^"),
     "driver-no-peer": dict(color="tab:red", marker="v"),

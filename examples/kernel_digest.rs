@@ -107,7 +107,7 @@ fn main() {
         let streams: Vec<Arc<CudaStream>> = (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
         let mut all_same = true;
         for (name, algorithm) in [("oneshot", Algorithm::OneShot), ("mesh", Algorithm::Mesh), ("ring", Algorithm::Ring)] {
-            let group = match Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::default() }) {
+            let group = match Group::new(streams.clone(), &GroupOptions::default().algorithm(algorithm)) {
                 Ok(g) => g,
                 Err(e) => {
                     println!("{name}: not possible here ({e})");

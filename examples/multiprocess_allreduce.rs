@@ -138,7 +138,7 @@ fn main() {
         }
         Err(_) => cuda_peer::PathPolicy::Auto,
     };
-    let comm = match Comm::from_env(&CommOptions { path, ..CommOptions::default() }) {
+    let comm = match Comm::from_env(&CommOptions::default().path(path)) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("multiprocess_allreduce: cannot create the communicator: {e}");

@@ -15,7 +15,7 @@
 
 use clap::Parser;
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
-use cuda_peer::{driver, Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
+use cuda_peer::{driver, Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::Rng;
 use std::sync::Arc;
@@ -259,8 +259,7 @@ fn main() {
         let ctx = driver::all_contexts()?;
         let streams: Vec<Arc<CudaStream>> = (0..ranks).map(|r| ctx[r % gpus].new_stream()).collect::<Result<_, _>>().map_err(err("stream"))?;
         let t_ctx = ms(t);
-        let opts =
-            GroupOptions { algorithm: args.algorithm, lazy_kernels: args.lazy_kernels || args.timings, ..GroupOptions::with_policy(args.path) };
+        let opts = GroupOptions::with_policy(args.path).algorithm(args.algorithm).lazy_kernels(args.lazy_kernels || args.timings);
         let t = Instant::now();
         let group = Group::new(streams.clone(), &opts)?;
         let t_group = ms(t);
@@ -270,10 +269,10 @@ fn main() {
         }
         let t_warm = ms(t);
         let algo = match group.all_reduce_algorithm(args.bytes) {
-            Algorithm::OneShot if group.oneshot_on_host() == Some(true) => "one-shot through host memory",
-            Algorithm::OneShot => "one-shot",
-            Algorithm::Mesh => "mesh",
-            _ => "ring",
+            Selected::OneShot if group.oneshot_on_host() == Some(true) => "one-shot through host memory",
+            Selected::OneShot => "one-shot",
+            Selected::Mesh => "mesh",
+            Selected::Ring => "ring",
         };
         println!("# ring_allreduce: {ranks} ranks on {gpus} GPU(s): {}; algorithm {algo}", ctx[0].name().unwrap_or_default());
         for r in 0..ranks {

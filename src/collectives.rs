@@ -1,6 +1,6 @@
 //! The collectives: all-reduce, reduce-scatter, all-gather, broadcast and
-//! reduce over a [`Group`], as ring schedules ([`crate::schedule`]) run by the
-//! group's lockstep engine.
+//! reduce over a [`Group`]: the all-reduce by the algorithm the group picks
+//! for the size, the others as ring schedules run by the ring engine.
 //!
 //! Every call is asynchronous and ordered on the ranks' streams: each rank's
 //! work starts after the pending writers of its buffers and the work already
@@ -12,12 +12,14 @@
 //! exactly once, in a fixed order, then copied. A group may be shared
 //! between threads; its collectives are then enqueued one at a time.
 
+use crate::algorithms::ring::{self, PullOp};
+use crate::algorithms::schedule;
+use crate::algorithms::{divide, Pick};
 use crate::copy::check_context;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::group::Group;
-use crate::ring::PullOp;
-use crate::schedule::{self, Action};
+use crate::kernels::KernelOp;
 use crate::sync::Held;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ops::Range;
@@ -63,7 +65,7 @@ impl Group {
             return Err(Error::InvalidArgument(format!("{op}: {} {what} buffers for a group of {} ranks", bufs.len(), self.size())));
         }
         for (r, b) in bufs.iter().enumerate() {
-            check_context(op, what, &self.ranks[r].ctx, b.stream().context())?;
+            check_context(op, what, &self.comm.ranks[r].ctx, b.stream().context())?;
             if b.len() != len {
                 return Err(Error::LengthMismatch { op, expected: len, got: b.len() });
             }
@@ -74,7 +76,8 @@ impl Group {
     fn read_ptrs<'a, T, S: DevicePtr<T>>(&'a self, bufs: &'a [S]) -> Result<Bufs<'a>> {
         let (mut ptrs, mut held) = (Vec::with_capacity(bufs.len()), Vec::with_capacity(bufs.len()));
         for (r, b) in bufs.iter().enumerate() {
-            let (p, h) = self.ranks[r].order.read(b, &self.ranks[r].stream)?;
+            let rank = &self.comm.ranks[r];
+            let (p, h) = rank.order.read(b, &rank.stream)?;
             ptrs.push(p);
             held.push(h);
         }
@@ -84,7 +87,8 @@ impl Group {
     fn write_ptrs<'a, T, D: DevicePtrMut<T>>(&'a self, bufs: &'a mut [D]) -> Result<Bufs<'a>> {
         let (mut ptrs, mut held) = (Vec::with_capacity(bufs.len()), Vec::with_capacity(bufs.len()));
         for (r, b) in bufs.iter_mut().enumerate() {
-            let (p, h) = self.ranks[r].order.write(b, &self.ranks[r].stream)?;
+            let rank = &self.comm.ranks[r];
+            let (p, h) = rank.order.write(b, &rank.stream)?;
             ptrs.push(p);
             held.push(h);
         }
@@ -92,16 +96,11 @@ impl Group {
     }
 
     fn divide<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
-        if op == ReduceOp::Avg && self.size() > 1 {
-            for r in ranks {
-                self.launch_scale_div(r, T::DTYPE, ptrs[r], count, self.size() as f64)?;
-            }
-        }
-        Ok(())
+        divide(&self.comm, op, T::DTYPE, ptrs, count, ranks)
     }
 
     fn segments<T: Element>(&self, count: usize, parts: usize) -> Vec<Range<usize>> {
-        schedule::partition(count, parts, 16 / T::DTYPE.size())
+        ring::segments(T::DTYPE, count, parts)
     }
 
     /// In-place all-reduce: every rank's buffer becomes the reduction of all
@@ -119,56 +118,13 @@ impl Group {
         op.check(T::DTYPE)?;
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
-        if let Some(os) = self.oneshot_for(count * T::DTYPE.size()).filter(|_| count > 0) {
-            return self.oneshot_in_place(os, op, bufs, count);
+        let pick = self.pick(count * T::DTYPE.size());
+        if let (Pick::OneShot(os), true) = (&pick, count > 0) {
+            return os.in_place(&self.comm, op, bufs, count);
         }
         let b = self.write_ptrs(bufs)?;
-        let r = self.all_reduce_ptrs::<T>(op, &b.ptrs, &b.ptrs, count);
+        let r = pick.enqueue(&self.comm, op, T::DTYPE, &b.ptrs, &b.ptrs, count);
         ordered(r, [b])
-    }
-
-    /// `dst[r] = reduce(src)`, by the fused kernels where the group has
-    /// them for this size, else by the ring (after copying `src` into `dst`
-    /// where they differ).
-    pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: &[u64], dst: &[u64], count: usize) -> Result<()> {
-        if count == 0 {
-            return Ok(());
-        }
-        if self.launch_fused(op.kernel_op(), T::DTYPE, src, dst, count)? {
-            return self.divide::<T>(op, dst, count, 0..self.size());
-        }
-        for r in 0..self.size() {
-            if src[r] != dst[r] {
-                self.local_copy(r, dst[r], src[r], count * T::DTYPE.size())?;
-            }
-        }
-        self.check_reach("all_reduce (ring)", dst, false)?;
-        self.ring_all_reduce::<T>(op, dst, count)
-    }
-
-    /// The ring all-reduce of `ptrs` in place.
-    fn ring_all_reduce<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize) -> Result<()> {
-        let n = self.size();
-        let esz = T::DTYPE.size() as u64;
-        let segs = self.segments::<T>(count, n);
-        let steps: Vec<Vec<Option<PullOp>>> = schedule::all_reduce(n)
-            .into_iter()
-            .map(|step| {
-                (0..n)
-                    .map(|r| {
-                        let pred = (r + n - 1) % n;
-                        let seg = &segs[step[r].part()];
-                        let off = seg.start as u64 * esz;
-                        (!seg.is_empty()).then(|| match step[r] {
-                            Action::Reduce(_) => PullOp::Reduce { dst: ptrs[r] + off, pred: ptrs[pred] + off, own: ptrs[r] + off, count: seg.len() },
-                            Action::Copy(_) => PullOp::Copy { dst: ptrs[r] + off, pred: ptrs[pred] + off, bytes: seg.len() * esz as usize },
-                        })
-                    })
-                    .collect()
-            })
-            .collect();
-        self.run(op.kernel_op(), T::DTYPE, &steps)?;
-        self.divide::<T>(op, ptrs, count, 0..n)
     }
 
     /// Out-of-place all-reduce: `recv[r]` becomes the reduction of every
@@ -182,12 +138,13 @@ impl Group {
         let count = send.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "send", send, count)?;
         self.check_bufs("all_reduce", "recv", recv, count)?;
-        if let Some(os) = self.oneshot_for(count * T::DTYPE.size()).filter(|_| count > 0) {
-            return self.oneshot_out_of_place(os, op, send, recv, count);
+        let pick = self.pick(count * T::DTYPE.size());
+        if let (Pick::OneShot(os), true) = (&pick, count > 0) {
+            return os.out_of_place(&self.comm, op, send, recv, count);
         }
         let s = self.read_ptrs(send)?;
         let d = self.write_ptrs(recv)?;
-        let r = self.all_reduce_ptrs::<T>(op, &s.ptrs, &d.ptrs, count);
+        let r = pick.enqueue(&self.comm, op, T::DTYPE, &s.ptrs, &d.ptrs, count);
         ordered(r, [s, d])
     }
 
@@ -212,10 +169,10 @@ impl Group {
         let d = self.write_ptrs(recv)?;
         let r = (|| -> Result<()> {
             if n == 1 {
-                return self.local_copy(0, d.ptrs[0], s.ptrs[0], c * esz);
+                return self.comm.local_copy(0, d.ptrs[0], s.ptrs[0], c * esz);
             }
-            self.check_reach("reduce_scatter", &s.ptrs, false)?;
-            self.check_reach("reduce_scatter", &d.ptrs, false)?;
+            self.comm.check_reach("reduce_scatter", &s.ptrs, false)?;
+            self.comm.check_reach("reduce_scatter", &d.ptrs, false)?;
             let partial = |r: usize, which: usize| if which == 0 { d.ptrs[r] } else { scratch[r] };
             let blk = |q: usize| (q * c * esz) as u64;
             let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce_scatter(n)
@@ -232,7 +189,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            self.run(op.kernel_op(), T::DTYPE, &steps)?;
+            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)?;
             self.divide::<T>(op, &d.ptrs, c, 0..n)
         })();
         ordered(r, [s, d])
@@ -255,7 +212,7 @@ impl Group {
         let d = self.write_ptrs(recv)?;
         let r = (|| -> Result<()> {
             for r in 0..n {
-                self.local_copy(r, d.ptrs[r] + (r * bytes) as u64, s.ptrs[r], bytes)?;
+                self.comm.local_copy(r, d.ptrs[r] + (r * bytes) as u64, s.ptrs[r], bytes)?;
             }
             let steps: Vec<Vec<Option<PullOp>>> = schedule::all_gather(n)
                 .into_iter()
@@ -268,7 +225,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            self.run("sum", T::DTYPE, &steps)
+            ring::run(&self.comm, KernelOp::Sum, T::DTYPE, &steps)
         })();
         ordered(r, [s, d])
     }
@@ -309,7 +266,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            self.run("sum", T::DTYPE, &steps)
+            ring::run(&self.comm, KernelOp::Sum, T::DTYPE, &steps)
         };
         ordered(r, [b])
     }
@@ -335,10 +292,10 @@ impl Group {
         let d = self.write_ptrs(recv)?;
         let r = (|| -> Result<()> {
             if n == 1 {
-                return self.local_copy(0, d.ptrs[0], s.ptrs[0], count * esz);
+                return self.comm.local_copy(0, d.ptrs[0], s.ptrs[0], count * esz);
             }
-            self.check_reach("reduce", &s.ptrs, false)?;
-            self.check_reach("reduce", &d.ptrs, false)?;
+            self.comm.check_reach("reduce", &s.ptrs, false)?;
+            self.comm.check_reach("reduce", &d.ptrs, false)?;
             let chunks = self.chain_chunks::<T>(count);
             let start = (root + 1) % n; // chain position 0 reads its send buffer
             let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce(n, root, chunks.len())
@@ -357,7 +314,7 @@ impl Group {
                         .collect()
                 })
                 .collect();
-            self.run(op.kernel_op(), T::DTYPE, &steps)?;
+            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)?;
             self.divide::<T>(op, &d.ptrs, count, std::iter::once(root))
         })();
         ordered(r, [s, d])
@@ -367,7 +324,7 @@ impl Group {
     fn scratch(&self, bytes: usize) -> Result<Vec<u64>> {
         let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         if held.len() != self.size() || held.iter().any(|s| s.len() < bytes) {
-            if self.capturing() {
+            if self.comm.capturing() {
                 return Err(Error::Capture {
                     op: "reduce_scatter",
                     reason: format!(
@@ -377,11 +334,11 @@ impl Group {
             }
             // Graphs captured earlier keep the old scratch alive themselves.
             held.clear();
-            for rank in &self.ranks {
+            for rank in &self.comm.ranks {
                 // SAFETY: scratch is written by a reduction before it is read.
                 held.push(Arc::new(unsafe { rank.stream.alloc::<u8>(bytes) }.map_err(cudarc_err("cuMemAlloc (scratch)"))?));
             }
         }
-        Ok(held.iter().enumerate().map(|(r, s)| s.device_ptr(&self.ranks[r].stream).0).collect())
+        Ok(held.iter().enumerate().map(|(r, s)| s.device_ptr(&self.comm.ranks[r].stream).0).collect())
     }
 }

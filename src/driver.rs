@@ -1,10 +1,15 @@
 //! The driver: loading it, device enumeration, and cudarc contexts created
 //! only once the driver is known to load (cudarc panics when it cannot find
 //! libcuda; this module asks first, so the caller gets an [`Error`]).
+//!
+//! It is also the crate's one FFI layer: every driver call goes through
+//! [`api`] (cuda-peer-sys) and `error::check`, and the handles that cudarc
+//! hands out are converted to cuda-peer-sys's here and nowhere else
+//! (`raw_*`: the same C types, from two bindgen outputs).
 
 use crate::error::{check, cudarc_err, Error, Result};
 use cuda_peer_sys as sys;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{sys as cusys, CudaContext, CudaEvent, CudaStream};
 use once_cell::sync::OnceCell;
 use std::sync::Arc;
 
@@ -12,7 +17,8 @@ static INIT: OnceCell<Result<(), Error>> = OnceCell::new();
 
 /// The loaded and initialised driver API. Every other function in the crate
 /// goes through this, so it is the one place where a missing driver becomes
-/// an error.
+/// an error. (The raw driver table: for the crate's own tools and tests.)
+#[doc(hidden)]
 pub fn api() -> Result<&'static sys::DriverApi> {
     let api = sys::driver()?;
     INIT.get_or_init(|| {
@@ -87,4 +93,63 @@ pub fn mem_info(ctx: &CudaContext) -> Result<(usize, usize)> {
 /// Makes `ctx` current on this thread.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(cudarc_err("cuCtxSetCurrent"))
+}
+
+/// `stream`'s handle, for cuda-peer-sys calls.
+pub(crate) fn raw_stream(stream: &CudaStream) -> sys::CUstream {
+    raw_stream_of(stream.cu_stream())
+}
+
+/// A cudarc stream handle (as [`crate::raw::RawStream`] holds), for
+/// cuda-peer-sys calls.
+pub(crate) fn raw_stream_of(stream: cusys::CUstream) -> sys::CUstream {
+    stream as sys::CUstream
+}
+
+/// `ctx`'s handle, for cuda-peer-sys calls.
+pub(crate) fn raw_context(ctx: &CudaContext) -> sys::CUcontext {
+    ctx.cu_ctx() as sys::CUcontext
+}
+
+/// `event`'s handle, for cuda-peer-sys calls.
+pub(crate) fn raw_event(event: &CudaEvent) -> sys::CUevent {
+    event.cu_event() as sys::CUevent
+}
+
+/// Records `event` on `stream` (`cuEventRecord`), the error named `op`.
+///
+/// # Safety
+///
+/// `event` and `stream` are live handles of the current context (or
+/// `stream` is null, the current context's legacy default stream).
+pub(crate) unsafe fn event_record(op: &'static str, event: sys::CUevent, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check(op, unsafe { api()?.cuEventRecord(event, stream) })
+}
+
+/// Makes `stream` wait for `event` (`cuStreamWaitEvent`), the error named `op`.
+///
+/// # Safety
+///
+/// As for [`event_record`].
+pub(crate) unsafe fn stream_wait_event(op: &'static str, stream: sys::CUstream, event: sys::CUevent) -> Result<()> {
+    // SAFETY: the caller's contract; flags 0 is CU_EVENT_WAIT_DEFAULT.
+    check(op, unsafe { api()?.cuStreamWaitEvent(stream, event, 0) })
+}
+
+/// The context of `stream` (`cuStreamGetCtx`), the error named `op`.
+/// cuda-peer-sys does not bind `cuStreamGetCtx` (its bindings are not to
+/// be regenerated here), so this one call goes through cudarc's.
+///
+/// # Safety
+///
+/// `stream` is a live stream, or null (the current context's).
+pub(crate) unsafe fn stream_context(op: &'static str, stream: cusys::CUstream) -> Result<sys::CUcontext> {
+    let mut got: cusys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one context handle; the caller's contract for `stream`.
+    let res = unsafe { cusys::cuStreamGetCtx(stream, &mut got) };
+    if res != cusys::CUresult::CUDA_SUCCESS {
+        return Err(Error::driver(op, res as u32));
+    }
+    Ok(got as sys::CUcontext)
 }

@@ -223,6 +223,16 @@ pub enum Error {
         /// That rank's call.
         theirs: String,
     },
+    /// An NCCL call failed (the collectives between hosts, [`crate::ipc::nccl`]).
+    #[error("{op} failed: NCCL result {code} ({message})")]
+    Nccl {
+        /// The call.
+        op: &'static str,
+        /// The raw `ncclResult_t`.
+        code: i32,
+        /// NCCL's description of it.
+        message: String,
+    },
     /// A configuration this version does not support yet (say, ranks on
     /// two hosts, or two ranks on one device, in a multi-process group).
     #[error("unsupported: {0}")]
@@ -230,6 +240,15 @@ pub enum Error {
     /// Any other argument that is out of its range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A forced all-reduce algorithm ([`crate::Algorithm`] other than
+    /// `Auto`) that the group cannot run (its layout, or its links).
+    #[error("{algorithm} all-reduce impossible: {reason}")]
+    AlgorithmUnavailable {
+        /// Which algorithm (`mesh`, `one-shot`).
+        algorithm: &'static str,
+        /// Why the group cannot run it.
+        reason: String,
+    },
 }
 
 /// The crate's result type.

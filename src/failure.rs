@@ -21,7 +21,6 @@
 
 use crate::copy::staged::PinnedBuffer;
 use crate::error::{Error, Result};
-use crate::group::Rank;
 use cudarc::driver::CudaContext;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Mutex;
@@ -64,13 +63,6 @@ pub(crate) struct Ctl {
 }
 
 impl Ctl {
-    /// A zeroed control block mapped for every rank, with barrier timeout
-    /// `timeout`.
-    pub(crate) fn new(ranks: &[Rank], timeout: Duration) -> Result<Ctl> {
-        let ctxs: Vec<&CudaContext> = ranks.iter().map(|r| &*r.ctx).collect();
-        Self::for_contexts(&ctxs, ranks.len(), timeout)
-    }
-
     /// A zeroed control block for `nranks` ranks whose kernels run on
     /// `ctxs` (`addrs[i]` is its address in `ctxs[i]`), with barrier
     /// timeout `timeout`. A process of a multi-process communicator has one

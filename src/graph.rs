@@ -9,7 +9,7 @@
 //! destructor may not call CUDA, so it hands the resources to a thread of
 //! ours that drops them (their `Drop`s free memory through the driver).
 
-use crate::driver::{api, bind};
+use crate::driver::{api, bind, raw_stream};
 use crate::error::{check, Result};
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaStream};
@@ -54,14 +54,7 @@ pub(crate) fn capture_of(stream: &CudaStream) -> Result<Option<(u64, sys::CUgrap
     // the driver writes the status, the id and the graph handle, and is
     // told (null) not to return the dependency list.
     check("cuStreamGetCaptureInfo", unsafe {
-        api.cuStreamGetCaptureInfo_v2(
-            stream.cu_stream() as sys::CUstream,
-            &mut status,
-            &mut id,
-            &mut graph,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        )
+        api.cuStreamGetCaptureInfo_v2(raw_stream(stream), &mut status, &mut id, &mut graph, std::ptr::null_mut(), std::ptr::null_mut())
     })?;
     Ok((status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE && !graph.is_null()).then_some((id, graph)))
 }

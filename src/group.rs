@@ -1,106 +1,42 @@
-//! A group of ranks (a communicator) in one process: its ranks, links and
-//! options, which all-reduce algorithm a message takes, and how a call
-//! launches one kernel per rank (from launcher threads where it can).
+//! The public communicator API: a [`Group`] of ranks in one process, its
+//! options, and its accessors. The collectives are in
+//! [`crate::collectives`] and [`crate::raw`]; underneath, the algorithms
+//! (`crate::algorithms`) run on the communicator (`crate::communicator`),
+//! whose routes between ranks come from [`crate::copy`].
 //!
 //! Each rank is a device with its stream. Several ranks may share a device
 //! (useful for testing rings of 3-8 ranks on one or two GPUs). Each rank
 //! pulls from its ring predecessor over the link chosen for that pair:
 //! peer loads and peer copies where P2P is verified (or both ranks share a
 //! device), the staged-host path where not. A group may mix them.
-//!
-//! The collectives themselves are in [`crate::collectives`]; the ring
-//! engine, the mesh and the one-shot all-reduce each have their own module
-//! (`ring`, `mesh`, [`crate::oneshot`]).
 
-use crate::copy::{decide, LinkOptions, LinkStatus, Path};
-use crate::driver::{api, bind};
+use crate::algorithms::{self, check, oneshot, Algorithms, Pick};
+use crate::communicator::{ranks_on, Communicator};
+use crate::copy::route::{all_pairs_p2p, RouteEntry, RouteTable};
+use crate::copy::{LinkOptions, LinkStatus, Path};
 use crate::dtype::DType;
-use crate::error::{check, cudarc_err, Error, Result};
-use crate::failure::{Ctl, Fault};
-use crate::fused_check::Fused;
-use crate::graph::{capture_of, retain, KeepAlive};
-use crate::kernels;
-use crate::launch::{Job, Launchers};
-use crate::mesh::Mesh;
-use crate::oneshot::OneShot;
-use crate::peer::PeerAccess;
-use crate::reach::ReachCache;
-use crate::ring::Pull;
-use crate::sync::Orderer;
-use cuda_peer_sys as sys;
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use once_cell::sync::Lazy;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use crate::error::{cudarc_err, Error, Result};
+use crate::failure::Fault;
+use crate::graph::KeepAlive;
+use crate::kernels::load::{image_for, load_modules_everywhere};
+use crate::kernels::{self, Kernel, KernelOp, Module};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-/// Which algorithm a group's all-reduce uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Algorithm {
-    /// By message size, where the group allows it (2 to 8 ranks, each on
-    /// its own device): with P2P verified between every pair, the one-shot
-    /// up to [`ONESHOT_AUTO_MAX_BYTES`], the mesh below
-    /// [`MESH_AUTO_MAX_BYTES`], the ring above; without, the one-shot
-    /// through host memory up to [`HOST_ONESHOT_AUTO_MAX_BYTES`], the ring
-    /// above. Other groups always use the ring.
-    #[default]
-    Auto,
-    /// Always the ring (reduce-scatter then all-gather over ring links).
-    Ring,
-    /// Always the mesh; creating the group fails where it is not possible.
-    Mesh,
-    /// Always the one-shot all-reduce ([`crate::oneshot`]): slots in peer
-    /// device memory where every pair has P2P, else in mapped host memory.
-    /// Needs 2 to 8 ranks, each on its own device; creating the group fails
-    /// otherwise.
-    OneShot,
-}
-
-/// Under [`Algorithm::Auto`], a group whose every pair has P2P uses the
-/// one-shot all-reduce while each rank stores at most this many bytes into
-/// its peers (message bytes times ranks - 1), the mesh above. On 2x H200
-/// (NVLink) the one-shot beat the mesh up to 4 MiB (21.0 against 21.3 us)
-/// and lost from 8 MiB (38.3 against 33.0 us), both forced, one run
-/// (`bench/results/h200x2-algos-allreduce.csv`).
-pub const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
-
-/// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
-/// distinct devices, 2 to 8) uses the one-shot all-reduce through host
-/// memory while each rank reads at most this many bytes from it (message
-/// bytes times ranks - 1), the staged ring above. On 2x H200 with P2P off
-/// the one-shot was ahead up to 16 MiB (521 against 583 us; 12.8 against
-/// 71.4 us at 4 KiB), level with the ring from 64 to 256 MiB (within 4%)
-/// and behind at 1 GiB (39.6 against 42.3 GB/s), both forced, one run.
-pub const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
-
-/// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
-/// use the ring even where the mesh is possible: on 2x H200 (NVLink) the
-/// ring's copy-engine all-gather overtook the mesh kernel from 256 MiB on
-/// (344 against 337 GB/s busbw at 256 MiB, level at 128 MiB; both forced,
-/// one run).
-pub const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
-
-impl std::str::FromStr for Algorithm {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(Algorithm::Auto),
-            "ring" => Ok(Algorithm::Ring),
-            "mesh" => Ok(Algorithm::Mesh),
-            "oneshot" | "one-shot" => Ok(Algorithm::OneShot),
-            other => Err(Error::InvalidArgument(format!("algorithm {other:?}: expected auto, ring, mesh or oneshot"))),
-        }
-    }
-}
+pub use crate::algorithms::{Algorithm, Selected};
+pub use crate::kernels::load::FORCE_PTX_ENV;
 
 /// How long a group's launcher threads spin for the next call after each
 /// collective before they park (the default of
 /// [`GroupOptions::launch_spin`]).
 pub const DEFAULT_LAUNCH_SPIN: Duration = Duration::from_micros(200);
 
-/// Settings for a group.
+/// Settings for a group: `GroupOptions::default()` or
+/// [`GroupOptions::with_policy`], then the builder-style setters (one per
+/// field), e.g. `GroupOptions::default().algorithm(Algorithm::Ring)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GroupOptions {
     /// All-reduce algorithm (see [`Algorithm`]).
     pub algorithm: Algorithm,
@@ -115,9 +51,8 @@ pub struct GroupOptions {
     /// 0's, and spins for `spin` after each call before it parks; `None`
     /// launches every rank from the calling thread. In an in-place one-shot
     /// all-reduce each launcher also takes its own rank's buffer (cudarc's
-    /// event tracking). On 2x H200, 4 KiB back to back: 5.9-7.4 us per call
-    /// against 7.2-8.6 without launchers, alternating in one process
-    /// (`bench/results/h200x2-launchers-enqueue-costs.txt`). A call that
+    /// event tracking). Launching in parallel shortens small calls back to
+    /// back, whose cost is the host's launches (`bench/NOTES.md`). A call that
     /// finds a launcher parked launches that rank itself (and wakes it), so
     /// only calls less than `spin` apart run in parallel, and an idle group
     /// uses no CPU; a busy one keeps up to one core per rank after the first
@@ -168,232 +103,79 @@ impl GroupOptions {
     pub fn with_policy(policy: crate::copy::PathPolicy) -> Self {
         GroupOptions { link: LinkOptions::with_policy(policy), ..Default::default() }
     }
-}
 
-type ModuleCache = Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>>;
-
-/// The kernel modules (`kernels::modules()`, by index), loaded once per
-/// context for the life of the process.
-static MODULE_CACHES: [ModuleCache; 11] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 11];
-
-/// The environment variable that makes every module load from PTX (JIT)
-/// even where a cubin would serve: `CUDA_PEER_FORCE_PTX=1` (any value but
-/// empty or `0`).
-pub const FORCE_PTX_ENV: &str = "CUDA_PEER_FORCE_PTX";
-
-fn force_ptx() -> bool {
-    std::env::var_os(FORCE_PTX_ENV).is_some_and(|v| !v.is_empty() && v != "0")
-}
-
-/// Which image of the kernels a context loads: `Some(arch)` (an index in
-/// `kernels::CUBIN_ARCHS`) for a cubin, `None` for the PTX.
-fn image_for(ctx: &Arc<CudaContext>) -> Result<Option<usize>> {
-    use cudarc::driver::sys::CUdevice_attribute::{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR};
-    if force_ptx() {
-        return Ok(None);
+    /// Sets [`Self::algorithm`].
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
     }
-    let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(cudarc_err("cuDeviceGetAttribute"))?;
-    let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(cudarc_err("cuDeviceGetAttribute"))?;
-    Ok(kernels::cubin_for(major.max(0) as u32, minor.max(0) as u32))
-}
 
-/// Module `index` of `kernels::modules()` on `ctx`, loaded the first time:
-/// from the cubin for the device's architecture where there is one (no
-/// JIT), else from the PTX (JIT-compiled by the driver). A cubin that does
-/// not decompress or load (an old driver, say) falls back to the PTX, with
-/// a warning. The cache is not locked while a module loads, so devices
-/// load (and JIT-compile) at the same time; two threads loading one module
-/// on one context at once both load it, and the first stored is kept.
-fn load_module(ctx: &Arc<CudaContext>, index: usize) -> Result<Arc<CudaModule>> {
-    let module = kernels::modules().get(index).ok_or_else(|| Error::Internal(format!("no kernel module {index}")))?;
-    let key = ctx.cu_ctx() as usize;
-    if let Some(m) = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
-        return Ok(m.clone());
+    /// Sets [`Self::link`].
+    pub fn link(mut self, link: LinkOptions) -> Self {
+        self.link = link;
+        self
     }
-    let start = std::time::Instant::now();
-    let mut loaded = None;
-    if let Some(arch) = image_for(ctx)? {
-        let result = module
-            .cubin(arch)
-            .and_then(|image| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(|e| format!("cuModuleLoadData: {e:?}")));
-        match result {
-            Ok(m) => loaded = Some((m, kernels::arch_name(arch))),
-            Err(e) => log::warn!(
-                "cuda-peer: GPU{}: cubin {} of {} unusable ({e}); JIT-compiling the PTX",
-                ctx.ordinal(),
-                kernels::arch_name(arch),
-                module.name
-            ),
-        }
+
+    /// Sets [`Self::pull_policies`].
+    pub fn pull_policies(mut self, pull_policies: Vec<crate::copy::PathPolicy>) -> Self {
+        self.pull_policies = pull_policies;
+        self
     }
-    let (m, how) = match loaded {
-        Some(l) => l,
-        None => {
-            (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx())).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string())
-        }
-    };
-    log::debug!("cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms", ctx.ordinal(), module.name, start.elapsed().as_secs_f64() * 1e3);
-    let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
-    Ok(map.entry(key).or_insert(m).clone())
-}
 
-/// Loads modules `0..nmodules` on every context of `ctxs` (distinct
-/// contexts), one thread per context, so that the devices load (or
-/// JIT-compile) at the same time.
-fn load_modules_everywhere(ctxs: &[&Arc<CudaContext>], nmodules: usize) -> Result<()> {
-    let load_all = |ctx: &Arc<CudaContext>| -> Result<()> {
-        for index in 0..nmodules {
-            load_module(ctx, index)?;
-        }
-        Ok(())
-    };
-    if ctxs.len() < 2 {
-        return ctxs.iter().try_for_each(|c| load_all(c));
+    /// Sets [`Self::launch_spin`].
+    pub fn launch_spin(mut self, launch_spin: Option<Duration>) -> Self {
+        self.launch_spin = launch_spin;
+        self
     }
-    std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(ctxs.len());
-        let mut result = Ok(());
-        for &ctx in ctxs {
-            match std::thread::Builder::new().name("cuda-peer-load".into()).spawn_scoped(s, move || load_all(ctx)) {
-                Ok(h) => handles.push(h),
-                // No thread: load this context from the calling thread.
-                Err(_) => result = result.and_then(|()| load_all(ctx)),
-            }
-        }
-        // Every thread is joined (a scope with an unjoined panicked thread
-        // would panic); the first error is kept.
-        for h in handles {
-            let r = h.join().unwrap_or_else(|_| Err(Error::Internal("a kernel loading thread panicked".into())));
-            result = result.and(r);
-        }
-        result
-    })
-}
 
-/// The reductions as they appear in kernel names (avg is sum, then the
-/// division kernel).
-const KERNEL_OPS: [&str; 4] = ["sum", "prod", "min", "max"];
+    /// Sets [`Self::lazy_kernels`].
+    pub fn lazy_kernels(mut self, lazy_kernels: bool) -> Self {
+        self.lazy_kernels = lazy_kernels;
+        self
+    }
 
-/// `{family}_{op}_{ty}` of the mesh module of `dtype` on `ctx` (loaded
-/// once per context).
-pub(crate) fn mesh_kernel(ctx: &Arc<CudaContext>, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
-    let ty = dtype.name();
-    let index = kernels::mesh_module(ty).ok_or(Error::UnsupportedOp { op: "mesh all-reduce", dtype: ty })?;
-    let module = load_module(ctx, index)?;
-    module.load_function(&format!("{family}_{op}_{ty}")).map_err(cudarc_err("cuModuleGetFunction"))
-}
+    /// Sets [`Self::barrier_timeout`].
+    pub fn barrier_timeout(mut self, barrier_timeout: Duration) -> Self {
+        self.barrier_timeout = barrier_timeout;
+        self
+    }
 
-/// `name` of the reduction module on `ctx` (loaded once per context).
-pub(crate) fn reduce_kernel(ctx: &Arc<CudaContext>, name: &str) -> Result<CudaFunction> {
-    let module = load_module(ctx, kernels::REDUCE)?;
-    module.load_function(name).map_err(cudarc_err("cuModuleGetFunction"))
-}
-
-/// One kernel family's functions for one rank, by (op, element type),
-/// each looked up on first use and kept: a launch costs an index, not a
-/// name format and a map lookup.
-pub(crate) struct FnTable {
-    cells: [OnceLock<CudaFunction>; 5 * 10],
-}
-
-impl Default for FnTable {
-    fn default() -> Self {
-        FnTable { cells: [const { OnceLock::new() }; 50] }
+    /// For tests of the fused-path check only: sets `check_fault`.
+    #[doc(hidden)]
+    pub fn check_fault(mut self, check_fault: Option<(usize, Fault)>) -> Self {
+        self.check_fault = check_fault;
+        self
     }
 }
 
-impl FnTable {
-    /// The function for `op` ("sum", "prod", "min", "max", or "div" for
-    /// scale_div) and `dtype`, loaded by `load` the first time.
-    pub(crate) fn get(&self, op: &str, dtype: DType, load: impl FnOnce() -> Result<CudaFunction>) -> Result<&CudaFunction> {
-        let o = match op {
-            "sum" => 0,
-            "prod" => 1,
-            "min" => 2,
-            "max" => 3,
-            _ => 4,
-        };
-        let t = DType::ALL.iter().position(|d| *d == dtype).unwrap_or(0);
-        let cell = &self.cells[o * 10 + t];
-        if let Some(f) = cell.get() {
-            return Ok(f);
-        }
-        let f = load()?;
-        Ok(cell.get_or_init(|| f))
-    }
-}
-
-/// One rank: its device, stream, kernels and step event.
-pub(crate) struct Rank {
-    pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
-    funcs: FnTable,
-    /// Recorded on `stream` after each step.
-    pub(crate) done: CudaEvent,
-    /// Orders callers' buffers with this rank's work (`crate::sync`).
-    pub(crate) order: Orderer,
-    pub(crate) max_blocks: u32,
-}
-
-/// Kernel argument: up to 8 device pointers by value (`struct { void* p[8]; }`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct PtrArray(pub(crate) [u64; kernels::MESH_MAX_RANKS]);
-
-// SAFETY: a plain 64-byte array of integers, laid out like the C struct the
-// kernels take by value.
-unsafe impl cudarc::driver::DeviceRepr for PtrArray {}
-
-impl PtrArray {
-    pub(crate) fn from_slice(ptrs: &[u64]) -> Self {
-        let mut a = PtrArray::default();
-        a.0[..ptrs.len()].copy_from_slice(ptrs);
-        a
-    }
+/// Per rank: the event that the group's stream waits on (recorded on the
+/// caller's stream) and the one the caller's stream waits on (recorded on
+/// the group's stream), for the raw-pointer collectives ([`crate::raw`]).
+/// Kept with the group; reused under its serial lock.
+pub(crate) struct RawEvents {
+    pub(crate) caller_done: CudaEvent,
+    pub(crate) group_done: CudaEvent,
 }
 
 /// A communicator of ranks in one process. See the module docs.
 pub struct Group {
-    /// Launcher threads for ranks 1.. (fused all-reduces only).
-    launchers: Option<Launchers>,
-    /// The mesh all-reduce, when the group uses it.
-    pub(crate) mesh: Option<Arc<Mesh>>,
-    /// The one-shot all-reduce, when the group uses it.
-    pub(crate) oneshot: Option<Arc<OneShot>>,
-    algorithm: Algorithm,
-    pub(crate) ranks: Vec<Rank>,
-    /// `pulls[r]`: rank r pulling from rank r-1.
-    pub(crate) pulls: Arc<Vec<Pull>>,
+    // Fields drop in this order (after `Drop::drop` has waited for every
+    // rank): the algorithms' state, then the communicator's, as before the
+    // split.
+    /// The all-reduce algorithms the group opened, and what it was asked for.
+    pub(crate) algos: Algorithms,
+    /// Ranks, routes, launchers and the control block.
+    pub(crate) comm: Communicator,
     /// Per-rank scratch for reduce-scatter on three or more ranks.
     pub(crate) scratch: Mutex<Vec<Arc<CudaSlice<u8>>>>,
-    /// One lock per stream of the group, shared with every other group on
-    /// that stream (`stream_locks`), all held (in a fixed order) for the
-    /// whole enqueue of one collective: the per-rank step events and the
-    /// device-side barriers and counters assume calls in one order on every
-    /// rank, so calls from several threads, and calls of two groups that
-    /// share streams, are serialised. (Two groups enqueueing on the same
-    /// streams in opposite orders would wait for each other on the device.)
-    serial: Vec<Arc<Mutex<()>>>,
-    /// Whether the call being enqueued (under `serial`) is captured into a
-    /// graph on some rank's stream.
-    capturing: AtomicBool,
-    /// The last captures that hold a reference to the group's resources.
-    captures: Mutex<Vec<u64>>,
-    access: Arc<Vec<PeerAccess>>,
-    /// The fused kernels' control block and the group's failed state
-    /// (`crate::failure`), when the group has fused kernels.
-    pub(crate) ctl: Option<Arc<Ctl>>,
-    /// Buffers known to be mapped for the peers' kernels (`crate::reach`).
-    pub(crate) reach: ReachCache,
     /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
-    pub(crate) raw_events: once_cell::sync::OnceCell<Vec<crate::raw::RawEvents>>,
+    pub(crate) raw_events: once_cell::sync::OnceCell<Vec<RawEvents>>,
 }
 
 impl std::fmt::Debug for Group {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let devices: Vec<usize> = self.ranks.iter().map(|r| r.ctx.ordinal()).collect();
-        let paths: Vec<Path> = self.pulls.iter().map(|p| p.status.path).collect();
+        let devices: Vec<usize> = self.comm.ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        let paths: Vec<Path> = self.comm.routes.ring.iter().map(|p| p.status.path).collect();
         f.debug_struct("Group").field("devices", &devices).field("pulls", &paths).finish()
     }
 }
@@ -410,24 +192,9 @@ impl Group {
         if !opts.pull_policies.is_empty() && opts.pull_policies.len() != n {
             return Err(Error::InvalidArgument(format!("{} pull policies for {n} ranks", opts.pull_policies.len())));
         }
-        let mut ranks = Vec::with_capacity(n);
-        for stream in streams {
-            let ctx = stream.context().clone();
-            let sms = ctx
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(cudarc_err("cuDeviceGetAttribute"))?;
-            ranks.push(Rank {
-                module: load_module(&ctx, kernels::REDUCE)?,
-                done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
-                funcs: FnTable::default(),
-                order: Orderer::default(),
-                max_blocks: (sms.max(1) as u32) * 4,
-                ctx,
-                stream,
-            });
-        }
+        let ranks = ranks_on(streams)?;
         let mut access = Vec::new();
-        let mut pulls = Vec::with_capacity(n);
+        let mut ring = Vec::with_capacity(n);
         for r in 0..n {
             let pred = (r + n - 1) % n;
             let (src, dst) = (&ranks[pred].ctx, &ranks[r].ctx);
@@ -435,98 +202,27 @@ impl Group {
             if let Some(&p) = opts.pull_policies.get(r) {
                 link.policy = p;
             }
-            pulls.push(Pull::open(src, dst, &ranks[r].stream, &link, &mut access)?);
+            ring.push(RouteEntry::open(src, dst, &ranks[r].stream, &link, &mut access)?);
         }
-        let mesh = Mesh::open(&ranks, &pulls, opts, &mut access)?.map(Arc::new);
-        let oneshot = Self::open_oneshot(&ranks, &pulls, opts, mesh.is_some(), &mut access)?.map(Arc::new);
-        let launchers = match opts.launch_spin {
-            Some(spin) if mesh.is_some() || oneshot.is_some() => Launchers::start(n, spin),
-            _ => None,
-        };
-        let serial = stream_locks(&ranks);
-        let ctl = if mesh.is_some() || oneshot.is_some() { Some(Arc::new(Ctl::new(&ranks, opts.barrier_timeout)?)) } else { None };
-        let mut group = Group {
-            launchers,
-            mesh,
-            oneshot,
-            algorithm: opts.algorithm,
-            ranks,
-            pulls: Arc::new(pulls),
-            scratch: Mutex::new(Vec::new()),
-            serial,
-            capturing: AtomicBool::new(false),
-            captures: Mutex::new(Vec::new()),
-            ctl,
-            reach: ReachCache::default(),
-            raw_events: once_cell::sync::OnceCell::new(),
-            access: Arc::new(access),
-        };
+        let devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        let mut routes = RouteTable { ring, all_pairs: None };
+        if algorithms::wants_all_pairs(opts.algorithm, &devices) && routes.ring_all_p2p() {
+            let ctxs: Vec<&Arc<CudaContext>> = ranks.iter().map(|r| &r.ctx).collect();
+            routes.all_pairs = Some(all_pairs_p2p(&ctxs, &opts.link, &mut access));
+        }
+        let mut comm = Communicator::new(ranks, routes, access);
+        let algos = Algorithms::open(&comm, opts.algorithm)?;
+        if algos.any_fused() {
+            comm.attach_fused(opts.launch_spin, opts.barrier_timeout)?;
+        }
+        let mut group = Group { comm, algos, scratch: Mutex::new(Vec::new()), raw_events: once_cell::sync::OnceCell::new() };
         if !opts.lazy_kernels {
             group.warm_up()?;
         }
         if opts.link.verify {
-            group.verify_fused(opts)?;
+            check::verify(&mut group.comm, &mut group.algos, opts.check_fault)?;
         }
         Ok(group)
-    }
-
-    /// Checks the fused algorithms the group has on real data
-    /// (`crate::fused_check`). Where one fails, a forced algorithm is an
-    /// error ([`Error::FusedUnverified`]); under [`Algorithm::Auto`] the
-    /// group keeps only the ring, with a warning.
-    fn verify_fused(&mut self, opts: &GroupOptions) -> Result<()> {
-        let mut failed = None;
-        for (which, name, present) in [(Fused::Mesh, "mesh", self.mesh.is_some()), (Fused::OneShot, "one-shot", self.oneshot.is_some())] {
-            if !present || failed.is_some() {
-                continue;
-            }
-            if let (Some((rank, fault)), Some(ctl)) = (opts.check_fault, &self.ctl) {
-                ctl.inject(rank, fault);
-            }
-            if let Err(why) = self.check_fused(which)? {
-                failed = Some((name, why));
-            }
-        }
-        let Some((name, why)) = failed else { return Ok(()) };
-        if opts.algorithm != Algorithm::Auto {
-            return Err(Error::FusedUnverified { algorithm: name, reason: why });
-        }
-        log::warn!("cuda-peer: the {name} all-reduce failed its check on this group ({why}); using the ring");
-        self.mesh = None;
-        self.oneshot = None;
-        self.ctl = None;
-        self.launchers = None;
-        Ok(())
-    }
-
-    /// Sets up the one-shot all-reduce where `opts` asks for it and the
-    /// group allows it: slots in device memory when every pair has P2P
-    /// (`mesh_ok`, or checked here), else in host memory.
-    fn open_oneshot(ranks: &[Rank], pulls: &[Pull], opts: &GroupOptions, mesh_ok: bool, access: &mut Vec<PeerAccess>) -> Result<Option<OneShot>> {
-        if !matches!(opts.algorithm, Algorithm::Auto | Algorithm::OneShot) {
-            return Ok(None);
-        }
-        if let Some(why) = layout_refusal(ranks) {
-            return if opts.algorithm == Algorithm::OneShot { Err(impossible("one-shot", &why)) } else { Ok(None) };
-        }
-        let p2p = mesh_ok || (pulls.iter().all(|p| p.status.path == Path::P2p) && Self::all_pairs_p2p(ranks, opts, access)?.is_ok());
-        OneShot::new(ranks, p2p).map(Some)
-    }
-
-    /// Enables and verifies P2P between every pair of ranks under
-    /// `opts.link`; `Err(why)` for the first pair without it.
-    pub(crate) fn all_pairs_p2p(ranks: &[Rank], opts: &GroupOptions, access: &mut Vec<PeerAccess>) -> Result<std::result::Result<(), String>> {
-        let n = ranks.len();
-        for i in 0..n {
-            for j in i + 1..n {
-                match decide(&ranks[i].ctx, &ranks[j].ctx, &opts.link) {
-                    Ok((guards, st)) if st.path == Path::P2p => access.extend(guards),
-                    Ok((_, st)) => return Ok(Err(format!("ranks {i} and {j}: {}", st.reason))),
-                    Err(e) => return Ok(Err(format!("ranks {i} and {j}: {e}"))),
-                }
-            }
-        }
-        Ok(Ok(()))
     }
 
     /// A group with one rank per device in `ordinals` (each on a new stream).
@@ -541,42 +237,22 @@ impl Group {
 
     /// Number of ranks.
     pub fn size(&self) -> usize {
-        self.ranks.len()
+        self.comm.size()
     }
 
     /// Rank `r`'s stream: collectives are ordered on it.
     pub fn stream(&self, r: usize) -> Option<&Arc<CudaStream>> {
-        self.ranks.get(r).map(|k| &k.stream)
+        self.comm.ranks.get(r).map(|k| &k.stream)
     }
 
     /// Rank `r`'s context.
     pub fn context(&self, r: usize) -> Option<&Arc<CudaContext>> {
-        self.ranks.get(r).map(|k| &k.ctx)
+        self.comm.ranks.get(r).map(|k| &k.ctx)
     }
 
     /// How rank `r` pulls from rank `r-1`, and why.
     pub fn link_status(&self, r: usize) -> Option<&LinkStatus> {
-        self.pulls.get(r).map(|p| &p.status)
-    }
-
-    /// Checks that the kernels that read or write `bufs[q]` on a peer's
-    /// device can: every other rank's for the mesh (`all`), else the ring
-    /// successor's where it pulls from q by peer loads (P2P).
-    pub(crate) fn check_reach(&self, op: &'static str, bufs: &[u64], all: bool) -> Result<()> {
-        let n = self.size();
-        let ctxs: Vec<&CudaContext> = self.ranks.iter().map(|r| &*r.ctx).collect();
-        self.reach.check(op, &ctxs, bufs, |q| {
-            if all {
-                (0..n).filter(|&p| p != q).collect()
-            } else {
-                let succ = (q + 1) % n;
-                if succ != q && self.pulls[succ].status.path == Path::P2p {
-                    vec![succ]
-                } else {
-                    Vec::new()
-                }
-            }
-        })
+        self.comm.routes.ring.get(r).map(|p| &p.status)
     }
 
     /// Waits on the host until every rank's stream is idle. Every stream is
@@ -585,14 +261,14 @@ impl Group {
     /// reported here too ([`Error::PeerTimeout`]).
     pub fn synchronize(&self) -> Result<()> {
         let mut first = Ok(());
-        for (r, e) in self.synchronize_each() {
+        for (r, e) in self.comm.synchronize_each() {
             log::debug!("synchronising rank {r}: {e}");
             if first.is_ok() {
                 first = Err(e);
             }
         }
         first?;
-        self.ctl.as_ref().map_or(Ok(()), |c| c.check())
+        self.comm.ctl.as_ref().map_or(Ok(()), |c| c.check())
     }
 
     /// For tests of failure handling only: the next fused (mesh or
@@ -600,47 +276,9 @@ impl Group {
     /// group without fused kernels.
     #[doc(hidden)]
     pub fn inject_fault(&self, rank: usize, fault: Fault) {
-        if let Some(c) = &self.ctl {
+        if let Some(c) = &self.comm.ctl {
             c.inject(rank, fault);
         }
-    }
-
-    /// The address of the control block for rank r's kernels, its barrier
-    /// timeout, and whether this launch is to be skipped (an injected
-    /// fault: `Err` fails it, `Ok(true)` skips it silently).
-    pub(crate) fn ctl_args(&self, r: usize) -> Result<(u64, u64, bool)> {
-        let Some(c) = &self.ctl else {
-            return Err(Error::Internal("fused kernel launched on a group without a control block".into()));
-        };
-        match c.take_fault(r) {
-            Some(Fault::LaunchFails) => Err(Error::Internal(format!("injected launch failure on rank {r}"))),
-            Some(Fault::NeverArrives) => Ok((c.addrs[r], c.timeout_ns, true)),
-            None => Ok((c.addrs[r], c.timeout_ns, false)),
-        }
-    }
-
-    /// Synchronises every rank's stream, and the work ordered with callers'
-    /// buffers, and returns each failure with its rank.
-    fn synchronize_each(&self) -> Vec<(usize, Error)> {
-        let mut errors = Vec::new();
-        for (i, r) in self.ranks.iter().enumerate() {
-            if let Err(e) = r.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize")).and_then(|_| r.order.synchronize()) {
-                errors.push((i, e));
-            }
-        }
-        errors
-    }
-
-    /// Rank r's reduction kernel `name` (for `op` and `dtype`), from its table.
-    fn function(&self, r: usize, op: &str, dtype: DType, name: impl FnOnce() -> String) -> Result<&CudaFunction> {
-        let rank = &self.ranks[r];
-        rank.funcs.get(op, dtype, || rank.module.load_function(&name()).map_err(cudarc_err("cuModuleGetFunction")))
-    }
-
-    /// Loads `{family}_{op}_{ty}` from the mesh module of `dtype` on rank r
-    /// (loaded once per context and type).
-    pub(crate) fn mesh_function(&self, r: usize, family: &str, op: &str, dtype: DType) -> Result<CudaFunction> {
-        mesh_kernel(&self.ranks[r].ctx, family, op, dtype)
     }
 
     /// Loads every kernel module the group can need on every rank and
@@ -659,188 +297,86 @@ impl Group {
     /// time, one thread each. How long it took is logged
     /// (`log::info!`), each module at `log::debug!`.
     pub fn warm_up(&self) -> Result<()> {
+        Self::warm(&self.comm, &self.algos)
+    }
+
+    /// [`Self::warm_up`] of `comm` with `algos`.
+    fn warm(comm: &Communicator, algos: &Algorithms) -> Result<()> {
         let start = std::time::Instant::now();
-        let fused = self.mesh.is_some() || self.oneshot.is_some();
-        let nmodules = if fused { kernels::modules().len() } else { 1 };
-        let mut ctxs: Vec<&Arc<CudaContext>> = Vec::with_capacity(self.size());
-        for rank in &self.ranks {
-            if !ctxs.iter().any(|c| c.cu_ctx() == rank.ctx.cu_ctx()) {
-                ctxs.push(&rank.ctx);
-            }
-        }
-        load_modules_everywhere(&ctxs, nmodules)?;
-        for r in 0..self.size() {
+        let modules: &[Module] = if algos.any_fused() { &Module::all() } else { &[Module::Reduce] };
+        let nmodules = modules.len();
+        load_modules_everywhere(&comm.distinct_contexts(), modules)?;
+        for r in 0..comm.size() {
             for dtype in DType::ALL {
-                for op in KERNEL_OPS {
-                    self.function(r, op, dtype, || kernels::reduce2_name(op, dtype.name()))?;
-                    if let Some(mesh) = &self.mesh {
-                        mesh.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_meshar", op, dtype))?;
+                for op in KernelOp::ALL {
+                    comm.function(r, Kernel::Reduce2(op, dtype))?;
+                    if let Some(mesh) = &algos.mesh {
+                        let k = Kernel::Mesh(op, dtype);
+                        mesh.funcs[r].get(k, || comm.kernel_function(r, k))?;
                     }
-                    if let Some(os) = &self.oneshot {
-                        os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
+                    if let Some(os) = &algos.oneshot {
+                        let k = Kernel::OneShot(op, dtype);
+                        os.funcs[r].get(k, || comm.kernel_function(r, k))?;
                     }
                 }
                 if dtype.is_float() {
-                    self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
+                    comm.function(r, Kernel::ScaleDiv(dtype))?;
                 }
             }
         }
-        let images: Vec<String> = self
+        let images: Vec<String> = comm
             .ranks
             .iter()
             .map(|k| image_for(&k.ctx).map(|a| format!("GPU{}: {}", k.ctx.ordinal(), a.map_or_else(|| "PTX".to_string(), kernels::arch_name))))
             .collect::<Result<_>>()?;
         log::info!(
             "cuda-peer: kernels of {nmodules} modules ready on {} ranks in {:.1} ms ({})",
-            self.size(),
+            comm.size(),
             start.elapsed().as_secs_f64() * 1e3,
             images.join(", ")
         );
         Ok(())
     }
 
-    fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
-        let per_block = (kernels::BLOCK_SIZE as usize) * (16 / dtype.size());
-        let blocks = count.div_ceil(per_block).clamp(1, self.ranks[r].max_blocks as usize) as u32;
-        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 }
-    }
-
-    /// Launches `dst = a op b` over `count` elements on rank `r`'s stream.
-    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus rank, op and type
-    pub(crate) fn launch_reduce2(&self, r: usize, op: &str, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
-        if count == 0 {
-            return Ok(());
-        }
-        let f = self.function(r, op, dtype, || kernels::reduce2_name(op, dtype.name()))?;
-        let n = count as u64;
-        let stream = &self.ranks[r].stream;
-        let mut launch = stream.launch_builder(f);
-        launch.arg(&dst).arg(&a).arg(&b).arg(&n);
-        // SAFETY: the kernel's signature is (T*, const T*, const T*, u64); the
-        // three addresses hold `count` elements of `dtype` on, or peer-accessible
-        // from, rank r's device, and stay alive until the step's events complete.
-        unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
-        Ok(())
-    }
-
-    /// Starts one collective's enqueue: serialises it against calls from
-    /// other threads (the guard), notes whether it is being captured into a
-    /// graph, and makes each graph it is captured into keep the group's
-    /// resources alive for as long as the graph lives (`crate::graph`): a
-    /// graph may be replayed after the group is dropped.
-    pub(crate) fn enter(&self) -> Result<Vec<std::sync::MutexGuard<'_, ()>>> {
-        let serial: Vec<_> = self.serial.iter().map(|m| m.lock().unwrap_or_else(|p| p.into_inner())).collect();
-        if let Some(ctl) = &self.ctl {
-            ctl.check()?;
-        }
-        let mut capturing = false;
-        for rank in &self.ranks {
-            let Some((id, graph)) = capture_of(&rank.stream)? else { continue };
-            capturing = true;
-            let mut seen = self.captures.lock().unwrap_or_else(|p| p.into_inner());
-            if !seen.contains(&id) {
-                retain(graph, self.keep_alive())?;
-                if seen.len() >= 16 {
-                    seen.remove(0);
-                }
-                seen.push(id);
-            }
-        }
-        self.capturing.store(capturing, Relaxed);
-        Ok(serial)
-    }
-
-    /// Whether the call being enqueued is captured into a graph (set by
-    /// [`Self::enter`]).
-    pub(crate) fn capturing(&self) -> bool {
-        self.capturing.load(Relaxed)
+    /// Starts one collective's enqueue ([`Communicator::enter`]): captured
+    /// calls keep the group's resources alive for as long as their graphs.
+    pub(crate) fn enter(&self) -> Result<Vec<MutexGuard<'_, ()>>> {
+        self.comm.enter(|| self.keep_alive())
     }
 
     /// Everything a captured call of this group can touch when replayed:
-    /// the one-shot's and the mesh's slots and flags, the staged links'
+    /// the one-shot's and the mesh's slots and flags, the staged routes'
     /// buffers, the scratch, and the peer access the kernels rely on.
     fn keep_alive(&self) -> KeepAlive {
         let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let c = &self.comm;
         KeepAlive {
-            ctx: self.ranks[0].ctx.clone(),
-            payload: Arc::new((self.mesh.clone(), self.oneshot.clone(), self.ctl.clone(), self.pulls.clone(), scratch, self.access.clone())),
+            ctx: c.ranks[0].ctx.clone(),
+            payload: Arc::new((self.algos.mesh.clone(), self.algos.oneshot.clone(), c.ctl.clone(), c.routes.clone(), scratch, c.access.clone())),
         }
     }
 
-    /// Whether the group has the mesh all-reduce (used below
-    /// [`MESH_AUTO_MAX_BYTES`] under [`Algorithm::Auto`]).
+    /// Whether the group has the mesh all-reduce (used for medium messages
+    /// under [`Algorithm::Auto`]).
     pub fn uses_mesh(&self) -> bool {
-        self.mesh.is_some()
+        self.algos.mesh.is_some()
     }
 
     /// Whether the group has the one-shot all-reduce, and where its slots
     /// are: `Some(true)` in host memory, `Some(false)` in device memory.
     pub fn oneshot_on_host(&self) -> Option<bool> {
-        self.oneshot.as_ref().map(|o| o.on_host())
+        self.algos.oneshot.as_ref().map(|o| o.on_host())
     }
 
-    /// The algorithm an all-reduce of `bytes` bytes per rank runs with
-    /// ([`Algorithm::Ring`], [`Algorithm::Mesh`] or [`Algorithm::OneShot`]).
-    pub fn all_reduce_algorithm(&self, bytes: usize) -> Algorithm {
-        choose(self.algorithm, self.size(), self.oneshot_on_host(), self.mesh.is_some(), bytes)
+    /// The algorithm an all-reduce of `bytes` bytes per rank runs with.
+    pub fn all_reduce_algorithm(&self, bytes: usize) -> Selected {
+        self.pick(bytes).selected()
     }
 
-    /// Runs `launch(r)` for every rank r: at once on the launcher threads
-    /// where the group has them and no rank's stream is being captured into
-    /// a graph (a replayed graph costs no launches), else one after another
-    /// from this thread, last rank first (so this thread ends on rank 0's
-    /// context, where the callers' buffer guards record their events).
-    ///
-    /// If any rank's launch fails, the kernels already launched are told to
-    /// give up (the control block's abort word) and the group is marked
-    /// failed: its ranks are out of step (`crate::failure`).
-    pub(crate) fn launch_each(&self, launch: &Job<'_>) -> Result<()> {
-        let launched = match &self.launchers {
-            Some(l) if !self.capturing() => l.run(launch),
-            _ => (0..self.size()).rev().try_for_each(launch),
-        };
-        if let (Err(e), Some(ctl)) = (&launched, &self.ctl) {
-            ctl.abort();
-            ctl.fail(Error::GroupFailed { reason: format!("a collective could not be launched on every rank: {e}") });
-        }
-        launched
-    }
-
-    /// The one-shot state, when an all-reduce of `bytes` per rank takes it.
-    pub(crate) fn oneshot_for(&self, bytes: usize) -> Option<&OneShot> {
-        self.oneshot.as_deref().filter(|_| self.all_reduce_algorithm(bytes) == Algorithm::OneShot)
-    }
-
-    /// Resolves the division kernel for `dtype` on every rank.
-    pub(crate) fn resolve_scale_div(&self, dtype: DType) -> Result<()> {
-        for r in 0..self.size() {
-            self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
-        }
-        Ok(())
-    }
-
-    /// Launches `x /= divisor` over `count` elements on rank `r`'s stream.
-    pub(crate) fn launch_scale_div(&self, r: usize, dtype: DType, x: u64, count: usize, divisor: f64) -> Result<()> {
-        if count == 0 {
-            return Ok(());
-        }
-        let f = self.function(r, "div", dtype, || kernels::scale_div_name(dtype.name()))?;
-        let n = count as u64;
-        let mut launch = self.ranks[r].stream.launch_builder(f);
-        launch.arg(&x).arg(&n).arg(&divisor);
-        // SAFETY: signature (T*, u64, double); `x` holds `count` elements on rank r's device.
-        unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
-        Ok(())
-    }
-
-    /// A device-to-device copy on rank `r`'s stream (same device).
-    pub(crate) fn local_copy(&self, r: usize, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        bind(&self.ranks[r].ctx)?;
-        // SAFETY: both ranges hold `bytes` bytes on rank r's device.
-        check("cuMemcpyDtoDAsync", unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, self.ranks[r].stream.cu_stream() as sys::CUstream) })
+    /// The algorithm (with its state) for an all-reduce of `bytes` per
+    /// rank: evaluated once per call.
+    pub(crate) fn pick(&self, bytes: usize) -> Pick<'_> {
+        self.algos.pick(self.size(), bytes)
     }
 }
 
@@ -849,7 +385,7 @@ impl Drop for Group {
         // Peer access is disabled when the guards drop: no kernel or copy of
         // this group may still be reading a peer's memory then. Every rank
         // is waited for, whatever failed before it.
-        for (r, e) in self.synchronize_each() {
+        for (r, e) in self.comm.synchronize_each() {
             log::warn!("synchronising rank {r} of a group on drop: {e}");
         }
     }
@@ -862,67 +398,7 @@ impl Drop for Group {
 #[doc(hidden)]
 pub fn graph_keep_alives() -> (u64, u64, u64) {
     use std::sync::atomic::Ordering::Relaxed;
-    (crate::graph::RETAINED.load(Relaxed), crate::graph::RELEASED.load(Relaxed), crate::oneshot::DROPPED.load(Relaxed))
-}
-
-/// Locks shared by every group that enqueues on a stream, by (CUDA
-/// context, stream) handle; entries go when their last group does.
-type StreamKey = (usize, usize);
-static STREAM_LOCKS: Lazy<Mutex<HashMap<StreamKey, Weak<Mutex<()>>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
-
-/// The shared locks of `ranks`' streams, one per distinct stream, in the
-/// order of their keys: every group takes them in that one order.
-fn stream_locks(ranks: &[Rank]) -> Vec<Arc<Mutex<()>>> {
-    let mut keys: Vec<StreamKey> = ranks.iter().map(|r| (r.ctx.cu_ctx() as usize, r.stream.cu_stream() as usize)).collect();
-    keys.sort_unstable();
-    keys.dedup();
-    let mut map = STREAM_LOCKS.lock().unwrap_or_else(|p| p.into_inner());
-    map.retain(|_, w| w.strong_count() > 0);
-    keys.into_iter()
-        .map(|k| {
-            map.get(&k).and_then(Weak::upgrade).unwrap_or_else(|| {
-                let lock = Arc::new(Mutex::new(()));
-                map.insert(k, Arc::downgrade(&lock));
-                lock
-            })
-        })
-        .collect()
-}
-
-/// Why `ranks` cannot run a fused all-reduce (mesh or one-shot), if they
-/// cannot: both need 2 to 8 ranks, each on its own device.
-pub(crate) fn layout_refusal(ranks: &[Rank]) -> Option<String> {
-    let n = ranks.len();
-    if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
-        return Some("needs 2 to 8 ranks".into());
-    }
-    let mut devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
-    devices.sort();
-    devices.dedup();
-    (devices.len() != n).then(|| "needs every rank on its own device".into())
-}
-
-/// The error for an all-reduce algorithm (`what`) the group cannot run.
-pub(crate) fn impossible(what: &str, why: &str) -> Error {
-    Error::InvalidArgument(format!("{what} all-reduce impossible: {why}"))
-}
-
-/// The all-reduce algorithm for a message of `bytes` per rank in a group
-/// of `n` ranks set up for `algorithm`, with a one-shot (`Some(on_host)`)
-/// and a mesh or not.
-fn choose(algorithm: Algorithm, n: usize, oneshot: Option<bool>, mesh: bool, bytes: usize) -> Algorithm {
-    let pushed = bytes.saturating_mul(n.saturating_sub(1));
-    let auto = algorithm == Algorithm::Auto;
-    if let Some(on_host) = oneshot {
-        let max = if on_host { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
-        if !auto || pushed <= max {
-            return Algorithm::OneShot;
-        }
-    }
-    if mesh && (!auto || bytes < MESH_AUTO_MAX_BYTES) {
-        return Algorithm::Mesh;
-    }
-    Algorithm::Ring
+    (crate::graph::RETAINED.load(Relaxed), crate::graph::RELEASED.load(Relaxed), oneshot::DROPPED.load(Relaxed))
 }
 
 #[cfg(test)]
@@ -932,42 +408,7 @@ mod tests {
     #[test]
     fn an_empty_group_is_an_error_without_touching_the_driver() {
         assert!(matches!(Group::new(Vec::new(), &GroupOptions::default()), Err(Error::EmptyGroup)));
-    }
-
-    #[test]
-    fn algorithm_names_parse() {
-        assert_eq!("auto".parse::<Algorithm>().unwrap(), Algorithm::Auto);
-        assert_eq!("ring".parse::<Algorithm>().unwrap(), Algorithm::Ring);
-        assert_eq!("mesh".parse::<Algorithm>().unwrap(), Algorithm::Mesh);
-        assert_eq!("oneshot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);
-        assert_eq!("one-shot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);
-        assert!(matches!("tree".parse::<Algorithm>(), Err(Error::InvalidArgument(_))));
         assert_eq!(GroupOptions::default().algorithm, Algorithm::Auto);
-    }
-
-    #[test]
-    fn auto_picks_by_size_and_forced_algorithms_stick() {
-        use Algorithm::*;
-        let (mib, p2p, host) = (1usize << 20, Some(false), Some(true));
-        // P2P, two ranks: one-shot to 4 MiB, mesh below 256 MiB, ring above.
-        assert_eq!(choose(Auto, 2, p2p, true, 4096), OneShot);
-        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib), OneShot);
-        assert_eq!(choose(Auto, 2, p2p, true, 4 * mib + 1), Mesh);
-        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib - 1), Mesh);
-        assert_eq!(choose(Auto, 2, p2p, true, 256 * mib), Ring);
-        // More ranks push more: the one-shot ends sooner.
-        assert_eq!(choose(Auto, 5, p2p, true, mib), OneShot);
-        assert_eq!(choose(Auto, 5, p2p, true, mib + 1), Mesh);
-        // Without P2P: one-shot through host memory to 16 MiB, then the ring.
-        assert_eq!(choose(Auto, 2, host, false, 16 * mib), OneShot);
-        assert_eq!(choose(Auto, 2, host, false, 16 * mib + 1), Ring);
-        // Groups with neither (shared devices, one rank): the ring.
-        assert_eq!(choose(Auto, 3, None, false, 4096), Ring);
-        // Forced algorithms hold at every size where the group has them.
-        assert_eq!(choose(OneShot, 2, p2p, false, 1 << 30), OneShot);
-        assert_eq!(choose(OneShot, 2, host, false, 1 << 30), OneShot);
-        assert_eq!(choose(Mesh, 2, None, true, 1 << 30), Mesh);
-        assert_eq!(choose(Ring, 2, None, false, 4096), Ring);
     }
 
     #[test]
@@ -978,6 +419,7 @@ mod tests {
 
     #[test]
     fn pointer_arrays_fill_from_the_front() {
+        use crate::kernels::load::PtrArray;
         let a = PtrArray::from_slice(&[16, 32, 48]);
         assert_eq!(a.0, [16, 32, 48, 0, 0, 0, 0, 0]);
         assert_eq!(std::mem::size_of::<PtrArray>(), 64, "the kernels take struct {{ void* p[8]; }}");

@@ -1,17 +1,12 @@
 //! Launcher threads: kernel launches on several GPUs at once.
 //!
-//! A fused all-reduce launches one kernel per rank. On the GPUs this crate
-//! was measured on (2x H200 in a VM), one `cuLaunchKernel` costs the host
-//! 3.6-4.6 us, and two from one thread cost 7.5-8.9 us; from two threads, one
-//! per GPU, the pair cost 5.0-5.3 us (`examples/enqueue_costs`). For small
-//! messages that host time is the whole cost of a call, so a group keeps one
-//! launcher thread per rank after the first. Rank 0's kernel is launched by
-//! the calling thread; the others by their launchers, at the same time.
-//! 4 KiB all-reduces back to back then took 5.9-7.4 us per call, against
-//! 7.2-8.6 us launched from one thread, alternating in one process (three
-//! processes: `bench/results/h200x2-launchers-enqueue-costs.txt` run c and
-//! `h200x2-enqueue-costs.txt`), with each launcher also taking its rank's
-//! buffer in an in-place one-shot (`Group::oneshot_in_place`).
+//! A fused all-reduce launches one kernel per rank, and for small messages
+//! the host's launches are the whole cost of a call; launches from one
+//! thread per GPU overlap (measurements in `bench/NOTES.md`). So a group
+//! keeps one launcher thread per rank after the first. Rank 0's kernel is
+//! launched by the calling thread; the others by their launchers, at the
+//! same time, each launcher also taking its rank's buffer in an in-place
+//! one-shot (`OneShot::in_place`).
 //!
 //! A launcher spins for [`GroupOptions::launch_spin`] after each job, then
 //! parks. A call that finds a launcher parked does not wait for it to wake:

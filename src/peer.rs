@@ -16,7 +16,7 @@
 //! Access that was already enabled by someone else is success without
 //! ownership and is always left enabled.
 
-use crate::driver::{api, bind};
+use crate::driver::{api, bind, raw_context};
 use crate::error::{check, Error, Result};
 use cuda_peer_sys as sys;
 use cudarc::driver::CudaContext;
@@ -45,10 +45,6 @@ static REGISTRY: Lazy<Mutex<HashMap<Key, Entry>>> = Lazy::new(|| Mutex::new(Hash
 
 fn key(ctx: &CudaContext, peer: &CudaContext) -> Key {
     (ctx.cu_ctx() as usize, peer.cu_ctx() as usize)
-}
-
-pub(crate) fn raw_ctx(ctx: &CudaContext) -> sys::CUcontext {
-    ctx.cu_ctx() as sys::CUcontext
 }
 
 /// `ctx`'s access to `peer`'s memory, held open while this guard lives.
@@ -140,7 +136,7 @@ impl PeerAccess {
         let api = api()?;
         bind(ctx)?;
         // SAFETY: `ctx` is current; `peer` is a live context kept alive by its Arc.
-        let r = unsafe { api.cuCtxEnablePeerAccess(raw_ctx(peer), 0) };
+        let r = unsafe { api.cuCtxEnablePeerAccess(raw_context(peer), 0) };
         use sys::CUresult as R;
         let owns_ctx_access = match r {
             R::CUDA_SUCCESS => true,
@@ -157,7 +153,7 @@ impl PeerAccess {
             Err(e) => {
                 if owns_ctx_access {
                     // SAFETY: undoes the enable above, with `ctx` still current.
-                    let _ = unsafe { api.cuCtxDisablePeerAccess(raw_ctx(peer)) };
+                    let _ = unsafe { api.cuCtxDisablePeerAccess(raw_context(peer)) };
                 }
                 return Err(e);
             }
@@ -206,7 +202,7 @@ impl Drop for PeerAccess {
             let disabled = api().and_then(|api| {
                 bind(&self.ctx)?;
                 // SAFETY: `ctx` is current and enabled access to `peer` itself (owns_ctx_access).
-                check("cuCtxDisablePeerAccess", unsafe { api.cuCtxDisablePeerAccess(raw_ctx(&self.peer)) })
+                check("cuCtxDisablePeerAccess", unsafe { api.cuCtxDisablePeerAccess(raw_context(&self.peer)) })
             });
             if let Err(err) = disabled {
                 log::warn!("disabling peer access {} -> {}: {err}", self.ctx.ordinal(), self.peer.ordinal());

@@ -18,11 +18,12 @@
 //! Nothing here can track the buffers' lifetimes: that is the contract of
 //! the `# Safety` sections.
 
+use crate::driver::{event_record, raw_context, raw_event, raw_stream, raw_stream_of, stream_context, stream_wait_event};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{check, cudarc_err, Error, Result};
-use crate::group::Group;
+use crate::group::{Group, RawEvents};
 use crate::sys;
-use cudarc::driver::{result as cu, sys as cusys, CudaEvent};
+use cudarc::driver::sys as cusys;
 
 /// One rank's buffer: a raw device pointer (`CUdeviceptr`), e.g. from
 /// `cuMemAlloc`, `cuMemAllocAsync`, a framework's allocator, or cudarc's
@@ -41,62 +42,6 @@ impl RawStream {
     pub fn of(stream: &cudarc::driver::CudaStream) -> Self {
         RawStream(stream.cu_stream())
     }
-}
-
-/// Per rank: the event that the group's stream waits on (recorded on the
-/// caller's stream) and the one the caller's stream waits on (recorded on
-/// the group's stream). Kept with the group; reused under its serial lock.
-pub(crate) struct RawEvents {
-    caller_done: CudaEvent,
-    group_done: CudaEvent,
-}
-
-/// Runs `$body` with `$t` bound to the Rust element type of `$dtype`.
-macro_rules! with_element {
-    ($dtype:expr, $t:ident, $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::U32 => {
-                type $t = u32;
-                $body
-            }
-            DType::U64 => {
-                type $t = u64;
-                $body
-            }
-            DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-        }
-    };
 }
 
 impl Group {
@@ -187,7 +132,8 @@ impl Group {
             return Ok(());
         }
         let events = self.raw_events.get_or_try_init(|| {
-            self.ranks
+            self.comm
+                .ranks
                 .iter()
                 .map(|rank| {
                     let flags = Some(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
@@ -200,37 +146,37 @@ impl Group {
         })?;
         // The group's streams wait for the callers'.
         for r in 0..n {
-            let own = self.ranks[r].stream.cu_stream();
-            if streams[r].0 != own {
-                crate::driver::bind(&self.ranks[r].ctx)?;
-                let ev = events[r].caller_done.cu_event();
+            let own = raw_stream(&self.comm.ranks[r].stream);
+            let caller = raw_stream_of(streams[r].0);
+            if caller != own {
+                crate::driver::bind(&self.comm.ranks[r].ctx)?;
+                let ev = raw_event(&events[r].caller_done);
                 // SAFETY: `ev` is an event of rank r's context, which is
-                // current; `streams[r]` is a live stream of that context
+                // current; `caller` is a live stream of that context
                 // (checked above, and the caller's contract), `own` the
                 // group's live stream of it.
-                unsafe { cu::event::record(ev, streams[r].0) }.map_err(cudarc_err("cuEventRecord (caller's stream)"))?;
+                unsafe { event_record("cuEventRecord (caller's stream)", ev, caller) }?;
                 // SAFETY: as above.
-                unsafe { cu::stream::wait_event(own, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                    .map_err(cudarc_err("cuStreamWaitEvent"))?;
+                unsafe { stream_wait_event("cuStreamWaitEvent", own, ev) }?;
             }
         }
         let ins: Vec<u64> = send.iter().map(|b| b.0).collect();
         let outs: Vec<u64> = recv.iter().map(|b| b.0).collect();
-        let work = with_element!(dtype, T, self.all_reduce_ptrs_any::<T>(op, &ins, &outs, count));
+        let work = self.pick(bytes).enqueue(&self.comm, op, dtype, &ins, &outs, count);
         // The callers' streams wait for the group's, also after a failure
         // part-way (whatever was enqueued must be done before the buffers
         // are reused).
         let mut joined = Ok(());
         for r in 0..n {
-            let own = self.ranks[r].stream.cu_stream();
-            if streams[r].0 != own {
-                let join = crate::driver::bind(&self.ranks[r].ctx).and_then(|()| {
-                    let ev = events[r].group_done.cu_event();
+            let own = raw_stream(&self.comm.ranks[r].stream);
+            let caller = raw_stream_of(streams[r].0);
+            if caller != own {
+                let join = crate::driver::bind(&self.comm.ranks[r].ctx).and_then(|()| {
+                    let ev = raw_event(&events[r].group_done);
                     // SAFETY: as for the waits above, the other way round.
-                    unsafe { cu::event::record(ev, own) }.map_err(cudarc_err("cuEventRecord"))?;
+                    unsafe { event_record("cuEventRecord", ev, own) }?;
                     // SAFETY: as above.
-                    unsafe { cu::stream::wait_event(streams[r].0, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                        .map_err(cudarc_err("cuStreamWaitEvent (caller's stream)"))
+                    unsafe { stream_wait_event("cuStreamWaitEvent (caller's stream)", caller, ev) }
                 });
                 joined = joined.and(join);
             }
@@ -238,27 +184,14 @@ impl Group {
         work.and(joined)
     }
 
-    /// `out[r] = reduce(every in)` on pointers, by the algorithm the group
-    /// picks for the size (in place where `ins == outs`).
-    fn all_reduce_ptrs_any<T: crate::Element>(&self, op: ReduceOp, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
-        if let Some(os) = self.oneshot_for(count * T::DTYPE.size()) {
-            return self.oneshot_ptrs::<T>(os, op, ins, outs, count);
-        }
-        self.all_reduce_ptrs::<T>(op, ins, outs, count)
-    }
-
     /// Checks that `stream` belongs to rank r's context.
     fn check_raw_stream(&self, r: usize, stream: RawStream) -> Result<()> {
-        let ctx = &self.ranks[r].ctx;
+        let ctx = &self.comm.ranks[r].ctx;
         crate::driver::bind(ctx)?;
-        let mut got: cusys::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one context handle; `stream` is a live stream (the
-        // caller's contract) or null (the current context's, bound above).
-        let res = unsafe { cusys::cuStreamGetCtx(stream.0, &mut got) };
-        if res != cusys::CUresult::CUDA_SUCCESS {
-            return Err(Error::driver("all_reduce_raw: cuStreamGetCtx (caller's stream)", res as u32));
-        }
-        if got != ctx.cu_ctx() {
+        // SAFETY: `stream` is a live stream (the caller's contract) or null
+        // (the current context's, bound above).
+        let got = unsafe { stream_context("all_reduce_raw: cuStreamGetCtx (caller's stream)", stream.0) }?;
+        if got != raw_context(ctx) {
             return Err(Error::InvalidArgument(format!(
                 "all_reduce_raw: rank {r}'s stream is not of the group's context on device {}",
                 ctx.ordinal()
@@ -295,7 +228,7 @@ impl Group {
         if memory_type != 2 {
             return Err(Error::InvalidArgument(format!("{OP}: rank {r}'s {what} buffer {:#x} is not device memory", buf.0)));
         }
-        let expected = self.ranks[r].ctx.ordinal();
+        let expected = self.comm.ranks[r].ctx.ordinal();
         let mut ordinal: std::os::raw::c_int = -1;
         check(OP, attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (&mut ordinal as *mut std::os::raw::c_int).cast()))?;
         if ordinal < 0 || ordinal as usize != expected {
@@ -313,18 +246,5 @@ impl Group {
             }
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn element_dispatch_matches_every_dtype() {
-        for d in DType::ALL {
-            let got = with_element!(d, T, <T as crate::Element>::DTYPE);
-            assert_eq!(got, d);
-        }
     }
 }

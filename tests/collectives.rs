@@ -8,7 +8,7 @@ mod common;
 
 use common::gpus;
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp};
+use cuda_peer::{Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::Rng;
 use std::sync::Arc;
@@ -169,7 +169,7 @@ fn setup(ctx: &[Arc<CudaContext>], n: usize, set: PathSet) -> Setup {
 fn setup_with(ctx: &[Arc<CudaContext>], n: usize, (tag, policies, algorithm): PathSet, launch_spin: Option<Duration>) -> Setup {
     use std::io::Write;
     let streams: Vec<_> = (0..n).map(|r| ctx[r % ctx.len()].new_stream().unwrap()).collect();
-    let opts = GroupOptions { pull_policies: policies.clone(), algorithm, launch_spin, ..GroupOptions::default() };
+    let opts = GroupOptions::default().pull_policies(policies.clone()).algorithm(algorithm).launch_spin(launch_spin);
     let group = Group::new(streams.clone(), &opts).expect("group");
     let paths: Vec<String> = (0..n).map(|r| group.link_status(r).unwrap().path.to_string()).collect();
     let _ =
@@ -495,10 +495,16 @@ fn bad_input_is_refused() {
     assert!(matches!(Group::new(Vec::new(), &GroupOptions::default()), Err(Error::EmptyGroup)));
     let s = setup(&ctx, 2, ("p2p", Vec::new(), Algorithm::Auto));
     let shared: Vec<_> = (0..3).map(|r| ctx[r % 2].new_stream().unwrap()).collect();
-    let mesh_opts = GroupOptions { algorithm: Algorithm::Mesh, ..GroupOptions::default() };
-    assert!(matches!(Group::new(shared.clone(), &mesh_opts), Err(Error::InvalidArgument(_))), "mesh with a shared device");
-    let oneshot_opts = GroupOptions { algorithm: Algorithm::OneShot, ..GroupOptions::default() };
-    assert!(matches!(Group::new(shared, &oneshot_opts), Err(Error::InvalidArgument(_))), "one-shot with a shared device");
+    let mesh_opts = GroupOptions::default().algorithm(Algorithm::Mesh);
+    assert!(
+        matches!(Group::new(shared.clone(), &mesh_opts), Err(Error::AlgorithmUnavailable { algorithm: "mesh", .. })),
+        "mesh with a shared device"
+    );
+    let oneshot_opts = GroupOptions::default().algorithm(Algorithm::OneShot);
+    assert!(
+        matches!(Group::new(shared, &oneshot_opts), Err(Error::AlgorithmUnavailable { algorithm: "one-shot", .. })),
+        "one-shot with a shared device"
+    );
     let mut a = vec![s.streams[0].alloc_zeros::<f32>(10).unwrap(), s.streams[1].alloc_zeros::<f32>(11).unwrap()];
     assert!(matches!(s.group.all_reduce_in_place(&mut a, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
     let mut swapped = vec![s.streams[1].alloc_zeros::<f32>(10).unwrap(), s.streams[0].alloc_zeros::<f32>(10).unwrap()];
@@ -539,9 +545,9 @@ fn interleaved_sizes_and_algorithms() {
         let tag = set.0;
         let s = setup(&ctx, n, set);
         let counts = [1000usize, 300_001, 5_000_003];
-        let algos: Vec<Algorithm> = counts.iter().map(|c| s.group.all_reduce_algorithm(c * 4)).collect();
+        let algos: Vec<Selected> = counts.iter().map(|c| s.group.all_reduce_algorithm(c * 4)).collect();
         eprintln!("  {tag}: algorithms {algos:?}");
-        assert_eq!(algos[0], Algorithm::OneShot, "{tag}: the smallest buffer (and its unaligned view) must take the one-shot");
+        assert_eq!(algos[0], Selected::OneShot, "{tag}: the smallest buffer (and its unaligned view) must take the one-shot");
         let inputs: Vec<Vec<Vec<u32>>> = counts.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
         let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
         let mut rounds = [0u32; 5];

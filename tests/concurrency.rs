@@ -23,7 +23,7 @@ fn two_groups(test: &str, threads: bool, spin: Option<std::time::Duration>) {
         return;
     };
     let streams: Vec<_> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
-    let opts = GroupOptions { launch_spin: spin, ..GroupOptions::default() };
+    let opts = GroupOptions::default().launch_spin(spin);
     // Rank order reversed in the second group: its rank 0 is on device 1.
     let a = Arc::new(Group::new(streams.clone(), &opts).unwrap());
     let b = Arc::new(Group::new(vec![streams[1].clone(), streams[0].clone()], &opts).unwrap());

@@ -63,7 +63,7 @@ fn staged_copies_back_to_back_on_several_streams() {
     const SIZES: &[usize] = &[(4 << 20) + 13, 1 << 20, (16 << 20) + 256, 300 << 10, 12 << 20, 5, (2 << 20) + 1];
     for (a, b) in [(0, 1), (1, 0)] {
         for buffers in [2, 3] {
-            let opts = LinkOptions { staging_buffers: buffers, ..LinkOptions::with_policy(PathPolicy::StagedOnly) };
+            let opts = LinkOptions::with_policy(PathPolicy::StagedOnly).staging_buffers(buffers);
             let mut link = Link::open(&ctx[a], &ctx[b], &opts).expect("open link");
             let sa = ctx[a].new_stream().unwrap();
             let streams: Vec<_> = (0..3).map(|_| ctx[b].new_stream().unwrap()).collect();

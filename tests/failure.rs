@@ -22,7 +22,7 @@ fn random_u32(n: usize) -> Vec<u32> {
 
 /// The fused configurations, with a message size that takes them.
 fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
-    let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions { algorithm, ..GroupOptions::with_policy(policy) };
+    let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions::with_policy(policy).algorithm(algorithm);
     vec![
         ("one-shot over P2P", with(PathPolicy::P2pOnly, Algorithm::Auto), 1024),
         ("mesh", with(PathPolicy::P2pOnly, Algorithm::Mesh), (1 << 20) + 3),
@@ -107,7 +107,7 @@ fn a_rank_that_never_arrives_times_out() {
 }
 
 /// The fused algorithms run a check on real data when the group is created
-/// (`src/fused_check.rs`). Where it fails (a rank whose check kernel never
+/// (`src/algorithms/check.rs`). Where it fails (a rank whose check kernel never
 /// arrives, as when SM peer stores or flags are lost, or a failed launch),
 /// an Auto group keeps only the ring and gives exact results, and a forced
 /// algorithm is a typed error. Without a fault, the checks pass and the
@@ -115,11 +115,8 @@ fn a_rank_that_never_arrives_times_out() {
 #[test]
 fn fused_paths_that_fail_their_check_fall_back_to_the_ring() {
     let Some((_ctxs, streams)) = setup("fused_paths_that_fail_their_check_fall_back_to_the_ring") else { return };
-    let opts = |algorithm: Algorithm, fault: Option<(usize, Fault)>| GroupOptions {
-        algorithm,
-        barrier_timeout: Duration::from_millis(300),
-        check_fault: fault,
-        ..GroupOptions::with_policy(PathPolicy::P2pOnly)
+    let opts = |algorithm: Algorithm, fault: Option<(usize, Fault)>| {
+        GroupOptions::with_policy(PathPolicy::P2pOnly).algorithm(algorithm).barrier_timeout(Duration::from_millis(300)).check_fault(fault)
     };
     let healthy = Group::new(streams.clone(), &opts(Algorithm::Auto, None)).unwrap();
     assert!(healthy.uses_mesh() && healthy.oneshot_on_host() == Some(false), "a healthy pair keeps the mesh and the one-shot");

@@ -58,7 +58,7 @@ fn fresh_objects() -> Vec<Arc<CudaStream>> {
 
 /// The group configurations: every all-reduce algorithm the two GPUs run.
 fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
-    let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions { algorithm, ..GroupOptions::with_policy(policy) };
+    let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions::with_policy(policy).algorithm(algorithm);
     vec![
         ("one-shot over P2P", with(PathPolicy::Auto, Algorithm::OneShot), 1024),
         ("mesh", with(PathPolicy::Auto, Algorithm::Mesh), 1 << 18),
@@ -258,7 +258,7 @@ fn buffers_of_a_private_pool_are_refused_until_granted() {
         // is freed (cuMemFreeAsync) only by the slice.
         unsafe { streams[r].upgrade_device_ptr(ptr, count) }
     };
-    let with = |algorithm: Algorithm| GroupOptions { algorithm, ..GroupOptions::with_policy(PathPolicy::P2pOnly) };
+    let with = |algorithm: Algorithm| GroupOptions::with_policy(PathPolicy::P2pOnly).algorithm(algorithm);
     let groups = [("mesh", with(Algorithm::Mesh)), ("ring over P2P", with(Algorithm::Ring)), ("one-shot", with(Algorithm::OneShot))];
     for granted in [false, true] {
         if granted {

@@ -82,7 +82,7 @@ fn check(what: &str, streams: &[Arc<CudaStream>], bufs: &[CudaSlice<u32>], want:
 fn capture_and_replay(ctxs: &[Arc<CudaContext>], n: usize, tag: &str, policy: PathPolicy, algorithm: Algorithm, counts: &[usize]) {
     use std::io::Write;
     let streams: Vec<_> = (0..n).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
-    let group = Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::with_policy(policy) }).expect("group");
+    let group = Group::new(streams.clone(), &GroupOptions::with_policy(policy).algorithm(algorithm)).expect("group");
     for &count in counts {
         let algo = group.all_reduce_algorithm(count * 4);
         let what = format!("{tag} n={n} count={count} ({algo:?})");
@@ -205,7 +205,7 @@ fn graphs_outlive_their_group() {
         let streams: Vec<_> = (0..n).map(|r| ctxs[r].new_stream().unwrap()).collect();
         let mut send: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
         let mut recv: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
-        let group = Group::new(streams.clone(), &GroupOptions { algorithm, ..GroupOptions::with_policy(policy) }).expect("group");
+        let group = Group::new(streams.clone(), &GroupOptions::with_policy(policy).algorithm(algorithm)).expect("group");
         let inputs = random(n, count);
         fill(&streams, &mut send, &inputs);
         group.all_reduce(&send, &mut recv, ReduceOp::Sum).expect("eager all_reduce");

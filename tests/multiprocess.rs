@@ -33,7 +33,7 @@ const STAGED: &str = "CUDA_PEER_MP_STAGED";
 /// parent asked.
 fn child_opts() -> CommOptions {
     let path = if std::env::var_os(STAGED).is_some() { PathPolicy::StagedOnly } else { PathPolicy::Auto };
-    CommOptions { timeout: Duration::from_secs(30), share_devices: std::env::var_os(SHARE).is_some(), path, ..Default::default() }
+    CommOptions::default().timeout(Duration::from_secs(30)).share_devices(std::env::var_os(SHARE).is_some()).path(path)
 }
 
 /// The communicator of a child, on the path the parent asked for.
@@ -276,7 +276,7 @@ fn a_peer_that_exits_at_creation_fails_the_survivor_in_time() {
             std::process::exit(0);
         }
         let start = Instant::now();
-        let r = Comm::from_env(&CommOptions { timeout: Duration::from_secs(10), ..Default::default() });
+        let r = Comm::from_env(&CommOptions::default().timeout(Duration::from_secs(10)));
         assert!(r.is_err(), "rank 0 created a communicator without its peer");
         assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
         println!("rank 0: {:?} after {:?}", r.err(), start.elapsed());
@@ -310,7 +310,7 @@ fn a_peer_that_never_starts_is_a_timeout() {
 #[test]
 fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
     if child() {
-        let opts = CommOptions { timeout: Duration::from_secs(30), barrier_timeout: Duration::from_secs(2), ..Default::default() };
+        let opts = CommOptions::default().timeout(Duration::from_secs(30)).barrier_timeout(Duration::from_secs(2));
         let comm = Comm::from_env(&opts).unwrap();
         let mut x = comm.stream().clone_htod(&[1.0f32; 1000]).unwrap();
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
@@ -345,13 +345,8 @@ fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
 #[test]
 fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
     if child() {
-        let comm = Comm::from_env(&CommOptions {
-            timeout: Duration::from_secs(30),
-            barrier_timeout: Duration::from_millis(500),
-            check_calls: false,
-            ..Default::default()
-        })
-        .unwrap();
+        let opts = CommOptions::default().timeout(Duration::from_secs(30)).barrier_timeout(Duration::from_millis(500)).check_calls(false);
+        let comm = Comm::from_env(&opts).unwrap();
         comm.exchange().barrier().unwrap();
         if comm.rank() == 1 {
             std::process::exit(0);
@@ -509,7 +504,7 @@ fn check_collectives<T: Num>(comm: &Comm, seed: &mut u64) {
 /// A child's body of the collectives tests: a staging buffer of 1 MiB, so
 /// that the larger sizes take several chunks.
 fn collectives_child() {
-    let opts = CommOptions { buffer_bytes: 1 << 20, ..child_opts() };
+    let opts = child_opts().buffer_bytes(1 << 20);
     let comm = child_comm(&opts);
     let mut seed = 1000;
     check_collectives::<f32>(&comm, &mut seed);

@@ -193,16 +193,16 @@ fn raw_all_reduce_every_algorithm() {
     assert_eq!(auto.group.all_reduce_algorithm(4096), Algorithm::OneShot);
     sizes_and_types(&auto, "auto", &[4096, 16 << 20, (4 << 20) + 4]);
     let forced = [
-        ("ring", GroupOptions { algorithm: Algorithm::Ring, ..GroupOptions::default() }),
-        ("staged-ring", GroupOptions { algorithm: Algorithm::Ring, ..GroupOptions::with_policy(PathPolicy::StagedOnly) }),
-        ("host-oneshot", GroupOptions { algorithm: Algorithm::OneShot, ..GroupOptions::with_policy(PathPolicy::StagedOnly) }),
+        ("ring", GroupOptions::default().algorithm(Algorithm::Ring)),
+        ("staged-ring", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::Ring)),
+        ("host-oneshot", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::OneShot)),
     ];
     for (tag, opts) in forced {
         let s = setup(two, 2, &opts);
         sizes_and_types(&s, tag, &[4096, 1 << 20]);
     }
     if p2p {
-        let s = setup(two, 2, &GroupOptions { algorithm: Algorithm::Mesh, ..GroupOptions::default() });
+        let s = setup(two, 2, &GroupOptions::default().algorithm(Algorithm::Mesh));
         sizes_and_types(&s, "mesh", &[4096, 16 << 20]);
     }
     // Three ranks on the GPUs there are: the ring (several ranks per device on two GPUs).

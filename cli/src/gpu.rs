@@ -170,6 +170,8 @@ pub fn spawn_child(kind: ChildKind, from: usize, to: usize, bytes: usize, timeou
     };
     let mut cmd = Command::new(exe);
     cmd.args(["__check", kind.name(), &from.to_string(), &to.to_string(), "--bytes", &bytes.to_string()]);
+    // A check never follows an earlier run's verdicts (it forces its paths anyway).
+    cmd.env(cuda_peer::verdict::NO_CACHE_ENV, "1");
     run_with_timeout(cmd, timeout)
 }
 
@@ -386,7 +388,7 @@ fn child_copy(from: usize, to: usize, bytes: usize) -> R<()> {
 /// forced and P2P only; random u32 data, checked exactly against a CPU
 /// wrapping sum on both ranks.
 fn child_allreduce(from: usize, to: usize, algorithm: Algorithm) -> Outcome {
-    let opts = GroupOptions { algorithm, ..GroupOptions::with_policy(PathPolicy::P2pOnly) };
+    let opts = GroupOptions::with_policy(PathPolicy::P2pOnly).algorithm(algorithm);
     let group = match Group::from_devices(&[from, to], &opts) {
         Ok(g) => g,
         Err(Error::PeerUnsupported { .. }) => return Outcome::Skipped("the driver reports no peer access".into()),

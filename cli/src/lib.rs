@@ -96,9 +96,11 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
     let exit_code = rules::exit_code(&verdicts, have_gpu);
     let driver_version = facts.driver.version.clone().or_else(|| nvml.driver_version());
     let mut cache_written = None;
-    if let (true, Some(path), Some(dv), Some(boot)) = (have_gpu, &opts.cache_path, &driver_version, &facts.boot_id) {
-        let key = cache::CacheKey { driver_version: dv.clone(), boot_id: boot.clone(), bus_ids: bdfs.clone() };
-        match cache::write(path, &cache::Cache::new(key, &verdicts)) {
+    if let (true, Some(path)) = (have_gpu, &opts.cache_path) {
+        // The key the library computes for itself (cuda_peer::verdict), so
+        // that the two match by construction.
+        let entries = pairs.iter().map(|p| cache::entry(&p.verdict, p.speeds.as_ref())).collect();
+        match cache::CacheKey::current().map(|key| cache::Cache::new(key, entries)).and_then(|c| c.write(path)) {
             Ok(()) => cache_written = Some(path.display().to_string()),
             Err(e) => notes.push(format!("could not write the verdict cache {}: {e}", path.display())),
         }

@@ -1,7 +1,7 @@
 //! `cuda-peer`: `cuda-peer doctor [--json] [--wake]`.
 
 use clap::{Parser, Subcommand};
-use cuda_peer_cli::{cache, doctor, gpu, report, DoctorOptions};
+use cuda_peer_cli::{doctor, gpu, report, DoctorOptions};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -36,7 +36,8 @@ enum Cmd {
         /// Start no new checks after this many seconds.
         #[arg(long, default_value_t = 60)]
         budget: u64,
-        /// Do not write the verdict cache.
+        /// Do not write the verdict cache (written to $CUDA_PEER_DOCTOR_CACHE,
+        /// else $XDG_CACHE_HOME/cuda-peer/doctor.json or ~/.cache/cuda-peer/doctor.json).
         #[arg(long)]
         no_cache: bool,
         /// Read sysfs and procfs under this directory instead of `/` (for tests).
@@ -69,11 +70,8 @@ fn main() {
             }
         },
         Cmd::Doctor { json, wake, timeout, bytes, budget, no_cache, root } => {
-            let cache_path = if no_cache {
-                None
-            } else {
-                cache::cache_path(std::env::var("XDG_CACHE_HOME").ok().as_deref(), std::env::var("HOME").ok().as_deref())
-            };
+            // Where the library reads it: $CUDA_PEER_DOCTOR_CACHE, else the XDG cache.
+            let cache_path = if no_cache { None } else { cuda_peer::verdict::cache_path() };
             let opts = DoctorOptions {
                 root,
                 wake,

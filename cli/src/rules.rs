@@ -483,8 +483,11 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
         return (l, p, s + &suspects(findings));
     }
     if let Some(sp) = &input.speeds {
-        if let (Some(p2p), Some(st)) = (sp.p2p_gbs, sp.staged_gbs) {
-            if p2p < st {
+        if let Some(sample) = crate::cache::speed_sample(sp) {
+            let (p2p, st) = (sample.p2p_gbs, sample.staged_gbs);
+            // The rule the library applies to the cached speeds too.
+            let faster = cuda_peer::verdict::faster_path(&sample);
+            if faster == Some(cuda_peer::verdict::CachedPath::Staged) {
                 findings.push(finding(
                     Severity::Problem,
                     format!("P2P works but is slower than host staging on this path ({p2p:.1} against {st:.1} GB/s)"),
@@ -492,6 +495,13 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
                 ));
                 let s = format!("P2P works but is slower than host staging on this path ({p2p:.1} against {st:.1} GB/s): staged is used");
                 return (Level::Degraded, UsePath::Staged, s + &suspects(findings));
+            }
+            if faster.is_none() {
+                let s = format!(
+                    "P2P verified (copy engine and SM loads/stores), {p2p:.1} GB/s against {st:.1} GB/s staged at {} bytes (too small a copy to compare the paths)",
+                    sample.bytes
+                );
+                return (Level::Ok, UsePath::P2p, s);
             }
             return (Level::Ok, UsePath::P2p, format!("P2P verified (copy engine and SM loads/stores), {p2p:.1} GB/s against {st:.1} GB/s staged"));
         }

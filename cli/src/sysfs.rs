@@ -24,16 +24,8 @@ fn read_at(dir: &Path, name: &str) -> Option<String> {
 /// Normalises a PCI bus id (`00000000:19:00.0`, `0000:19:00.0`, `19:00.0`,
 /// any case) to sysfs' form, `0000:19:00.0`.
 pub fn normalize_bdf(id: &str) -> String {
-    let id = id.trim().to_ascii_lowercase();
-    let parts: Vec<&str> = id.split(':').collect();
-    match parts.as_slice() {
-        [dom, bus, devfn] => {
-            let dom = u32::from_str_radix(dom, 16).unwrap_or(0);
-            format!("{dom:04x}:{bus:0>2}:{devfn}")
-        }
-        [bus, devfn] => format!("0000:{bus:0>2}:{devfn}"),
-        _ => id,
-    }
+    // One spelling for the doctor and the library's verdict cache.
+    cuda_peer::verdict::normalize_bus_id(id)
 }
 
 /// What the kernel command line says about the IOMMU and ACS.

@@ -261,7 +261,7 @@ fn verdict_cache_round_trip_and_keying() {
     let Some(f) = facts("acs-switch") else { return };
     let slow = rules::judge(&f, &input(&f, 24 * G, p2p_driver(false), all_pass(), speeds(6.0, 12.0)));
     let key = CacheKey { driver_version: "550.54.15".into(), boot_id: "b".into(), bus_ids: vec!["0000:03:00.0".into(), "0000:04:00.0".into()] };
-    let c = Cache::new(key.clone(), &[slow]);
+    let c = Cache::new(key.clone(), vec![cache::entry(&slow, Some(&speeds(6.0, 12.0)))]);
     let dir = std::env::temp_dir().join(format!("cuda-peer-cli-cache-{}", std::process::id()));
     let path = dir.join("cuda-peer/doctor.json");
     cache::write(&path, &c).unwrap();
@@ -271,7 +271,27 @@ fn verdict_cache_round_trip_and_keying() {
     assert_eq!(cache::decide(&back, &key, "0000:04:00.0", "0000:03:00.0"), None, "the reverse pair was not judged");
     let rebooted = CacheKey { boot_id: "other".into(), ..key.clone() };
     assert_eq!(cache::decide(&back, &rebooted, "0000:03:00.0", "0000:04:00.0"), None);
-    let new_driver = CacheKey { driver_version: "560.28.03".into(), ..key };
+    let new_driver = CacheKey { driver_version: "560.28.03".into(), ..key.clone() };
     assert_eq!(cache::decide(&back, &new_driver, "0000:03:00.0", "0000:04:00.0"), None);
+
+    // The library reads what the doctor wrote: the same file, the same
+    // verdict and speeds, and the same speed rule.
+    let lib = cuda_peer::verdict::Cache::read(&path).expect("the library reads the doctor's file");
+    assert_eq!(lib.applies_to(&key), Ok(()));
+    let p = lib.pair("0000:03:00.0", "0000:04:00.0").expect("the pair's verdict");
+    assert_eq!(p.path, cache::CachedPath::Staged);
+    assert!(p.summary.contains("slower than host staging"), "{}", p.summary);
+    let sample = p.speed.expect("the speeds were cached");
+    assert_eq!((sample.bytes, sample.p2p_gbs, sample.staged_gbs), (64 << 20, 6.0, 12.0));
+    assert_eq!(cuda_peer::verdict::faster_path(&sample), Some(cuda_peer::verdict::CachedPath::Staged));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn small_timed_copies_do_not_decide_the_path() {
+    let Some(f) = facts("acs-switch") else { return };
+    let small = Speeds { bytes: 4096, ..speeds(1.0, 2.0) };
+    let v = rules::judge(&f, &input(&f, 24 * G, p2p_driver(false), all_pass(), small));
+    assert_eq!(v.use_path, UsePath::P2p, "{}", v.summary);
+    assert!(v.summary.contains("too small a copy"), "{}", v.summary);
 }

@@ -16,22 +16,23 @@
 //! recorded after the copy, so a buffer dropped while the copy is in flight
 //! is freed only after it (the ordering lives in the private `sync` module).
 
-pub mod plan;
+pub(crate) mod plan;
+pub(crate) mod route;
 pub(crate) mod staged;
-pub mod verify;
+pub(crate) mod verify;
 
-use crate::driver::{api, bind};
-use crate::error::{check, cudarc_err, Error, Result};
+use crate::driver::api;
+use crate::error::{cudarc_err, Error, Result};
 use crate::graph::{capture_of, retain, KeepAlive};
-use crate::peer::{raw_ctx, PeerAccess};
+use crate::peer::PeerAccess;
 use crate::sync::{tracking, with_read, with_write, Orderer, Tracking};
 use crate::topology::link_info;
-use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use route::{copy_direct, Direct};
 use staged::{Staging, Start};
 use std::sync::Arc;
 use std::time::Duration;
-pub use verify::Verdict;
+use verify::Verdict;
 
 /// How a link carries data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -57,7 +58,9 @@ impl std::fmt::Display for Path {
 /// Which path a link may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum PathPolicy {
-    /// P2P where the driver supports it and verification passes, else staged.
+    /// P2P where the driver supports it and verification passes, else
+    /// staged; a pair that `cuda-peer doctor`'s cached verdict for this
+    /// machine stages is staged without trying P2P ([`crate::verdict`]).
     #[default]
     Auto,
     /// P2P or an error ([`Error::P2pUnavailable`], [`Error::PeerUnsupported`], ...).
@@ -78,8 +81,11 @@ impl std::str::FromStr for PathPolicy {
     }
 }
 
-/// Settings for opening a link.
+/// Settings for opening a link: `LinkOptions::default()` or
+/// [`LinkOptions::with_policy`], then the builder-style setters (one per
+/// field), e.g. `LinkOptions::default().verify(false)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LinkOptions {
     /// Path policy.
     pub policy: PathPolicy,
@@ -91,6 +97,11 @@ pub struct LinkOptions {
     pub staging_chunk_bytes: usize,
     /// Pinned staging buffers per link, at least 2. Default 3.
     pub staging_buffers: usize,
+    /// Under [`PathPolicy::Auto`], follow the verdicts `cuda-peer doctor`
+    /// cached for this machine (default on): a pair it found unusable by
+    /// P2P, or slower by P2P than staged, is staged without trying P2P.
+    /// Off here or with `CUDA_PEER_NO_DOCTOR_CACHE=1`. See [`crate::verdict`].
+    pub use_doctor_verdicts: bool,
 }
 
 impl Default for LinkOptions {
@@ -101,6 +112,7 @@ impl Default for LinkOptions {
             verify_timeout: Duration::from_secs(10),
             staging_chunk_bytes: 4 << 20,
             staging_buffers: 3,
+            use_doctor_verdicts: true,
         }
     }
 }
@@ -109,6 +121,42 @@ impl LinkOptions {
     /// Default options with `policy`.
     pub fn with_policy(policy: PathPolicy) -> Self {
         LinkOptions { policy, ..Default::default() }
+    }
+
+    /// Sets [`Self::policy`].
+    pub fn policy(mut self, policy: PathPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets [`Self::verify`].
+    pub fn verify(mut self, verify: bool) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// Sets [`Self::verify_timeout`].
+    pub fn verify_timeout(mut self, verify_timeout: Duration) -> Self {
+        self.verify_timeout = verify_timeout;
+        self
+    }
+
+    /// Sets [`Self::staging_chunk_bytes`].
+    pub fn staging_chunk_bytes(mut self, staging_chunk_bytes: usize) -> Self {
+        self.staging_chunk_bytes = staging_chunk_bytes;
+        self
+    }
+
+    /// Sets [`Self::staging_buffers`].
+    pub fn staging_buffers(mut self, staging_buffers: usize) -> Self {
+        self.staging_buffers = staging_buffers;
+        self
+    }
+
+    /// Sets [`Self::use_doctor_verdicts`].
+    pub fn use_doctor_verdicts(mut self, use_doctor_verdicts: bool) -> Self {
+        self.use_doctor_verdicts = use_doctor_verdicts;
+        self
     }
 }
 
@@ -121,7 +169,9 @@ pub struct LinkStatus {
     pub driver_claims_p2p: bool,
     /// The verification result, if one ran.
     pub verified: Option<bool>,
-    /// A human-readable reason for the path.
+    /// A human-readable reason for the path. Where the doctor's cache
+    /// decided it, or confirmed P2P, it says `doctor verdict (cache <path>): ...`
+    /// ([`crate::verdict`]).
     pub reason: String,
 }
 
@@ -155,34 +205,43 @@ pub(crate) fn enable_both(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Result<
 /// verifying it. Returns the guards (empty when staged) and the status.
 pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOptions) -> Result<(Vec<PeerAccess>, LinkStatus)> {
     let (from, to) = (a.ordinal(), b.ordinal());
-    if from == to {
-        let status = LinkStatus { path: Path::Local, driver_claims_p2p: true, verified: None, reason: "same device".into() };
-        return Ok((Vec::new(), status));
-    }
-    let claims = link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer;
+    let same_device = from == to;
+    let claims = same_device || (link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer);
     let staged = |reason: String, verified| Ok((Vec::new(), LinkStatus { path: Path::Staged, driver_claims_p2p: claims, verified, reason }));
     let fail = |reason: String| Err(Error::P2pUnavailable { from, to, reason });
-    match opts.policy {
-        PathPolicy::StagedOnly => return staged("staged by policy".into(), None),
-        PathPolicy::P2pOnly if !claims => return Err(Error::PeerUnsupported { from, to }),
-        PathPolicy::Auto if !claims => return staged("driver reports no peer access".into(), None),
-        _ => {}
+    match route::first_step(opts.policy, same_device, claims) {
+        route::FirstStep::Local => {
+            let status = LinkStatus { path: Path::Local, driver_claims_p2p: true, verified: None, reason: "same device".into() };
+            return Ok((Vec::new(), status));
+        }
+        route::FirstStep::Staged(reason) => return staged(reason.into(), None),
+        route::FirstStep::Unsupported => return Err(Error::PeerUnsupported { from, to }),
+        route::FirstStep::TryP2p => {}
     }
+    // Issue 18 hook (crate::verdict): under Auto, the doctor's cached verdict
+    // for this pair may stage it without trying P2P; a `p2p` verdict only
+    // adds its note to the reason below.
+    let doctor = if opts.policy == PathPolicy::Auto { crate::verdict::consult(from, to, opts.use_doctor_verdicts) } else { None };
+    if let Some(advice) = doctor.as_ref().filter(|a| a.stage) {
+        return staged(advice.reason.clone(), None);
+    }
+    let note = |reason: &str| crate::verdict::annotate(reason, doctor.as_ref());
+    // End of the issue 18 hook.
     let access = match enable_both(a, b) {
         Ok(g) => g,
-        Err(e) if opts.policy == PathPolicy::Auto => {
+        Err(e) if route::falls_back(opts.policy) => {
             log::warn!("link {from} <-> {to}: enabling peer access failed ({e}); using the staged path");
             return staged(format!("enabling peer access failed: {e}"), None);
         }
         Err(e) => return Err(e),
     };
     if !opts.verify {
-        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: "P2P, not verified".into() };
+        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: note("P2P, not verified") };
         return Ok((access, status));
     }
     let why = match verify::verify_pair(a, b, opts.verify_timeout) {
         Ok(Verdict::Ok) => {
-            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: "P2P, verified".into() };
+            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: note("P2P, verified") };
             return Ok((access, status));
         }
         Ok(Verdict::Corrupt { wrong, first }) => {
@@ -191,11 +250,11 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         Err(e) => format!("verification failed: {e}"),
     };
     drop(access);
-    if opts.policy == PathPolicy::P2pOnly {
+    if !route::falls_back(opts.policy) {
         return fail(why);
     }
     log::warn!("link {from} <-> {to}: the driver reports P2P but {why}; using the staged path");
-    staged(why, Some(false))
+    staged(note(&why), Some(false))
 }
 
 /// Checks that `got` (a buffer's or stream's context) is `expected`'s CUDA
@@ -273,22 +332,21 @@ impl Link {
         if bytes == 0 {
             return Ok(());
         }
-        let api = api()?;
-        let raw_stream = stream.cu_stream() as sys::CUstream;
+        api()?;
         match self.status.path {
             Path::Local => with_read(src, stream, &self.order, |s| {
                 with_write(dst, stream, &self.order, |d| {
-                    bind(&self.dst)?;
                     // SAFETY: both ranges hold `bytes` bytes (lengths checked)
-                    // and stay alive: their events are recorded after this.
-                    check("cuMemcpyDtoDAsync", unsafe { api.cuMemcpyDtoDAsync_v2(d, s, bytes, raw_stream) })
+                    // on the destination device and stay alive: their events
+                    // are recorded after this.
+                    unsafe { copy_direct(Direct::Local, d, &self.dst, s, &self.dst, bytes, stream) }
                 })
             }),
             Path::P2p => with_read(src, stream, &self.order, |s| {
                 with_write(dst, stream, &self.order, |d| {
-                    bind(&self.dst)?;
-                    // SAFETY: as above; both contexts are alive (held by the link).
-                    check("cuMemcpyPeerAsync", unsafe { api.cuMemcpyPeerAsync(d, raw_ctx(&self.dst), s, raw_ctx(&self.src), bytes, raw_stream) })?;
+                    // SAFETY: as above, `s` on the source device; peer access
+                    // is held by the link, and both contexts are alive.
+                    unsafe { copy_direct(Direct::Peer, d, &self.dst, s, &self.src, bytes, stream) }?;
                     self.done.record(stream).map_err(cudarc_err("cuEventRecord"))
                 })
             }),

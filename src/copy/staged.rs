@@ -1,6 +1,6 @@
 //! Pinned host staging buffers for the device -> host -> device path.
 
-use crate::driver::{api, bind};
+use crate::driver::{api, bind, raw_stream};
 use crate::error::{check, cudarc_err, Result};
 use crate::sync::is_capturing;
 use cuda_peer_sys as sys;
@@ -152,7 +152,7 @@ impl Staging {
     /// the staging stream after the source's writers or, with
     /// [`Start::AfterStream`], `stream` after them.
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &CudaStream, start: Start) -> Result<()> {
-        let h2d_raw = stream.cu_stream() as sys::CUstream;
+        let h2d_raw = raw_stream(stream);
         self.transfer(src, bytes, stream, start, |host, offset, len| {
             // SAFETY: `dst + offset .. + len` lies in the destination (the
             // caller checked lengths); the pinned chunk holds `len` bytes
@@ -176,7 +176,7 @@ impl Staging {
         mut on_chunk: impl FnMut(*const u8, usize, usize) -> Result<()>,
     ) -> Result<()> {
         let api = api()?;
-        let d2h_raw = self.d2h.cu_stream() as sys::CUstream;
+        let d2h_raw = raw_stream(&self.d2h);
         let capturing = is_capturing(stream)?;
         let mut rot = self.rotation.lock().unwrap_or_else(PoisonError::into_inner);
         let n = self.buffers.len();

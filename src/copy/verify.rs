@@ -4,11 +4,9 @@
 //! landed in the wrong place, so the driver's answer is only a hint.
 
 use super::staged::PinnedBuffer;
-use crate::driver::{api, bind};
+use crate::driver::{api, bind, raw_context, raw_stream};
 use crate::error::{check, cudarc_err, Result};
-use crate::peer::raw_ctx;
 use crate::sync::{wait_bounded, wait_for};
-use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, DevicePtr};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -90,11 +88,11 @@ pub fn verify_direction(from: &Arc<CudaContext>, to: &Arc<CudaContext>, timeout:
         let (sp, _r1) = src.device_ptr(&s_from);
         let (dp, _r2) = dst.device_ptr(&s_to);
         bind(to)?;
-        let raw = s_to.cu_stream() as sys::CUstream;
+        let raw = raw_stream(&s_to);
         // SAFETY: both allocations hold `n` bytes and live until the event
         // below completes (or are leaked on timeout); the pinned buffer holds `n`.
         unsafe {
-            check("cuMemcpyPeerAsync", api.cuMemcpyPeerAsync(dp, raw_ctx(to), sp, raw_ctx(from), n, raw))?;
+            check("cuMemcpyPeerAsync", api.cuMemcpyPeerAsync(dp, raw_context(to), sp, raw_context(from), n, raw))?;
             check("cuMemcpyDtoHAsync", api.cuMemcpyDtoHAsync_v2(readback.addr().cast(), dp, n, raw))?;
         }
     }

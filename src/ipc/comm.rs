@@ -4,7 +4,7 @@
 //! [`DeviceRegion`] of its own device memory that every peer process
 //! imports and maps.
 //!
-//! * all-reduce: the one-shot of [`crate::oneshot`]; each rank's kernel
+//! * all-reduce: the one-shot of `crate::algorithms::oneshot`; each rank's kernel
 //!   pushes its input into its peers' regions (SM stores over P2P);
 //! * all-gather, broadcast, reduce-scatter, reduce: in chunks of half the
 //!   staging buffer ([`CommOptions::buffer_bytes`]), alternating halves:
@@ -60,13 +60,14 @@ use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener};
 use super::shm::{board_bytes, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
+use crate::algorithms::oneshot::{lane_index, layout, LaneLayout};
 use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
-use crate::group::{mesh_kernel, reduce_kernel, FnTable, PtrArray};
 use crate::kernels;
-use crate::oneshot::{lane_index, layout, LaneLayout};
+use crate::kernels::load::{function, FnTable, PtrArray};
+use crate::kernels::{Kernel, KernelOp};
 use crate::sync::{wait_bounded, Orderer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::os::fd::AsFd;
@@ -87,8 +88,10 @@ const BOARD_TAG: u64 = 1 << 63;
 /// The tag of the staged path's shared host buffer (with its length).
 const HOST_TAG: u64 = 1 << 62;
 
-/// Settings of a [`Comm`].
+/// Settings of a [`Comm`]: `CommOptions::default()`, then the
+/// builder-style setters (one per field).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CommOptions {
     /// Bound on each creation step that waits for peers or the device (the
     /// descriptor exchange, the verification).
@@ -145,6 +148,50 @@ impl Default for CommOptions {
             path: PathPolicy::Auto,
             barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
         }
+    }
+}
+
+impl CommOptions {
+    /// Sets [`Self::timeout`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`Self::verify`].
+    pub fn verify(mut self, verify: bool) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// Sets [`Self::check_calls`].
+    pub fn check_calls(mut self, check_calls: bool) -> Self {
+        self.check_calls = check_calls;
+        self
+    }
+
+    /// Sets [`Self::barrier_timeout`].
+    pub fn barrier_timeout(mut self, barrier_timeout: Duration) -> Self {
+        self.barrier_timeout = barrier_timeout;
+        self
+    }
+
+    /// Sets [`Self::buffer_bytes`].
+    pub fn buffer_bytes(mut self, buffer_bytes: usize) -> Self {
+        self.buffer_bytes = buffer_bytes;
+        self
+    }
+
+    /// Sets [`Self::share_devices`].
+    pub fn share_devices(mut self, share_devices: bool) -> Self {
+        self.share_devices = share_devices;
+        self
+    }
+
+    /// Sets [`Self::path`].
+    pub fn path(mut self, path: PathPolicy) -> Self {
+        self.path = path;
+        self
     }
 }
 
@@ -234,14 +281,6 @@ impl RankInfo {
     }
 }
 
-/// This host's identity: its name and boot id (two containers of one
-/// machine share the boot id but may not share device memory handles, so
-/// the name is part of it).
-fn host_identity() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
-    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
-}
-
 /// All-gathers each rank's outcome of a step: `Ok(values)` where every rank
 /// succeeded, else the first failing rank's error (this rank's own first).
 fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<Vec<String>> {
@@ -270,7 +309,10 @@ fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<()> {
     }
     for (r, i) in infos.iter().enumerate() {
         if i.host != infos[0].host {
-            return Err(Error::Unsupported(format!("ranks on several hosts (rank 0 on {}, rank {r} on {})", infos[0].host, i.host)));
+            return Err(Error::Unsupported(format!(
+                "ranks on several hosts (rank 0 on {}, rank {r} on {}): use ipc::nccl::NcclComm between hosts",
+                infos[0].host, i.host
+            )));
         }
         if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus).filter(|_| !share_devices) {
             return Err(Error::Unsupported(format!(
@@ -322,7 +364,7 @@ impl Comm {
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
-            let info = RankInfo { host: host_identity(), bus, region: staging };
+            let info = RankInfo { host: super::host_identity(), bus, region: staging };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
             Ok((ctx, stream, info, board))
@@ -681,8 +723,8 @@ impl Comm {
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
         let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
-        let kop = op.kernel_op();
-        let f = self.funcs.get(kop, dtype, || mesh_kernel(&self.ctx, "cp_oneshot", kop, dtype))?;
+        let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
+        let f = self.funcs.get(kernel, || function(&self.ctx, kernel))?;
         let mut launch = self.stream.launch_builder(f);
         launch
             .arg(&lane.push)
@@ -711,7 +753,7 @@ impl Comm {
         // device, so every rank's blocks can be resident at once.
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         if op == ReduceOp::Avg && self.size > 1 {
-            let f = self.div.get("div", dtype, || reduce_kernel(&self.ctx, &kernels::scale_div_name(dtype.name())))?;
+            let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
             let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
             let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
             let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };

@@ -55,6 +55,10 @@
 //! every float operation with its rounding (`add.rn`, `mul.rn`: NVRTC ran
 //! with `--fmad=false`), so no contraction can change a result.
 
+pub(crate) mod load;
+
+use crate::dtype::{DType, ReduceOp};
+
 /// Architectures with embedded cubins, `(major, minor)`, in the order of
 /// [`KernelModule`]'s cubins (keep in step with `CUBIN_ARCHS` in
 /// `kernels/gen.sh`).
@@ -64,73 +68,215 @@ pub(crate) const CUBIN_ARCHS: [(u32, u32); 5] = [(7, 0), (8, 0), (9, 0), (10, 0)
 pub(crate) struct KernelModule {
     /// File name without extension (`reduce`, `mesh_f32`, ...).
     pub(crate) name: &'static str,
-    /// Its index in [`modules`].
-    index: usize,
+    /// Its PTX text.
+    ptx: fn() -> &'static str,
+    /// Its compressed cubins, in the order of [`CUBIN_ARCHS`].
+    cubins: fn() -> [&'static [u8]; CUBIN_ARCHS.len()],
 }
 
-/// The embedded files, by module index. Plain functions that are never
-/// inlined: a static or const holding the bytes (or an inlinable function)
-/// would also be written into the rlib's metadata, doubling its size.
+/// The embedded files, one module of plain functions per kernel module.
+/// Functions that are never inlined: a static or const holding the bytes
+/// (or an inlinable function) would also be written into the rlib's
+/// metadata, doubling its size.
 macro_rules! embedded {
-    ($($i:literal => $name:literal,)*) => {
-        /// Every embedded module: [`REDUCE`] first, then the mesh modules in
-        /// the order of `DType::ALL`.
+    ($($file:ident => $name:literal,)*) => {
+        mod files {
+            use super::CUBIN_ARCHS;
+            $(
+                pub(super) mod $file {
+                    use super::CUBIN_ARCHS;
+                    #[inline(never)]
+                    pub(in super::super) fn ptx() -> &'static str {
+                        include_str!(concat!($name, ".ptx"))
+                    }
+                    #[inline(never)]
+                    pub(in super::super) fn cubins() -> [&'static [u8]; CUBIN_ARCHS.len()] {
+                        [
+                            include_bytes!(concat!("cubin/sm_70/", $name, ".cubin.zst")),
+                            include_bytes!(concat!("cubin/sm_80/", $name, ".cubin.zst")),
+                            include_bytes!(concat!("cubin/sm_90/", $name, ".cubin.zst")),
+                            include_bytes!(concat!("cubin/sm_100/", $name, ".cubin.zst")),
+                            include_bytes!(concat!("cubin/sm_120/", $name, ".cubin.zst")),
+                        ]
+                    }
+                }
+            )*
+            const _: usize = CUBIN_ARCHS.len();
+        }
+
+        /// Every embedded module, in the order of [`Module::index`]: the
+        /// reduction module first, then the mesh modules in the order of
+        /// `DType::ALL`.
         pub(crate) fn modules() -> &'static [KernelModule; 11] {
-            static MODULES: [KernelModule; 11] = [$(KernelModule { name: $name, index: $i }),*];
+            static MODULES: [KernelModule; 11] = [$(KernelModule { name: $name, ptx: files::$file::ptx, cubins: files::$file::cubins }),*];
             &MODULES
-        }
-
-        #[inline(never)]
-        fn ptx_of(index: usize) -> &'static str {
-            match index {
-                $($i => include_str!(concat!($name, ".ptx")),)*
-                _ => "",
-            }
-        }
-
-        #[inline(never)]
-        fn cubins_of(index: usize) -> [&'static [u8]; CUBIN_ARCHS.len()] {
-            match index {
-                $($i => [
-                    include_bytes!(concat!("cubin/sm_70/", $name, ".cubin.zst")),
-                    include_bytes!(concat!("cubin/sm_80/", $name, ".cubin.zst")),
-                    include_bytes!(concat!("cubin/sm_90/", $name, ".cubin.zst")),
-                    include_bytes!(concat!("cubin/sm_100/", $name, ".cubin.zst")),
-                    include_bytes!(concat!("cubin/sm_120/", $name, ".cubin.zst")),
-                ],)*
-                _ => [&[]; CUBIN_ARCHS.len()],
-            }
         }
     };
 }
 
 embedded! {
-    0 => "reduce",
-    1 => "mesh_f32",
-    2 => "mesh_f64",
-    3 => "mesh_f16",
-    4 => "mesh_bf16",
-    5 => "mesh_i32",
-    6 => "mesh_i64",
-    7 => "mesh_u32",
-    8 => "mesh_u64",
-    9 => "mesh_i8",
-    10 => "mesh_u8",
+    reduce => "reduce",
+    mesh_f32 => "mesh_f32",
+    mesh_f64 => "mesh_f64",
+    mesh_f16 => "mesh_f16",
+    mesh_bf16 => "mesh_bf16",
+    mesh_i32 => "mesh_i32",
+    mesh_i64 => "mesh_i64",
+    mesh_u32 => "mesh_u32",
+    mesh_u64 => "mesh_u64",
+    mesh_i8 => "mesh_i8",
+    mesh_u8 => "mesh_u8",
 }
 
 /// PTX text of the reduction kernels (for tests that read it).
 #[cfg(test)]
 pub(crate) const REDUCE_PTX: &str = include_str!("reduce.ptx");
 
-/// Index in [`modules`] of the reduction kernels (`kernels/reduce.cu` built
-/// with `-DCP_BUILD_REDUCE`).
-pub(crate) const REDUCE: usize = 0;
+/// The index of `dtype` in `DType::ALL` (and among the mesh modules).
+pub(crate) fn dtype_index(dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+        DType::I32 => 4,
+        DType::I64 => 5,
+        DType::U32 => 6,
+        DType::U64 => 7,
+        DType::I8 => 8,
+        DType::U8 => 9,
+    }
+}
 
-/// Index in [`modules`] of the mesh and one-shot all-reduce kernels for
-/// element type `ty` (`kernels/reduce.cu` built with `-DCP_MESH_TY_{ty}`),
-/// one module per type.
-pub(crate) fn mesh_module(ty: &str) -> Option<usize> {
-    modules().iter().skip(1).position(|m| m.name.strip_prefix("mesh_") == Some(ty)).map(|i| i + 1)
+/// An embedded kernel module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Module {
+    /// The ring's reductions and the division of avg (`kernels/reduce.cu`
+    /// built with `-DCP_BUILD_REDUCE`).
+    Reduce,
+    /// The mesh and one-shot all-reduce kernels of one element type
+    /// (`kernels/reduce.cu` built with `-DCP_MESH_TY_{ty}`).
+    Mesh(DType),
+}
+
+impl Module {
+    /// Its index in [`modules`].
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Module::Reduce => 0,
+            Module::Mesh(dtype) => 1 + dtype_index(dtype),
+        }
+    }
+
+    /// Every module: the reduction module, then the mesh modules in the
+    /// order of `DType::ALL`.
+    pub(crate) fn all() -> [Module; 11] {
+        let mut all = [Module::Reduce; 11];
+        for (i, d) in DType::ALL.into_iter().enumerate() {
+            all[i + 1] = Module::Mesh(d);
+        }
+        all
+    }
+
+    /// Its files.
+    pub(crate) fn files(self) -> &'static KernelModule {
+        &modules()[self.index()]
+    }
+}
+
+/// How a kernel combines two values: a [`ReduceOp`]'s kernel operation
+/// (avg sums, then divides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum KernelOp {
+    /// `a + b` (integers wrap).
+    Sum,
+    /// `a * b` (integers wrap).
+    Prod,
+    /// `min(a, b)` (floats propagate NaN).
+    Min,
+    /// `max(a, b)` (floats propagate NaN).
+    Max,
+}
+
+impl KernelOp {
+    /// Every kernel operation.
+    pub(crate) const ALL: [KernelOp; 4] = [KernelOp::Sum, KernelOp::Prod, KernelOp::Min, KernelOp::Max];
+
+    /// The kernel operation of `op`.
+    pub(crate) fn of(op: ReduceOp) -> KernelOp {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => KernelOp::Sum,
+            ReduceOp::Prod => KernelOp::Prod,
+            ReduceOp::Min => KernelOp::Min,
+            ReduceOp::Max => KernelOp::Max,
+        }
+    }
+
+    /// As it appears in kernel names.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            KernelOp::Sum => "sum",
+            KernelOp::Prod => "prod",
+            KernelOp::Min => "min",
+            KernelOp::Max => "max",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            KernelOp::Sum => 0,
+            KernelOp::Prod => 1,
+            KernelOp::Min => 2,
+            KernelOp::Max => 3,
+        }
+    }
+}
+
+/// One kernel of the embedded modules: its family, operation and element
+/// type. Its name and module follow from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Kernel {
+    /// `cp_reduce2_{op}_{ty}`: `dst = a op b` (the ring's steps).
+    Reduce2(KernelOp, DType),
+    /// `cp_scale_div_{ty}`: `x /= divisor` (floating-point types only).
+    ScaleDiv(DType),
+    /// `cp_meshar_{op}_{ty}`: the mesh all-reduce.
+    Mesh(KernelOp, DType),
+    /// `cp_oneshot_{op}_{ty}`: the one-shot all-reduce.
+    OneShot(KernelOp, DType),
+}
+
+/// Slots in a [`load::FnTable`]: one per kernel operation and one for the
+/// division, each per element type.
+pub(crate) const FN_SLOTS: usize = (KernelOp::ALL.len() + 1) * DType::ALL.len();
+
+impl Kernel {
+    /// Its entry name in the module.
+    pub(crate) fn name(self) -> String {
+        match self {
+            Kernel::Reduce2(op, ty) => format!("cp_reduce2_{}_{ty}", op.name()),
+            Kernel::ScaleDiv(ty) => format!("cp_scale_div_{ty}"),
+            Kernel::Mesh(op, ty) => format!("cp_meshar_{}_{ty}", op.name()),
+            Kernel::OneShot(op, ty) => format!("cp_oneshot_{}_{ty}", op.name()),
+        }
+    }
+
+    /// The module that holds it.
+    pub(crate) fn module(self) -> Module {
+        match self {
+            Kernel::Reduce2(..) | Kernel::ScaleDiv(_) => Module::Reduce,
+            Kernel::Mesh(_, ty) | Kernel::OneShot(_, ty) => Module::Mesh(ty),
+        }
+    }
+
+    /// Its slot in a function table of its family (below [`FN_SLOTS`]).
+    pub(crate) fn slot(self) -> usize {
+        let (op, ty) = match self {
+            Kernel::Reduce2(op, ty) | Kernel::Mesh(op, ty) | Kernel::OneShot(op, ty) => (op.index(), ty),
+            Kernel::ScaleDiv(ty) => (KernelOp::ALL.len(), ty),
+        };
+        op * DType::ALL.len() + dtype_index(ty)
+    }
 }
 
 /// The [`CUBIN_ARCHS`] entry whose cubins run on a device of compute
@@ -149,14 +295,14 @@ pub(crate) fn arch_name(arch: usize) -> String {
 impl KernelModule {
     /// PTX text (no NUL bytes), the JIT fallback.
     pub(crate) fn ptx(&self) -> &'static str {
-        ptx_of(self.index)
+        (self.ptx)()
     }
 
     /// The cubin for the [`CUBIN_ARCHS`] entry `arch`, decompressed.
     pub(crate) fn cubin(&self, arch: usize) -> Result<Vec<u8>, String> {
         use std::io::Read;
         let what = || format!("{}.cubin.zst for {}", self.name, arch_name(arch));
-        let frame = cubins_of(self.index).get(arch).copied().filter(|f| !f.is_empty()).ok_or_else(|| format!("no {}", what()))?;
+        let frame = (self.cubins)().get(arch).copied().filter(|f| !f.is_empty()).ok_or_else(|| format!("no {}", what()))?;
         let mut decoder = ruzstd::decoding::StreamingDecoder::new(frame).map_err(|e| format!("{}: {e}", what()))?;
         let mut out = Vec::with_capacity(frame.len() * 12);
         decoder.read_to_end(&mut out).map_err(|e| format!("{}: {e}", what()))?;
@@ -189,35 +335,8 @@ pub(crate) const ONESHOT_HOST_BLOCKS: u32 = 32;
 /// `[block][source rank]` flags, then one counter per block.
 pub(crate) const MESH_FLAG_WORDS: usize = 2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS + MESH_MAX_BLOCKS;
 
-/// Reduction operations, as they appear in kernel names.
-#[cfg(test)]
-pub(crate) const OPS: [&str; 4] = ["sum", "prod", "min", "max"];
-
-/// Element types, as they appear in kernel names.
-#[cfg(test)]
-///
-/// `f16` and `bf16` are 16-bit IEEE half and bfloat16 (stored as `u16`);
-/// `i8`/`u8` through `i64`/`u64` are two's-complement / unsigned integers.
-pub(crate) const TYPES: [&str; 10] = ["f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8"];
-
-/// Element types for which a `cp_scale_div_*` kernel exists (used for avg).
-#[cfg(test)]
-pub(crate) const FLOAT_TYPES: [&str; 4] = ["f32", "f64", "f16", "bf16"];
-
 /// Recommended block size (threads per block) for all kernels.
 pub(crate) const BLOCK_SIZE: u32 = 256;
-
-/// Name of the two-input reduction kernel for `op` (one of `OPS`) and
-/// element type `ty` (one of `TYPES`): `cp_reduce2_{op}_{ty}`.
-pub(crate) fn reduce2_name(op: &str, ty: &str) -> String {
-    format!("cp_reduce2_{op}_{ty}")
-}
-
-/// Name of the in-place division kernel for floating-point type `ty` (one of
-/// `FLOAT_TYPES`): `cp_scale_div_{ty}`.
-pub(crate) fn scale_div_name(ty: &str) -> String {
-    format!("cp_scale_div_{ty}")
-}
 
 #[cfg(test)]
 mod tests {
@@ -245,48 +364,62 @@ mod tests {
         })
     }
 
-    fn expected_entries() -> BTreeSet<String> {
-        let mut set = BTreeSet::new();
-        for op in OPS {
-            for ty in TYPES {
-                set.insert(reduce2_name(op, ty));
+    /// Every kernel the crate can ask for.
+    fn every_kernel() -> Vec<Kernel> {
+        let mut all = Vec::new();
+        for ty in DType::ALL {
+            for op in KernelOp::ALL {
+                all.extend([Kernel::Reduce2(op, ty), Kernel::Mesh(op, ty), Kernel::OneShot(op, ty)]);
+            }
+            if ty.is_float() {
+                all.push(Kernel::ScaleDiv(ty));
             }
         }
-        for ty in FLOAT_TYPES {
-            set.insert(scale_div_name(ty));
+        all
+    }
+
+    #[test]
+    fn kernel_names_exist_for_every_pair() {
+        for d in DType::ALL {
+            for o in ReduceOp::ALL {
+                let name = Kernel::Reduce2(KernelOp::of(o), d).name();
+                assert!(REDUCE_PTX.contains(&format!(".entry {name}(")), "{name}");
+            }
         }
-        set
     }
 
     #[test]
     fn names() {
-        assert_eq!(reduce2_name("sum", "f32"), "cp_reduce2_sum_f32");
-        assert_eq!(scale_div_name("f16"), "cp_scale_div_f16");
-        assert!(FLOAT_TYPES.iter().all(|t| TYPES.contains(t)));
+        assert_eq!(Kernel::Reduce2(KernelOp::Sum, DType::F32).name(), "cp_reduce2_sum_f32");
+        assert_eq!(Kernel::ScaleDiv(DType::F16).name(), "cp_scale_div_f16");
+        assert_eq!(Kernel::Mesh(KernelOp::Max, DType::BF16).name(), "cp_meshar_max_bf16");
+        assert_eq!(Kernel::OneShot(KernelOp::Prod, DType::U8).name(), "cp_oneshot_prod_u8");
+        assert_eq!(KernelOp::of(ReduceOp::Avg), KernelOp::Sum);
     }
 
     #[test]
-    fn ptx_has_exactly_the_expected_entries() {
-        let entries = ptx_entries(modules()[REDUCE].ptx());
-        let found: BTreeSet<String> = entries.iter().cloned().collect();
-        assert_eq!(found.len(), entries.len(), "duplicate .entry in PTX");
-        let expected = expected_entries();
-        let missing: Vec<_> = expected.difference(&found).collect();
-        let unexpected: Vec<_> = found.difference(&expected).collect();
-        assert!(missing.is_empty(), "kernels missing from PTX: {missing:?}");
-        assert!(unexpected.is_empty(), "unexpected kernels in PTX: {unexpected:?}");
-        assert_eq!(found.len(), OPS.len() * TYPES.len() + FLOAT_TYPES.len());
-    }
-
-    #[test]
-    fn mesh_ptx_has_the_mesh_and_oneshot_kernels_per_op_for_its_type() {
-        for ty in TYPES {
-            let ptx = modules()[mesh_module(ty).expect("a mesh module per type")].ptx();
-            let found: BTreeSet<String> = ptx_entries(ptx).into_iter().collect();
-            let expected: BTreeSet<String> = OPS.iter().flat_map(|op| [format!("cp_meshar_{op}_{ty}"), format!("cp_oneshot_{op}_{ty}")]).collect();
-            assert_eq!(found, expected, "{ty}");
+    fn every_module_has_exactly_its_kernels() {
+        for (i, m) in modules().iter().enumerate() {
+            let entries = ptx_entries(m.ptx());
+            let found: BTreeSet<String> = entries.iter().cloned().collect();
+            assert_eq!(found.len(), entries.len(), "duplicate .entry in {}", m.name);
+            let expected: BTreeSet<String> = every_kernel().into_iter().filter(|k| k.module().index() == i).map(|k| k.name()).collect();
+            assert_eq!(found, expected, "{}", m.name);
         }
-        assert!(mesh_module("f8").is_none());
+        assert_eq!(every_kernel().iter().filter(|k| k.module() == Module::Reduce).count(), 4 * 10 + 4);
+    }
+
+    #[test]
+    fn function_table_slots_are_distinct_within_a_family() {
+        let families: [fn(KernelOp, DType) -> Kernel; 3] = [Kernel::Reduce2, Kernel::Mesh, Kernel::OneShot];
+        for family in families {
+            let mut slots: Vec<usize> = DType::ALL.iter().flat_map(|&ty| KernelOp::ALL.map(|op| family(op, ty).slot())).collect();
+            slots.extend(DType::ALL.map(|ty| Kernel::ScaleDiv(ty).slot()));
+            assert!(slots.iter().all(|&s| s < FN_SLOTS));
+            slots.sort();
+            slots.dedup();
+            assert_eq!(slots.len(), FN_SLOTS);
+        }
     }
 
     fn all_ptx() -> Vec<&'static str> {
@@ -329,11 +462,11 @@ mod tests {
 
     #[test]
     fn modules_follow_the_dtype_order() {
-        assert_eq!(modules()[REDUCE].name, "reduce");
-        for (i, d) in crate::dtype::DType::ALL.iter().enumerate() {
-            assert_eq!(mesh_module(d.name()), Some(i + 1));
-            assert_eq!(modules()[i + 1].name, format!("mesh_{}", d.name()));
-            assert_eq!(d.name(), TYPES[i]);
+        assert_eq!(Module::Reduce.files().name, "reduce");
+        for (i, d) in DType::ALL.iter().enumerate() {
+            assert_eq!(dtype_index(*d), i);
+            assert_eq!(Module::Mesh(*d).index(), i + 1);
+            assert_eq!(Module::Mesh(*d).files().name, format!("mesh_{}", d.name()));
         }
     }
 

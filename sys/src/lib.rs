@@ -27,6 +27,7 @@
 
 #[rustfmt::skip]
 pub mod bindings;
+pub mod nccl;
 
 pub use bindings::*;
 
@@ -43,13 +44,15 @@ pub const LIBRARY_NAMES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 /// Why the driver library could not be loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadError {
+    /// Which library: `"the CUDA driver library"` or `"the NCCL library"`.
+    pub library: &'static str,
     /// Each library name tried, with the loader's answer for it.
     pub attempts: Vec<(String, String)>,
 }
 
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "could not load the CUDA driver library")?;
+        write!(f, "could not load {}", self.library)?;
         for (i, (name, why)) in self.attempts.iter().enumerate() {
             let sep = if i == 0 { ": " } else { "; " };
             write!(f, "{sep}{name}: {why}")?;
@@ -81,13 +84,13 @@ pub fn load_from(names: &[&str]) -> Result<DriverApi, LoadError> {
             Err(e) => attempts.push((name.to_string(), with_sources(&e))),
         }
     }
-    Err(LoadError { attempts })
+    Err(LoadError { library: "the CUDA driver library", attempts })
 }
 
 /// An error's message followed by its sources': libloading 0.9 says only
 /// "dlopen failed" or "dlsym failed" and keeps the loader's own message
 /// (which file, which symbol) in the source.
-fn with_sources(e: &dyn std::error::Error) -> String {
+pub(crate) fn with_sources(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

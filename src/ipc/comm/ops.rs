@@ -6,8 +6,9 @@ use super::{desc, Comm, Kind};
 use crate::driver::{api, bind};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{check, cudarc_err, Error, Result};
-use crate::group::reduce_kernel;
 use crate::kernels;
+use crate::kernels::load::function;
+use crate::kernels::{Kernel, KernelOp};
 use cuda_peer_sys as sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -234,8 +235,8 @@ impl Comm {
 
     /// `dst = a op b` over `count` elements on this rank's stream.
     fn reduce2(&self, op: ReduceOp, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
-        let kop = op.kernel_op();
-        let f = self.red.get(kop, dtype, || reduce_kernel(&self.ctx, &kernels::reduce2_name(kop, dtype.name())))?;
+        let kernel = Kernel::Reduce2(KernelOp::of(op), dtype);
+        let f = self.red.get(kernel, || function(&self.ctx, kernel))?;
         let n = count as u64;
         let mut launch = self.stream.launch_builder(f);
         launch.arg(&dst).arg(&a).arg(&b).arg(&n);
@@ -255,7 +256,7 @@ impl Comm {
             return Ok(());
         }
         let dtype = T::DTYPE;
-        let f = self.div.get("div", dtype, || reduce_kernel(&self.ctx, &kernels::scale_div_name(dtype.name())))?;
+        let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
         let (cnt, divisor) = (count as u64, self.size as f64);
         let mut launch = self.stream.launch_builder(f);
         launch.arg(&x).arg(&cnt).arg(&divisor);

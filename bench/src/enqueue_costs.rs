@@ -9,23 +9,21 @@
 //! a warm-up call keeps that out of the timing. A diagnostic for
 //! `bench/NOTES.md`, not a test.
 //!
-//!     cargo run --release --example enqueue_costs -- [--calls N]
+//!     cargo run --release -p cuda-peer-bench -- enqueue-costs [--calls N]
 
-use clap::Parser;
+use crate::Res;
 use cuda_peer::cudarc::driver::{result, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use cuda_peer::{driver, Group, GroupOptions, ReduceOp};
 use std::sync::Arc;
 use std::time::Instant;
 
-#[derive(Parser, Debug)]
-#[command(about = "Host cost of each driver call on a small collective's enqueue path")]
-struct Args {
+/// The options of `enqueue-costs`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct Args {
     /// Calls per measurement (in batches of 100, drained between batches).
     #[arg(long, default_value_t = 5000)]
     calls: usize,
 }
-
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// An empty kernel, as PTX any GPU from sm_70 on can JIT.
 const NOOP_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry noop(.param .u64 p)\n{\n\tret;\n}\n";
@@ -49,26 +47,19 @@ fn time(calls: usize, mut f: impl FnMut() -> Res<()>, mut drain: impl FnMut() ->
     Ok(total * 1e6 / calls as f64)
 }
 
-fn main() {
-    let args = Args::parse();
-    match driver::device_count() {
-        Ok(n) if n >= 2 => {}
-        Ok(n) => {
-            eprintln!("enqueue_costs: needs two CUDA devices, found {n}");
-            std::process::exit(2);
-        }
-        Err(e) => {
-            eprintln!("enqueue_costs: no usable CUDA device: {e}");
-            std::process::exit(2);
-        }
+/// The default group options, without launcher threads unless `launchers`
+/// (fields set one by one: no struct literal, so this builds when the
+/// options struct is `#[non_exhaustive]`).
+fn group_options(launchers: bool) -> GroupOptions {
+    let mut opts = GroupOptions::default();
+    if !launchers {
+        opts.launch_spin = None;
     }
-    if let Err(e) = run(&args) {
-        eprintln!("enqueue_costs: {e}");
-        std::process::exit(1);
-    }
+    opts
 }
 
-fn run(args: &Args) -> Res<()> {
+/// Measures and prints every row (the caller has checked for two GPUs).
+pub(crate) fn run(args: &Args) -> Res<()> {
     let ctxs: Vec<Arc<CudaContext>> = (0..2).map(driver::context).collect::<Result<_, _>>()?;
     let streams: Vec<Arc<CudaStream>> = ctxs.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
     let funcs =
@@ -221,8 +212,7 @@ fn run(args: &Args) -> Res<()> {
                 }
             }
         }
-        let opts = GroupOptions { launch_spin: if launchers { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() };
-        let group = Group::new(streams.clone(), &opts)?;
+        let group = Group::new(streams.clone(), &group_options(launchers))?;
         let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
         group.all_reduce_in_place(&mut bufs, ReduceOp::Sum)?; // warm-up: loads the kernels
         group.synchronize()?;
@@ -255,15 +245,7 @@ fn run(args: &Args) -> Res<()> {
         // SAFETY: no slice of these contexts is alive here (the last loop's dropped).
         unsafe { c.enable_event_tracking() };
     }
-    let groups = [true, false]
-        .iter()
-        .map(|&l| {
-            Group::new(
-                streams.clone(),
-                &GroupOptions { launch_spin: if l { GroupOptions::default().launch_spin } else { None }, ..GroupOptions::default() },
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let groups = [true, false].iter().map(|&l| Group::new(streams.clone(), &group_options(l))).collect::<Result<Vec<_>, _>>()?;
     let mut bufs = streams.iter().map(|s| s.clone_htod(&vec![1.0f32; 1024])).collect::<Result<Vec<_>, _>>()?;
     let mut steady = Vec::new();
     for rep in 0..5 {

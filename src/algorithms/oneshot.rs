@@ -22,11 +22,13 @@
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
+use super::{layout_refusal, unavailable, Algorithm, AllReduce};
+use crate::communicator::Communicator;
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
-use crate::group::{FnTable, Group, PtrArray, Rank};
-use crate::kernels;
+use crate::kernels::load::{FnTable, PtrArray};
+use crate::kernels::{self, Kernel, KernelOp};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
@@ -37,24 +39,19 @@ pub const ONESHOT_SCRATCH_BYTES: usize = 16 << 20;
 /// Slot bytes of the large-message lane through host memory (no P2P): a
 /// message runs in rounds of this many bytes, so that while some blocks
 /// still write a round into host memory, others already read the one
-/// before, and both PCIe directions carry data at once. On 2x H200 with
-/// P2P off (one run, `bench/results/h200x2-host-round-experiment-allreduce.csv`)
-/// 1 MiB rounds took 141 us at 4 MiB and 255 at 8 MiB, against 170 and
-/// 295 with 4 MiB rounds; 512 KiB and 256 KiB rounds were slower.
+/// before, and both PCIe directions carry data at once (the size measured
+/// best: `bench/NOTES.md`).
 pub const HOST_ROUND_BYTES: usize = 1 << 20;
 
 /// The lanes of a one-shot with slots in device memory (P2P), as (largest
 /// message in bytes per rank, blocks): each lane has its own slots, flags
 /// and counters and one grid, so a small message does not pay for dozens of
-/// blocks raising and polling flags. On 2x H200 (graph-replayed, one run)
-/// 4 blocks took 5.2-5.6 us at 4-64 KiB against 5.3-5.7 with 64, and
-/// 9.8 against 6.2 at 256 KiB.
+/// blocks raising and polling flags (`bench/NOTES.md`).
 const DEVICE_LANES: [(usize, u32); 2] = [(64 << 10, 4), (usize::MAX, kernels::ONESHOT_DEVICE_BLOCKS)];
 
 /// The lanes of a one-shot with slots in host memory (no P2P), as for
-/// [`DEVICE_LANES`]. Polling host memory over PCIe costs more per block: on
-/// 2x H200 with P2P off (eager, one run) 2 blocks took 9.2 us at 4-16 KiB,
-/// 4 blocks 12.3 at 64 KiB and 22.0 at 256 KiB, against 18.1-25.2 with 32.
+/// [`DEVICE_LANES`]: polling host memory over PCIe costs more per block, so
+/// small messages take fewer blocks still (`bench/NOTES.md`).
 const HOST_LANES: [(usize, u32); 3] = [(16 << 10, 2), (256 << 10, 4), (usize::MAX, kernels::ONESHOT_HOST_BLOCKS)];
 
 /// One lane's place in a one-shot region (shared by the single-process
@@ -141,9 +138,10 @@ impl Drop for OneShot {
 }
 
 impl OneShot {
-    /// Sets up the slots on `ranks` (2 to 8, one per device): in device
+    /// Sets up the slots on `comm`'s ranks (2 to 8, one per device): in device
     /// memory when `p2p` (every pair verified), else in mapped host memory.
-    pub(crate) fn new(ranks: &[Rank], p2p: bool) -> Result<OneShot> {
+    fn new(comm: &Communicator, p2p: bool) -> Result<OneShot> {
+        let ranks = &comm.ranks;
         let n = ranks.len();
         let (layout, bytes) = layout(n, p2p);
         let mut counters = Vec::with_capacity(n);
@@ -206,50 +204,50 @@ impl OneShot {
     }
 }
 
-impl Group {
+impl OneShot {
     /// The in-place one-shot all-reduce of `bufs` (then the division of
     /// [`ReduceOp::Avg`]), where each rank's launcher (or the calling
     /// thread, for rank 0) takes its own buffer's pointer, launches, and
     /// records the buffer's event: cudarc's event tracking of the buffers
     /// then runs in parallel too.
-    pub(crate) fn oneshot_in_place<T: Element, D: DevicePtrMut<T> + Send>(
+    pub(crate) fn in_place<T: Element, D: DevicePtrMut<T> + Send>(
         &self,
-        os: &OneShot,
+        comm: &Communicator,
         op: ReduceOp,
         bufs: &mut [D],
         count: usize,
     ) -> Result<()> {
-        self.resolve_oneshot(os, op, T::DTYPE)?;
+        self.resolve(comm, op, T::DTYPE)?;
         let cells = cells(bufs);
-        self.launch_each(&|r| {
+        comm.launch_each(&|r| {
             let buf = take(&cells, r)?;
-            let rank = &self.ranks[r];
+            let rank = &comm.ranks[r];
             // The guard orders the buffer after this rank's kernels.
             let (ptr, held) = rank.order.write(buf, &rank.stream)?;
-            let launched = self.oneshot_rank::<T>(os, op, r, ptr, ptr, count);
+            let launched = self.rank(comm, op, T::DTYPE, r, ptr, ptr, count);
             launched.and(held.finish())
         })
     }
 
     /// The out-of-place one-shot all-reduce, `recv[r] = reduce(send)`, each
-    /// rank's buffers taken on its own launcher as in [`Self::oneshot_in_place`].
-    pub(crate) fn oneshot_out_of_place<T: Element, S: DevicePtr<T> + Sync, D: DevicePtrMut<T> + Send>(
+    /// rank's buffers taken on its own launcher as in [`Self::in_place`].
+    pub(crate) fn out_of_place<T: Element, S: DevicePtr<T> + Sync, D: DevicePtrMut<T> + Send>(
         &self,
-        os: &OneShot,
+        comm: &Communicator,
         op: ReduceOp,
         send: &[S],
         recv: &mut [D],
         count: usize,
     ) -> Result<()> {
-        self.resolve_oneshot(os, op, T::DTYPE)?;
+        self.resolve(comm, op, T::DTYPE)?;
         let cells = cells(recv);
-        self.launch_each(&|r| {
+        comm.launch_each(&|r| {
             let out = take(&cells, r)?;
             let input = send.get(r).ok_or_else(|| Error::Internal(format!("one-shot: no send buffer for rank {r}")))?;
-            let rank = &self.ranks[r];
+            let rank = &comm.ranks[r];
             let (src, read) = rank.order.read(input, &rank.stream)?;
             let (dst, write) = rank.order.write(out, &rank.stream)?;
-            let launched = self.oneshot_rank::<T>(os, op, r, src, dst, count);
+            let launched = self.rank(comm, op, T::DTYPE, r, src, dst, count);
             launched.and(read.finish()).and(write.finish())
         })
     }
@@ -258,9 +256,9 @@ impl Group {
     /// input)` (in place where they are equal), each rank launched on its
     /// own launcher: for callers that order the buffers themselves
     /// ([`crate::raw`]).
-    pub(crate) fn oneshot_ptrs<T: Element>(&self, os: &OneShot, op: ReduceOp, input: &[u64], output: &[u64], count: usize) -> Result<()> {
-        self.launch_each(&|r| match (input.get(r), output.get(r)) {
-            (Some(&i), Some(&o)) => self.oneshot_rank::<T>(os, op, r, i, o, count),
+    pub(crate) fn ptrs(&self, comm: &Communicator, op: ReduceOp, dtype: DType, input: &[u64], output: &[u64], count: usize) -> Result<()> {
+        comm.launch_each(&|r| match (input.get(r), output.get(r)) {
+            (Some(&i), Some(&o)) => self.rank(comm, op, dtype, r, i, o, count),
             _ => Err(Error::Internal(format!("one-shot: no buffer for rank {r}"))),
         })
     }
@@ -269,41 +267,44 @@ impl Group {
     /// launches (a no-op after the group's warm-up): a rank that failed to
     /// load its module after others launched would leave them waiting for
     /// its flags.
-    fn resolve_oneshot(&self, os: &OneShot, op: ReduceOp, dtype: DType) -> Result<()> {
-        for r in 0..self.size() {
-            os.funcs[r].get(op.kernel_op(), dtype, || self.mesh_function(r, "cp_oneshot", op.kernel_op(), dtype))?;
+    fn resolve(&self, comm: &Communicator, op: ReduceOp, dtype: DType) -> Result<()> {
+        for r in 0..comm.size() {
+            let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
+            self.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
         }
         if op == ReduceOp::Avg {
-            self.resolve_scale_div(dtype)?;
+            comm.resolve_scale_div(dtype)?;
         }
         Ok(())
     }
 
     /// Rank r's one-shot kernel, then the division of [`ReduceOp::Avg`].
-    fn oneshot_rank<T: Element>(&self, os: &OneShot, op: ReduceOp, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
-        self.launch_oneshot_rank(os, op.kernel_op(), T::DTYPE, r, input, output, count)?;
-        let n = self.size();
+    #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
+    fn rank(&self, comm: &Communicator, op: ReduceOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
+        self.launch_rank(comm, KernelOp::of(op), dtype, r, input, output, count)?;
+        let n = comm.size();
         if op == ReduceOp::Avg && n > 1 {
-            self.launch_scale_div(r, T::DTYPE, output, count, n as f64)?;
+            comm.launch_scale_div(r, dtype, output, count, n as f64)?;
         }
         Ok(())
     }
 
     /// Launches rank r's one-shot kernel: `out = reduce(every rank's in)`.
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
-    fn launch_oneshot_rank(&self, os: &OneShot, op: &'static str, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
-        let lane = os.lane(count * dtype.size());
+    fn launch_rank(&self, comm: &Communicator, op: KernelOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
+        let lane = self.lane(count * dtype.size());
         let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (nranks, rank, cnt, cap) = (self.size() as i32, r as i32, count as u64, lane.cap as u64);
-        let f = os.funcs[r].get(op, dtype, || self.mesh_function(r, "cp_oneshot", op, dtype))?;
-        let (ctl, timeout_ns, skip) = self.ctl_args(r)?;
+        let (nranks, rank, cnt, cap) = (comm.size() as i32, r as i32, count as u64, lane.cap as u64);
+        let kernel = Kernel::OneShot(op, dtype);
+        let f = self.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
+        let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
         if skip {
             return Ok(());
         }
-        let mut launch = self.ranks[r].stream.launch_builder(f);
+        let mut launch = comm.ranks[r].stream.launch_builder(f);
         launch
             .arg(&lane.push[r])
-            .arg(&os.npush)
+            .arg(&self.npush)
             .arg(&lane.pull[r])
             .arg(&input)
             .arg(&output)
@@ -328,6 +329,28 @@ impl Group {
         // blocks can be resident.
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         Ok(())
+    }
+}
+
+impl AllReduce for OneShot {
+    /// Sets up the one-shot all-reduce on `comm` where `request` asks for
+    /// it and the group allows it (a forced one-shot that it does not is an
+    /// error): slots in device memory when every pair has P2P, else in
+    /// host memory.
+    fn open(comm: &Communicator, request: Algorithm) -> Result<Option<OneShot>> {
+        if !matches!(request, Algorithm::Auto | Algorithm::OneShot) {
+            return Ok(None);
+        }
+        let devices: Vec<usize> = comm.ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        if let Some(why) = layout_refusal(&devices) {
+            return if request == Algorithm::OneShot { Err(unavailable("one-shot", &why)) } else { Ok(None) };
+        }
+        let p2p = comm.routes.ring_all_p2p() && comm.routes.all_pairs == Some(Ok(()));
+        OneShot::new(comm, p2p).map(Some)
+    }
+
+    fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
+        self.ptrs(comm, op, dtype, ins, outs, count)
     }
 }
 

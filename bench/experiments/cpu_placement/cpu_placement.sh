@@ -4,7 +4,8 @@
 # all-reduces (bench/NOTES.md items 18 and 26)? Runs the quick small-message
 # sweep of cuda-peer and NCCL in several processes, unpinned and pinned to
 # each node's CPUs in turn. Needs the bench staged in .gpu/ (../shared/gpu/bundle
-# --features nccl). Usage: bench/experiments/cpu_placement.sh OUTDIR [ROUNDS]
+# stages .gpu/bin/cuda-peer-bench; before the bench crate: .gpu/examples/bench,
+# built with --features nccl). Usage: bench/experiments/cpu_placement/cpu_placement.sh OUTDIR [ROUNDS]
 set -u
 out=$1; rounds=${2:-2}
 mkdir -p "$out"
@@ -26,7 +27,7 @@ for r in $(seq 1 "$rounds"); do
   for p in "${placements[@]}"; do
     name=${p%%:*}; cpus=${p#*:}
     pre=(); [ -n "$cpus" ] && pre=(taskset -c "$cpus")
-    "${pre[@]}" .gpu/examples/bench --quick --dtypes f32 --min-bytes 4096 --max-bytes 262144 \
+    "${pre[@]}" .gpu/bin/cuda-peer-bench --quick --dtypes f32 --min-bytes 4096 --max-bytes 262144 \
       --impls cuda-peer-p2p,cuda-peer-p2p-serial,nccl --machine "$name-r$r" --out "$out" \
       > "$out/$name-r$r.txt" 2>&1
     echo "== $name round $r (cpus ${cpus:-any})"

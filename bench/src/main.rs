@@ -1,0 +1,178 @@
+//! `cuda-peer-bench`: cuda-peer's collectives and copies against NCCL (with
+//! and without P2P), in the style of nccl-tests, every point checked
+//! against a CPU reference; the host cost of each driver call on the
+//! enqueue path; and the all-reduce between processes against NCCL with one
+//! rank per process. See `bench/README.md`.
+//!
+//!     cargo build --release -p cuda-peer-bench
+//!     target/release/cuda-peer-bench [--ops all_reduce,reduce_scatter,all_gather,broadcast]
+//!         [--dtypes f32,bf16] [--min-bytes 4] [--max-bytes 1073741824]
+//!         [--impls cuda-peer-p2p,cuda-peer-staged,nccl,nccl-no-p2p] [--iters N] [--warmup N]
+//!         [--machine NAME] [--out bench/results] [--copy] [--quick] [--nccl-lib PATH]
+//!     target/release/cuda-peer-bench enqueue-costs [--calls N]
+//!     cuda-peer-run -n 2 -- target/release/cuda-peer-bench mp-allreduce [--machine NAME] ...
+//!
+//! Conventions are nccl-tests': one rank per GPU; `bytes` is the per-rank
+//! buffer for all_reduce and broadcast, the send buffer (N blocks) for
+//! reduce_scatter and the receive buffer (N blocks) for all_gather; `count`
+//! is the element count passed to the call (for reduce_scatter the receive
+//! count, for all_gather the send count); algbw = bytes / time and busbw =
+//! algbw * 2(N-1)/N (all_reduce), (N-1)/N (reduce_scatter, all_gather), 1
+//! (broadcast). all_reduce and broadcast (root 0) run in place, the others
+//! out of place, for every implementation.
+//!
+//! NCCL runs in a child process per implementation (this program, run
+//! again with a hidden `--child-report`): NCCL reads `NCCL_P2P_DISABLE` once
+//! per process (it caches it in a static at the first communicator), so
+//! `nccl` and `nccl-no-p2p` cannot share one. The parent never loads NCCL.
+//! The multi-process mode does the same per rank (see [`mp`]).
+
+mod cli;
+mod copy;
+mod data;
+mod device;
+mod enqueue_costs;
+mod mp;
+mod nccl;
+mod plan;
+mod summary;
+mod sweep;
+
+use clap::Parser;
+use cli::{Args, Cli, Command, Impl};
+use copy::copy_sweep;
+use cuda_peer::driver;
+use device::contexts;
+use nccl::{nccl_shim, run_nccl_child, ChildEnd};
+use plan::{Plan, Progress};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use summary::print_summary;
+use sweep::{collectives_csv, enqueue_us, peer_backend, sweep, tracking_us, Csv, CSV_HEADER};
+
+/// The error type of everything fallible in the benchmark.
+pub(crate) type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Exit status when there is nothing to measure on (no GPU, too few, no
+/// launcher) or the command line is wrong: one line on stderr says why.
+pub(crate) const EXIT_UNUSABLE: i32 = 2;
+
+/// Prints `what` (one line) and exits with [`EXIT_UNUSABLE`].
+pub(crate) fn unusable(what: std::fmt::Arguments) -> ! {
+    eprintln!("cuda-peer-bench: {what}");
+    std::process::exit(EXIT_UNUSABLE)
+}
+
+/// The number of CUDA devices, or exit 2 with one line when there is none
+/// or fewer than `need`.
+pub(crate) fn require_gpus(need: usize) -> usize {
+    match driver::device_count() {
+        Err(e) => unusable(format_args!("no usable CUDA device: {e}")),
+        Ok(0) => unusable(format_args!("no usable CUDA device: {}", cuda_peer::Error::NoDevice)),
+        Ok(n) if n < need => unusable(format_args!("needs at least {need} GPUs, found {n}")),
+        Ok(n) => n,
+    }
+}
+
+/// The parent: copies (optional), then every implementation, then the summary.
+fn run(args: &Args) -> Res<()> {
+    let ctxs = contexts(args)?;
+    let n = ctxs.len();
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    println!("# bench: {} ({n} GPUs: {}), CUDA driver {}", args.machine, ctxs[0].name().unwrap_or_default(), driver::driver_version().unwrap_or(0));
+    println!(
+        "# #wrong: every element of every rank's output checked up to {} MiB per buffer; larger outputs: {} evenly spaced windows of {} elements per rank (~1M, first and last included) ('sampled')",
+        data::FULL_CHECK_BYTES / plan::MIB,
+        data::WINDOWS,
+        data::WINDOW
+    );
+    if args.graph {
+        println!("# --graph: time per call replayed from one CUDA graph of up to {} calls (all ranks in one capture); cudarc's event tracking off; enqueue times below are still eager calls", device::GRAPH_CALLS);
+    }
+    if args.copy {
+        copy_sweep(args, &ctxs)?;
+    }
+    let plan = Plan::new(args, n);
+    let per_impl = plan.points().len();
+    let mut progress = Progress { done: 0, total: per_impl * args.impls.len() };
+    let csv_path = collectives_csv(args);
+    Csv::create(&csv_path, CSV_HEADER)?;
+    let tmp = std::env::temp_dir().join(format!("cuda-peer-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp)?;
+    let mut shim: Option<Option<PathBuf>> = None;
+    let mut nccl_missing = false;
+    let mut enqueue = Vec::new();
+    for &imp in &args.impls {
+        let start = progress.done;
+        if imp.is_nccl() {
+            if !nccl_missing {
+                let shim = shim.get_or_insert_with(|| nccl_shim(args.nccl_lib.as_deref(), &tmp, true));
+                match run_nccl_child(args, imp, &progress, shim.as_deref(), &tmp) {
+                    Ok(ChildEnd::Finished(us)) => enqueue.push((imp, us)),
+                    Ok(ChildEnd::Failed) => {}
+                    Ok(ChildEnd::NoNccl) => nccl_missing = true,
+                    Err(e) => println!("# {}: skipped: could not run the NCCL child: {e}", imp.name()),
+                }
+            }
+        } else {
+            match run_peer(args, imp, &ctxs, &plan, &mut progress, &csv_path) {
+                Ok(us) => enqueue.push((imp, us)),
+                Err(e) => println!("# {}: stopped: {e}", imp.name()),
+            }
+        }
+        progress.done = start + per_impl;
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    print_summary(args, &enqueue)
+}
+
+/// Sweeps one cuda-peer implementation, then measures its enqueue time.
+fn run_peer(
+    args: &Args,
+    imp: Impl,
+    ctxs: &[Arc<cuda_peer::cudarc::driver::CudaContext>],
+    plan: &Plan,
+    progress: &mut Progress,
+    csv: &Path,
+) -> Res<f64> {
+    let backend = peer_backend(imp, ctxs)?;
+    sweep(&backend, args, plan, progress, &mut Csv::append(csv)?)?;
+    let us = enqueue_us(&backend)?;
+    println!(
+        "# {}: enqueue {us:.2} us per 4 KiB all_reduce, of which cudarc's event tracking of the buffers alone takes {:.2} us",
+        imp.name(),
+        tracking_us(&backend)?
+    );
+    Ok(us)
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::EnqueueCosts(args)) => {
+            require_gpus(2);
+            enqueue_costs::run(&args)
+        }
+        Some(Command::MpAllreduce(args)) => mp::main(&args),
+        None => sweep_main(&cli.sweep),
+    };
+    if let Err(e) = result {
+        eprintln!("cuda-peer-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The collective (and copy) sweep over every GPU of this process.
+fn sweep_main(args: &Args) -> Res<()> {
+    require_gpus(2);
+    if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
+        unusable(format_args!("need 0 < --min-bytes <= --max-bytes"));
+    }
+    match &args.child_report {
+        Some(report) => match args.impls.as_slice() {
+            [imp] if imp.is_nccl() => nccl::child(args, *imp, report),
+            _ => Err("--child-report takes exactly one NCCL impl".into()),
+        },
+        None => run(args),
+    }
+}

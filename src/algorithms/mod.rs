@@ -1,0 +1,295 @@
+//! The all-reduce algorithms over a [`Communicator`] (the ring, the mesh
+//! and the one-shot), and the one place that picks among them.
+//!
+//! Each algorithm opens on a communicator (where it applies to the group;
+//! a forced one that cannot is
+//! [`Error::AlgorithmUnavailable`]) and
+//! enqueues `outs[r] = reduce(ins)` on every rank ([`AllReduce`]). Which
+//! one a call takes is [`Algorithms::pick`]: first availability (what the
+//! group opened), then the size thresholds, then the pick; a call
+//! evaluates it once. The request ([`Algorithm`], `Auto` or forced) and
+//! the result ([`Selected`]) are separate types.
+
+pub(crate) mod check;
+pub(crate) mod mesh;
+pub(crate) mod oneshot;
+pub(crate) mod ring;
+pub(crate) mod schedule;
+
+use crate::communicator::Communicator;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::kernels;
+use mesh::Mesh;
+use oneshot::OneShot;
+use std::sync::Arc;
+
+/// Which algorithm a group's all-reduce is asked to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// By message size, where the group allows it (2 to 8 ranks, each on
+    /// its own device): with P2P verified between every pair, the one-shot
+    /// for small messages, the mesh for medium ones, the ring above;
+    /// without, the one-shot through host memory for small messages, the
+    /// ring above. Other groups always use the ring.
+    #[default]
+    Auto,
+    /// Always the ring (reduce-scatter then all-gather over ring links).
+    Ring,
+    /// Always the mesh; creating the group fails where it is not possible.
+    Mesh,
+    /// Always the one-shot all-reduce: slots in peer device memory where
+    /// every pair has P2P, else in mapped host memory. Needs 2 to 8 ranks,
+    /// each on its own device; creating the group fails otherwise.
+    OneShot,
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Algorithm::Auto),
+            "ring" => Ok(Algorithm::Ring),
+            "mesh" => Ok(Algorithm::Mesh),
+            "oneshot" | "one-shot" => Ok(Algorithm::OneShot),
+            other => Err(Error::InvalidArgument(format!("algorithm {other:?}: expected auto, ring, mesh or oneshot"))),
+        }
+    }
+}
+
+/// The algorithm an all-reduce of a given size runs with (the result of
+/// the choice; [`Algorithm`] is the request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Selected {
+    /// The ring (reduce-scatter then all-gather over ring links).
+    Ring,
+    /// The mesh all-reduce (one kernel per rank, peer loads and stores).
+    Mesh,
+    /// The one-shot all-reduce (one barrier, slots in peer or host memory).
+    OneShot,
+}
+
+impl From<Selected> for Algorithm {
+    fn from(s: Selected) -> Algorithm {
+        match s {
+            Selected::Ring => Algorithm::Ring,
+            Selected::Mesh => Algorithm::Mesh,
+            Selected::OneShot => Algorithm::OneShot,
+        }
+    }
+}
+
+/// A result equals the request that forces it (never [`Algorithm::Auto`]).
+impl PartialEq<Algorithm> for Selected {
+    fn eq(&self, other: &Algorithm) -> bool {
+        Algorithm::from(*self) == *other
+    }
+}
+
+/// Under [`Algorithm::Auto`], a group whose every pair has P2P uses the
+/// one-shot while each rank stores at most this many bytes into its peers
+/// (message bytes times ranks - 1), the mesh above: beyond it the one-shot's
+/// single barrier no longer pays for its extra stores (`bench/NOTES.md`).
+pub(crate) const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
+
+/// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
+/// distinct devices, 2 to 8) uses the one-shot through host memory while
+/// each rank reads at most this many bytes from it (message bytes times
+/// ranks - 1), the staged ring above (measurements in `bench/NOTES.md`).
+pub(crate) const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
+
+/// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
+/// use the ring even where the mesh is possible: the ring's copy-engine
+/// all-gather overtakes the mesh kernel there (measurements in
+/// `bench/NOTES.md`).
+pub(crate) const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
+
+/// One all-reduce algorithm, opened on a communicator.
+pub(crate) trait AllReduce: Sized {
+    /// Opens the algorithm on `comm` (its per-rank state) where `request`
+    /// allows it and the group can run it: `None` where it does not apply,
+    /// [`Error::AlgorithmUnavailable`] where it is forced and cannot run.
+    fn open(comm: &Communicator, request: Algorithm) -> Result<Option<Self>>;
+
+    /// Enqueues `outs[r] = reduce(ins)` (`ins == outs`: in place) of
+    /// `count > 0` elements of `dtype` on every rank, the division of
+    /// [`ReduceOp::Avg`] included. The caller has checked the buffers and
+    /// ordered them on the ranks' streams.
+    fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()>;
+}
+
+/// The algorithm a call takes, with its state.
+pub(crate) enum Pick<'a> {
+    /// The ring.
+    Ring,
+    /// The mesh.
+    Mesh(&'a Mesh),
+    /// The one-shot.
+    OneShot(&'a OneShot),
+}
+
+impl Pick<'_> {
+    /// Which algorithm it is.
+    pub(crate) fn selected(&self) -> Selected {
+        match self {
+            Pick::Ring => Selected::Ring,
+            Pick::Mesh(_) => Selected::Mesh,
+            Pick::OneShot(_) => Selected::OneShot,
+        }
+    }
+
+    /// Enqueues the all-reduce of pointers with the picked algorithm
+    /// (nothing for `count == 0`).
+    pub(crate) fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        match self {
+            Pick::Ring => ring::Ring.enqueue(comm, op, dtype, ins, outs, count),
+            Pick::Mesh(mesh) => mesh.enqueue(comm, op, dtype, ins, outs, count),
+            Pick::OneShot(os) => os.enqueue(comm, op, dtype, ins, outs, count),
+        }
+    }
+}
+
+/// The algorithms a group opened (the ring needs nothing opened).
+pub(crate) struct Algorithms {
+    /// What the group was asked for.
+    pub(crate) request: Algorithm,
+    /// The mesh all-reduce, when the group has it.
+    pub(crate) mesh: Option<Arc<Mesh>>,
+    /// The one-shot all-reduce, when the group has it.
+    pub(crate) oneshot: Option<Arc<OneShot>>,
+}
+
+/// Why ranks on `devices` cannot run a fused all-reduce (mesh or
+/// one-shot), if they cannot: both need 2 to 8 ranks, each on its own
+/// device.
+pub(crate) fn layout_refusal(devices: &[usize]) -> Option<String> {
+    let n = devices.len();
+    if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
+        return Some("needs 2 to 8 ranks".into());
+    }
+    let mut devices = devices.to_vec();
+    devices.sort();
+    devices.dedup();
+    (devices.len() != n).then(|| "needs every rank on its own device".into())
+}
+
+/// Whether a group of ranks on `devices` asked for `request` needs to know
+/// whether every pair of ranks has P2P (a fused algorithm could use it).
+pub(crate) fn wants_all_pairs(request: Algorithm, devices: &[usize]) -> bool {
+    request != Algorithm::Ring && layout_refusal(devices).is_none()
+}
+
+/// The error for a forced all-reduce algorithm the group cannot run.
+pub(crate) fn unavailable(algorithm: &'static str, why: &str) -> Error {
+    Error::AlgorithmUnavailable { algorithm, reason: why.to_string() }
+}
+
+impl Algorithms {
+    /// Opens, on `comm`, the fused algorithms that `request` allows and the
+    /// group can run; a forced one that it cannot is an error.
+    pub(crate) fn open(comm: &Communicator, request: Algorithm) -> Result<Algorithms> {
+        let mesh = <Mesh as AllReduce>::open(comm, request)?.map(Arc::new);
+        let oneshot = <OneShot as AllReduce>::open(comm, request)?.map(Arc::new);
+        Ok(Algorithms { request, mesh, oneshot })
+    }
+
+    /// Whether the group has a fused algorithm (mesh or one-shot).
+    pub(crate) fn any_fused(&self) -> bool {
+        self.mesh.is_some() || self.oneshot.is_some()
+    }
+
+    /// The algorithm for an all-reduce of `bytes` bytes per rank on `n`
+    /// ranks: what the group has, then the thresholds (under `Auto`), then
+    /// the pick.
+    pub(crate) fn pick(&self, n: usize, bytes: usize) -> Pick<'_> {
+        let oneshot = self.oneshot.as_deref().map(|os| (os, os.on_host()));
+        match choose(self.request, n, oneshot.map(|(_, h)| h), self.mesh.is_some(), bytes) {
+            Selected::OneShot => oneshot.map_or(Pick::Ring, |(os, _)| Pick::OneShot(os)),
+            Selected::Mesh => self.mesh.as_deref().map_or(Pick::Ring, Pick::Mesh),
+            Selected::Ring => Pick::Ring,
+        }
+    }
+}
+
+/// The all-reduce algorithm for a message of `bytes` per rank in a group
+/// of `n` ranks asked for `request`, with a one-shot (`Some(on_host)`) and
+/// a mesh or not.
+fn choose(request: Algorithm, n: usize, oneshot: Option<bool>, mesh: bool, bytes: usize) -> Selected {
+    let pushed = bytes.saturating_mul(n.saturating_sub(1));
+    let auto = request == Algorithm::Auto;
+    if let Some(on_host) = oneshot {
+        let max = if on_host { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
+        if !auto || pushed <= max {
+            return Selected::OneShot;
+        }
+    }
+    if mesh && (!auto || bytes < MESH_AUTO_MAX_BYTES) {
+        return Selected::Mesh;
+    }
+    Selected::Ring
+}
+
+/// Launches `x /= n` on `ranks` for [`ReduceOp::Avg`] on `n > 1` ranks.
+pub(crate) fn divide(comm: &Communicator, op: ReduceOp, dtype: DType, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
+    if op == ReduceOp::Avg && comm.size() > 1 {
+        for r in ranks {
+            comm.launch_scale_div(r, dtype, ptrs[r], count, comm.size() as f64)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn algorithm_names_parse() {
+        assert_eq!("auto".parse::<Algorithm>().unwrap(), Algorithm::Auto);
+        assert_eq!("ring".parse::<Algorithm>().unwrap(), Algorithm::Ring);
+        assert_eq!("mesh".parse::<Algorithm>().unwrap(), Algorithm::Mesh);
+        assert_eq!("oneshot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);
+        assert_eq!("one-shot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);
+        assert!(matches!("tree".parse::<Algorithm>(), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn auto_picks_by_size_and_forced_algorithms_stick() {
+        use Algorithm::*;
+        let (mib, p2p, host) = (1usize << 20, Some(false), Some(true));
+        let s = |request, n, oneshot, mesh, bytes| choose(request, n, oneshot, mesh, bytes);
+        // P2P, two ranks: one-shot to 4 MiB, mesh below 256 MiB, ring above.
+        assert_eq!(s(Auto, 2, p2p, true, 4096), Selected::OneShot);
+        assert_eq!(s(Auto, 2, p2p, true, 4 * mib), Selected::OneShot);
+        assert_eq!(s(Auto, 2, p2p, true, 4 * mib + 1), Selected::Mesh);
+        assert_eq!(s(Auto, 2, p2p, true, 256 * mib - 1), Selected::Mesh);
+        assert_eq!(s(Auto, 2, p2p, true, 256 * mib), Selected::Ring);
+        // More ranks push more: the one-shot ends sooner.
+        assert_eq!(s(Auto, 5, p2p, true, mib), Selected::OneShot);
+        assert_eq!(s(Auto, 5, p2p, true, mib + 1), Selected::Mesh);
+        // Without P2P: one-shot through host memory to 16 MiB, then the ring.
+        assert_eq!(s(Auto, 2, host, false, 16 * mib), Selected::OneShot);
+        assert_eq!(s(Auto, 2, host, false, 16 * mib + 1), Selected::Ring);
+        // Groups with neither (shared devices, one rank): the ring.
+        assert_eq!(s(Auto, 3, None, false, 4096), Selected::Ring);
+        // Forced algorithms hold at every size where the group has them.
+        assert_eq!(s(OneShot, 2, p2p, false, 1 << 30), Selected::OneShot);
+        assert_eq!(s(OneShot, 2, host, false, 1 << 30), Selected::OneShot);
+        assert_eq!(s(Mesh, 2, None, true, 1 << 30), Selected::Mesh);
+        assert_eq!(s(Ring, 2, None, false, 4096), Selected::Ring);
+    }
+
+    #[test]
+    fn fused_layouts_need_two_to_eight_distinct_devices() {
+        assert!(layout_refusal(&[0]).is_some());
+        assert!(layout_refusal(&[0, 1]).is_none());
+        assert!(layout_refusal(&[0, 0]).is_some());
+        assert!(layout_refusal(&[0, 1, 2, 3, 4, 5, 6, 7, 8]).is_some());
+        assert!(!wants_all_pairs(Algorithm::Ring, &[0, 1]));
+        assert!(wants_all_pairs(Algorithm::Auto, &[0, 1]));
+        assert!(!wants_all_pairs(Algorithm::Mesh, &[0, 0]));
+    }
+}

@@ -1,0 +1,440 @@
+//! Collectives between hosts, through NCCL: one rank per process, loaded
+//! at run time (`libnccl.so.2`, or `CUDA_PEER_NCCL_LIB`).
+//!
+//! cuda-peer moves data between the GPUs of one host itself; between hosts
+//! it uses an existing distributed engine rather than a network layer of
+//! its own. [`NcclComm`] is that engine behind cuda-peer's conventions:
+//! its [`Element`] types and [`ReduceOp`]s, its ordering of the caller's
+//! buffers (whatever stream or context object they were written on), typed
+//! errors instead of panics, a bounded [`NcclComm::synchronize`], and an
+//! NCCL communicator that is aborted, never left hanging, when it is
+//! dropped or a peer fails.
+//!
+//! A job spans hosts when its ranks' host identities differ
+//! ([`super::host_identity`]: host name and boot id, or `CUDA_PEER_HOST_ID`
+//! to simulate several hosts on one).
+//!
+//! ```no_run
+//! use cuda_peer::{ipc::nccl::NcclComm, ReduceOp};
+//! # fn main() -> Result<(), cuda_peer::Error> {
+//! let comm = NcclComm::from_env(std::time::Duration::from_secs(60))?; // under torchrun or cuda-peer-run
+//! let mut x = comm.stream().clone_htod(&[comm.rank() as f32; 1024]).unwrap();
+//! comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+//! comm.synchronize()?;
+//! # Ok(()) }
+//! ```
+
+use super::bootstrap::{Bootstrap, Exchange};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{cudarc_err, Error, Result};
+use crate::sync::{wait_bounded, Orderer};
+use cuda_peer_sys::nccl::{self as sys, NcclApi};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// NCCL's data type for `dtype` (every cuda-peer element type has one).
+pub(crate) fn nccl_dtype(dtype: DType) -> i32 {
+    match dtype {
+        DType::F32 => sys::dtype::FLOAT32,
+        DType::F64 => sys::dtype::FLOAT64,
+        DType::F16 => sys::dtype::FLOAT16,
+        DType::BF16 => sys::dtype::BFLOAT16,
+        DType::I32 => sys::dtype::INT32,
+        DType::I64 => sys::dtype::INT64,
+        DType::U32 => sys::dtype::UINT32,
+        DType::U64 => sys::dtype::UINT64,
+        DType::I8 => sys::dtype::INT8,
+        DType::U8 => sys::dtype::UINT8,
+    }
+}
+
+/// NCCL's reduction for `op`.
+pub(crate) fn nccl_op(op: ReduceOp) -> i32 {
+    match op {
+        ReduceOp::Sum => sys::op::SUM,
+        ReduceOp::Prod => sys::op::PROD,
+        ReduceOp::Min => sys::op::MIN,
+        ReduceOp::Max => sys::op::MAX,
+        ReduceOp::Avg => sys::op::AVG,
+    }
+}
+
+/// An NCCL result as cuda-peer's error.
+fn nccl_error(api: &NcclApi, op: &'static str, code: i32) -> Error {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for
+    // any code (NCCL's own "unknown result" for codes it does not know).
+    let text = unsafe { (api.ncclGetErrorString)(code) };
+    let message = if text.is_null() {
+        "unknown NCCL result".to_string()
+    } else {
+        // SAFETY: non-null, static, NUL-terminated (above).
+        unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned()
+    };
+    Error::Nccl { op, code, message }
+}
+
+fn check(api: &NcclApi, op: &'static str, code: i32) -> Result<()> {
+    if code == sys::NCCL_SUCCESS {
+        Ok(())
+    } else {
+        Err(nccl_error(api, op, code))
+    }
+}
+
+/// The version of the NCCL library that would be used (e.g. 22803 for
+/// 2.28.3), or why it cannot be loaded.
+pub fn nccl_version() -> Result<i32> {
+    let api = sys::nccl()?;
+    let mut v = 0;
+    // SAFETY: writes one int.
+    check(api, "ncclGetVersion", unsafe { (api.ncclGetVersion)(&mut v) })?;
+    Ok(v)
+}
+
+/// The NCCL communicator and whether it was aborted.
+struct Handle {
+    comm: sys::NcclComm,
+    /// Why the communicator was aborted, once it was.
+    failed: Option<Error>,
+}
+
+/// A communicator of processes, one rank per process, whose collectives
+/// run on NCCL (see the module docs).
+///
+/// Every collective enqueues on [`Self::stream`] and returns; the caller's
+/// buffers are ordered with the streams they were written on, as for every
+/// cuda-peer collective. Every rank must call the same collectives with the
+/// same lengths, types and ops, in the same order.
+pub struct NcclComm {
+    api: &'static NcclApi,
+    rank: usize,
+    size: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    order: Orderer,
+    timeout: Duration,
+    handle: Mutex<Handle>,
+}
+
+// SAFETY: the raw communicator is only used under the `handle` mutex, and
+// NCCL allows a communicator to be used from any thread, one at a time.
+unsafe impl Send for NcclComm {}
+// SAFETY: as above: every use of the communicator takes the mutex.
+unsafe impl Sync for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm").field("rank", &self.rank).field("size", &self.size).field("device", &self.ctx.ordinal()).finish()
+    }
+}
+
+impl NcclComm {
+    /// Reads torchrun's variables ([`Bootstrap::from_env`]), meets the other
+    /// ranks and creates the communicator on device `LOCAL_RANK`, with
+    /// `timeout` bounding [`Self::synchronize`] and [`Drop`].
+    pub fn from_env(timeout: Duration) -> Result<NcclComm> {
+        let boot = Bootstrap::from_env()?;
+        let rv = boot.connect()?;
+        NcclComm::new(&rv, boot.local_rank, timeout)
+    }
+
+    /// Creates the communicator of the ranks of `exchange`, this one on
+    /// device `device`: rank 0 makes NCCL's unique id and the exchange
+    /// carries it to the others. Every rank must call it at the same time.
+    /// A missing NCCL library is [`Error::Load`] on every rank.
+    pub fn new(exchange: &dyn Exchange, device: usize, timeout: Duration) -> Result<NcclComm> {
+        let (rank, size) = (exchange.rank(), exchange.size());
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
+        }
+        // Rank 0's id, or every rank's reason to stop, in one all-gather.
+        let mine: Result<(Option<sys::NcclUniqueId>, &'static NcclApi)> = (|| {
+            let api = sys::nccl()?;
+            if rank != 0 {
+                return Ok((None, api));
+            }
+            let mut id = sys::NcclUniqueId { internal: [0; 128] };
+            // SAFETY: writes the 128-byte id.
+            check(api, "ncclGetUniqueId", unsafe { (api.ncclGetUniqueId)(&mut id) })?;
+            Ok((Some(id), api))
+        })();
+        let blob = match &mine {
+            Ok((Some(id), _)) => {
+                let mut b = vec![b'+'];
+                b.extend(id.internal.iter().map(|&c| c as u8));
+                b
+            }
+            Ok((None, _)) => vec![b'+'],
+            Err(e) => format!("-{e}").into_bytes(),
+        };
+        let all = exchange.all_gather(&blob)?;
+        let api = mine?.1;
+        if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.first() != Some(&b'+')) {
+            return Err(Error::Bootstrap {
+                op: "NCCL communicator",
+                reason: format!("rank {r}: {}", String::from_utf8_lossy(b.get(1..).unwrap_or(&[]))),
+            });
+        }
+        let id_bytes = all[0].get(1..).filter(|b| b.len() == 128).ok_or_else(|| Error::Bootstrap {
+            op: "NCCL communicator",
+            reason: format!("rank 0 sent a {}-byte id, not 128", all[0].len().saturating_sub(1)),
+        })?;
+        let mut id = sys::NcclUniqueId { internal: [0; 128] };
+        for (d, s) in id.internal.iter_mut().zip(id_bytes) {
+            *d = *s as std::os::raw::c_char;
+        }
+
+        let ctx = crate::driver::context(device)?;
+        let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+        crate::driver::bind(&ctx)?;
+        let mut comm: sys::NcclComm = std::ptr::null_mut();
+        // SAFETY: the id is rank 0's, every rank passes the same size and
+        // its own rank; the device's context is current on this thread.
+        check(api, "ncclCommInitRank", unsafe { (api.ncclCommInitRank)(&mut comm, size as i32, id, rank as i32) })?;
+        Ok(NcclComm { api, rank, size, ctx, stream, order: Orderer::default(), timeout, handle: Mutex::new(Handle { comm, failed: None }) })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks the communicator has.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// This rank's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every collective is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits, for at most the communicator's timeout, for every collective
+    /// enqueued so far. A peer that died or stopped calling (NCCL reports
+    /// an asynchronous error, or the work does not finish in time) aborts
+    /// the communicator: this and every later call return an error, the
+    /// kernels are ended, and the context stays usable.
+    pub fn synchronize(&self) -> Result<()> {
+        let event = self.stream.record_event(None).map_err(cudarc_err("cuEventRecord"))?;
+        let start = Instant::now();
+        loop {
+            self.check_async()?;
+            match wait_bounded(&event, "NCCL collectives", Duration::from_millis(50)) {
+                Ok(()) => break,
+                Err(Error::Timeout { .. }) if start.elapsed() < self.timeout => continue,
+                Err(Error::Timeout { .. }) => {
+                    let e = Error::Timeout { op: "NCCL collectives (a peer died or stopped calling?)", after: self.timeout };
+                    return Err(self.abort(e));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.order.synchronize()
+    }
+
+    /// NCCL's asynchronous error, if any (which aborts the communicator).
+    fn check_async(&self) -> Result<()> {
+        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = &h.failed {
+            return Err(e.clone());
+        }
+        let mut state = sys::NCCL_SUCCESS;
+        // SAFETY: the communicator is live (not aborted: checked above).
+        let r = unsafe { (self.api.ncclCommGetAsyncError)(h.comm, &mut state) };
+        drop(h);
+        check(self.api, "ncclCommGetAsyncError", r)?;
+        if state != sys::NCCL_SUCCESS && state != sys::NCCL_IN_PROGRESS {
+            return Err(self.abort(nccl_error(self.api, "NCCL collective (asynchronous error)", state)));
+        }
+        Ok(())
+    }
+
+    /// Aborts the communicator (once), remembering `why`; returns the error
+    /// later calls will see.
+    fn abort(&self, why: Error) -> Error {
+        let mut h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = &h.failed {
+            return e.clone();
+        }
+        // SAFETY: the communicator is live and no other call uses it (the
+        // mutex is held); ncclCommAbort ends its kernels and frees it.
+        let r = unsafe { (self.api.ncclCommAbort)(h.comm) };
+        if r != sys::NCCL_SUCCESS {
+            log::warn!("cuda-peer: ncclCommAbort returned {r}");
+        }
+        h.comm = std::ptr::null_mut();
+        let failed = Error::GroupFailed { reason: format!("NCCL communicator aborted: {why}") };
+        h.failed = Some(failed.clone());
+        failed
+    }
+
+    /// Runs `call` with the live communicator and this rank's context
+    /// current; every collective goes through here.
+    fn enqueue(&self, op: &'static str, call: impl FnOnce(&NcclApi, sys::NcclComm, *mut std::ffi::c_void) -> i32) -> Result<()> {
+        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = &h.failed {
+            return Err(e.clone());
+        }
+        crate::driver::bind(&self.ctx)?;
+        let code = call(self.api, h.comm, self.stream.cu_stream() as *mut std::ffi::c_void);
+        drop(h);
+        check(self.api, op, code)
+    }
+
+    /// In-place all-reduce: `buf` becomes the reduction of every rank's
+    /// `buf`.
+    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
+        let count = buf.len();
+        let (ptr, held) = self.order.write(buf, &self.stream)?;
+        let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
+        // SAFETY: `ptr` is valid for `count` elements of T on this rank's
+        // device and ordered for this stream (the guard); the same buffer
+        // as input and output is NCCL's in-place form.
+        let r = self.enqueue("ncclAllReduce", |api, comm, s| unsafe { (api.ncclAllReduce)(ptr as *const _, ptr as *mut _, count, dt, nop, comm, s) });
+        r.and(held.finish())
+    }
+
+    /// Out-of-place all-reduce: `recv` becomes the reduction of every rank's
+    /// `send` (same lengths).
+    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.check_buffers("all_reduce", recv, send, send.len())?;
+        let count = send.len();
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
+        // SAFETY: both pointers are valid for `count` elements of T on this
+        // rank's device, distinct buffers (a & and a &mut), ordered (guards).
+        let r = self.enqueue("ncclAllReduce", |api, comm, s| unsafe { (api.ncclAllReduce)(src as *const _, dst as *mut _, count, dt, nop, comm, s) });
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// Reduce-scatter: rank r's `recv` (n elements) becomes the reduction of
+    /// chunk r (elements `r*n..(r+1)*n`) of every rank's `send` (`n * size`
+    /// elements).
+    pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        let n = recv.len();
+        self.check_buffers("reduce_scatter", send, recv, n * self.size)?;
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
+        // SAFETY: `send` holds n*size and `recv` n elements of T on this
+        // rank's device (checked), distinct, ordered (guards).
+        let r =
+            self.enqueue("ncclReduceScatter", |api, comm, s| unsafe { (api.ncclReduceScatter)(src as *const _, dst as *mut _, n, dt, nop, comm, s) });
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// All-gather: `recv` (`n * size` elements) becomes every rank's `send`
+    /// (n elements), in rank order.
+    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        let n = send.len();
+        self.check_buffers("all_gather", recv, send, n * self.size)?;
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let dt = nccl_dtype(T::DTYPE);
+        // SAFETY: `send` holds n and `recv` n*size elements of T on this
+        // rank's device (checked), distinct, ordered (guards).
+        let r = self.enqueue("ncclAllGather", |api, comm, s| unsafe { (api.ncclAllGather)(src as *const _, dst as *mut _, n, dt, comm, s) });
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// In-place broadcast: every rank's `buf` becomes rank `root`'s.
+    pub fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
+        let count = buf.len();
+        let (ptr, held) = self.order.write(buf, &self.stream)?;
+        let dt = nccl_dtype(T::DTYPE);
+        // SAFETY: `ptr` is valid for `count` elements of T on this device,
+        // ordered (guard); in place is NCCL's same-pointer form.
+        let r = self
+            .enqueue("ncclBroadcast", |api, comm, s| unsafe { (api.ncclBroadcast)(ptr as *const _, ptr as *mut _, count, dt, root as i32, comm, s) });
+        r.and(held.finish())
+    }
+
+    /// Reduce: rank `root`'s `recv` becomes the reduction of every rank's
+    /// `send`; the other ranks' `recv` is left as it was (it must still be
+    /// as long as `send`).
+    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.check_root("reduce", root)?;
+        self.check_buffers("reduce", recv, send, send.len())?;
+        let count = send.len();
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
+        // SAFETY: both valid for `count` elements of T on this device,
+        // distinct, ordered (guards).
+        let r = self
+            .enqueue("ncclReduce", |api, comm, s| unsafe { (api.ncclReduce)(src as *const _, dst as *mut _, count, dt, nop, root as i32, comm, s) });
+        r.and(read.finish()).and(write.finish())
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument(format!("{op}: root {root} of {} ranks", self.size)));
+        }
+        Ok(())
+    }
+
+    /// Both buffers on this rank's context, and `big` exactly `expected`
+    /// elements long.
+    fn check_buffers<T, A: DeviceSlice<T>, B: DeviceSlice<T>>(&self, op: &'static str, big: &A, other: &B, expected: usize) -> Result<()> {
+        crate::copy::check_context(op, "buffer", &self.ctx, big.stream().context())?;
+        crate::copy::check_context(op, "buffer", &self.ctx, other.stream().context())?;
+        if big.len() != expected {
+            return Err(Error::LengthMismatch { op, expected, got: big.len() });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NcclComm {
+    /// Waits (bounded) for the enqueued collectives, then aborts the NCCL
+    /// communicator: never a panic, never an unbounded wait on a dead peer.
+    fn drop(&mut self) {
+        if let Err(e) = self.synchronize() {
+            log::warn!("cuda-peer: NCCL communicator dropped after an error: {e}");
+        }
+        let h = self.handle.get_mut().unwrap_or_else(|p| p.into_inner());
+        if !h.comm.is_null() {
+            if crate::driver::bind(&self.ctx).is_err() {
+                log::warn!("cuda-peer: could not bind the context to abort the NCCL communicator");
+            }
+            // SAFETY: the communicator is live and this is its last use.
+            let r = unsafe { (self.api.ncclCommAbort)(h.comm) };
+            if r != sys::NCCL_SUCCESS {
+                log::warn!("cuda-peer: ncclCommAbort returned {r}");
+            }
+            h.comm = std::ptr::null_mut();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_element_type_and_op_has_its_nccl_value() {
+        let dts: Vec<i32> = DType::ALL.iter().map(|&d| nccl_dtype(d)).collect();
+        let mut uniq = dts.clone();
+        uniq.sort();
+        uniq.dedup();
+        assert_eq!(uniq.len(), DType::ALL.len(), "two types map to one NCCL type: {dts:?}");
+        assert_eq!(nccl_dtype(DType::BF16), 9);
+        assert_eq!(nccl_dtype(DType::F16), 6);
+        let ops: Vec<i32> = ReduceOp::ALL.iter().map(|&o| nccl_op(o)).collect();
+        assert_eq!(ops, vec![0, 1, 3, 2, 4]);
+    }
+}

@@ -1,0 +1,901 @@
+//! The doctor's verdicts, read by the library (issue 18).
+//!
+//! `cuda-peer doctor` (the `cli/` crate) checks every ordered pair of GPUs
+//! (copy-engine P2P, SM peer loads and stores, the staged path, speeds) and
+//! writes a verdict per pair to a cache file. This module owns that file:
+//! its format (the doctor writes it through [`Cache::write`], the library
+//! reads it through [`Cache::read`], so the two cannot drift), the key that
+//! says when a cache applies ([`CacheKey`]), the speed rule the doctor
+//! judges by ([`faster_path`]), and the hook that lets
+//! [`PathPolicy::Auto`](crate::copy::PathPolicy::Auto) links and groups
+//! follow a verdict.
+//!
+//! # Where the cache is
+//!
+//! `$CUDA_PEER_DOCTOR_CACHE` ([`CACHE_ENV`]) where set, else
+//! `$XDG_CACHE_HOME/cuda-peer/doctor.json`, else
+//! `$HOME/.cache/cuda-peer/doctor.json` ([`cache_path`]). The doctor writes
+//! to the same place (unless `--no-cache`).
+//!
+//! # When it applies
+//!
+//! The file carries the key it was written under: the NVIDIA driver's
+//! version, the boot id (`/proc/sys/kernel/random/boot_id`) and the PCI
+//! bus ids of the GPUs the doctor saw. It applies to this process when its
+//! format version is [`FORMAT_VERSION`], the driver version and boot id are
+//! this machine's, and every GPU this process sees is among the cache's
+//! bus ids (pairs are named by bus id, so a `CUDA_VISIBLE_DEVICES` subset
+//! or reordering still matches). A missing, unreadable, malformed or
+//! non-matching cache is ignored with a `log::debug!` line: it is never an
+//! error, and the link is then decided as without a doctor.
+//!
+//! The driver version is the kernel module's (`/sys/module/nvidia/version`,
+//! else `/proc/driver/nvidia/version`, e.g. `580.95.05`); only where neither
+//! is readable is it `cuda <n>` from `cuDriverGetVersion`. The module version
+//! is the stricter key: `cuDriverGetVersion` names the CUDA API level
+//! (`13000`), which stays the same across driver updates of one branch,
+//! and a driver update is exactly what may change P2P behaviour.
+//!
+//! # What a verdict changes
+//!
+//! Only links and groups under [`PathPolicy::Auto`](crate::copy::PathPolicy::Auto):
+//! `P2pOnly` and `StagedOnly` are explicit requests (and the doctor's own
+//! checks use them, so that an old cache never decides a new check). A link
+//! enables peer access both ways and verifies both ways, and the mesh and
+//! one-shot use both directions, so the verdicts of `a -> b` *and*
+//! `b -> a` are consulted:
+//!
+//! - either is `staged` or `none` (P2P unusable): the link stages, without
+//!   enabling peer access or running P2P at all;
+//! - either carries measured speeds where [`faster_path`] prefers staging
+//!   (P2P verified but slower than staging for large messages): it stages;
+//! - otherwise a `p2p` verdict skips nothing: P2P is enabled and verified as
+//!   usual (the doctor ran on another process's data, so the link still
+//!   checks its own);
+//! - no entry, or `unknown`: decided as without a doctor.
+//!
+//! [`LinkStatus::reason`](crate::copy::LinkStatus::reason) then says so:
+//! `doctor verdict (cache <path>): <from> -> <to>: <the doctor's summary>`
+//! (appended after `; ` to the usual reason when P2P stays).
+//!
+//! # Opting out
+//!
+//! [`LinkOptions::use_doctor_verdicts`](crate::copy::LinkOptions::use_doctor_verdicts)
+//! `= false` (for groups: `GroupOptions::link`), or the environment variable
+//! `CUDA_PEER_NO_DOCTOR_CACHE=1` ([`NO_CACHE_ENV`]; any value but empty or `0`).
+//!
+//! # Why the library does not measure speeds itself
+//!
+//! Comparing P2P with staging needs large copies both ways (the doctor
+//! times 64 MiB), staging buffers, and a quiet GPU: tens of milliseconds per
+//! direction, paid by every [`Link::open`](crate::copy::Link::open) and by
+//! every link of every `Group::new`, and noisy when the GPUs are busy with
+//! the caller's work. The doctor measures once per boot and driver; the
+//! library applies the same rule to its numbers.
+//!
+//! # Why a hand-written JSON reader
+//!
+//! The file is small, flat JSON that this module writes itself. Reading it
+//! with `serde` + `serde_json` would put serde's derive macros (syn,
+//! proc-macro2, quote) into every build of every crate that depends on
+//! cuda-peer, for one file read at link creation. A reader of the JSON
+//! grammar (private module `json`, ~150 lines, depth-limited, with unit
+//! tests) keeps the library's dependencies as they were; the doctor, which
+//! has serde for its report, shares the format by calling this module.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// Environment variable naming the cache file (overrides the XDG location).
+pub const CACHE_ENV: &str = "CUDA_PEER_DOCTOR_CACHE";
+
+/// Environment variable that turns the verdicts off (`1`; any value but
+/// empty or `0`).
+pub const NO_CACHE_ENV: &str = "CUDA_PEER_NO_DOCTOR_CACHE";
+
+/// The cache format version this module writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// The smallest copy, in bytes, whose timing [`faster_path`] judges: below
+/// it latency, not bandwidth, decides, and the rule is about large messages.
+pub const SPEED_RULE_MIN_BYTES: usize = 1 << 20;
+
+/// The words that start the part of a
+/// [`LinkStatus::reason`](crate::copy::LinkStatus::reason) taken from a
+/// verdict (the whole reason where the verdict staged the link, after `; `
+/// where P2P stays).
+pub const REASON_PREFIX: &str = "doctor verdict";
+
+/// Why a cache could not be read or written, or no key could be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// Reading or writing the file failed.
+    #[error("doctor cache {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a doctor cache this module can read.
+    #[error("doctor cache {path}: {what}")]
+    Format {
+        /// The file (empty for text not read from a file).
+        path: PathBuf,
+        /// What is wrong, with the byte offset where there is one.
+        what: String,
+    },
+    /// This machine's key cannot be made (no driver, no boot id).
+    #[error("no doctor cache key for this machine: {0}")]
+    NoKey(String),
+}
+
+/// The path the doctor decided for one ordered pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CachedPath {
+    /// P2P works (`"p2p"`).
+    P2p,
+    /// Use the staged path (`"staged"`).
+    Staged,
+    /// Neither path worked (`"none"`): P2P is unusable.
+    Unusable,
+    /// Not tested (`"unknown"`).
+    Unknown,
+}
+
+impl CachedPath {
+    /// The word in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CachedPath::P2p => "p2p",
+            CachedPath::Staged => "staged",
+            CachedPath::Unusable => "none",
+            CachedPath::Unknown => "unknown",
+        }
+    }
+
+    /// The path for the word in the file.
+    pub fn parse(word: &str) -> Option<CachedPath> {
+        [CachedPath::P2p, CachedPath::Staged, CachedPath::Unusable, CachedPath::Unknown].into_iter().find(|p| p.as_str() == word)
+    }
+}
+
+/// Bandwidths the doctor measured for one ordered pair, one way.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeedSample {
+    /// Bytes per timed copy.
+    pub bytes: usize,
+    /// P2P by copy engine, GB/s.
+    pub p2p_gbs: f64,
+    /// Staged through pinned host memory, GB/s.
+    pub staged_gbs: f64,
+}
+
+/// The speed rule, one function for the doctor and the library: where P2P
+/// works, which path is faster for large messages.
+///
+/// `Some(CachedPath::Staged)` when P2P measured slower than staging,
+/// `Some(CachedPath::P2p)` when it did not, `None` when the sample says nothing
+/// about large messages (copies under [`SPEED_RULE_MIN_BYTES`], or a
+/// bandwidth that is not a positive finite number).
+pub fn faster_path(s: &SpeedSample) -> Option<CachedPath> {
+    let valid = |g: f64| g.is_finite() && g > 0.0;
+    if s.bytes < SPEED_RULE_MIN_BYTES || !valid(s.p2p_gbs) || !valid(s.staged_gbs) {
+        return None;
+    }
+    Some(if s.p2p_gbs < s.staged_gbs { CachedPath::Staged } else { CachedPath::P2p })
+}
+
+/// What a cache is valid for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheKey {
+    /// NVIDIA driver version, e.g. `580.95.05` (see the module docs).
+    pub driver_version: String,
+    /// `/proc/sys/kernel/random/boot_id`.
+    pub boot_id: String,
+    /// The GPUs' PCI bus ids (normalised, [`normalize_bus_id`]), by CUDA ordinal.
+    pub bus_ids: Vec<String>,
+}
+
+static CURRENT_KEY: OnceLock<CacheKey> = OnceLock::new();
+
+impl CacheKey {
+    /// This process's key: the driver version, this boot's id and the bus
+    /// ids of the devices it sees (computed once per process).
+    pub fn current() -> Result<CacheKey, CacheError> {
+        if let Some(k) = CURRENT_KEY.get() {
+            return Ok(k.clone());
+        }
+        let no_key = |e: crate::Error| CacheError::NoKey(e.to_string());
+        let driver_version = match module_version(Path::new("/")) {
+            Some(v) => v,
+            None => format!("cuda {}", crate::driver::driver_version().map_err(no_key)?),
+        };
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_string())
+            .map_err(|e| CacheError::NoKey(format!("/proc/sys/kernel/random/boot_id: {e}")))?;
+        let n = crate::driver::device_count().map_err(no_key)?;
+        let bus_ids = (0..n)
+            .map(|i| crate::topology::device_info(i).map(|d| normalize_bus_id(&d.pci_bus_id)))
+            .collect::<crate::Result<Vec<_>>>()
+            .map_err(no_key)?;
+        Ok(CURRENT_KEY.get_or_init(|| CacheKey { driver_version, boot_id, bus_ids }).clone())
+    }
+}
+
+/// The NVIDIA kernel module's version under `root`: `sys/module/nvidia/version`,
+/// else the first version-like word of `proc/driver/nvidia/version`.
+pub fn module_version(root: &Path) -> Option<String> {
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    read("sys/module/nvidia/version").or_else(|| {
+        let line = read("proc/driver/nvidia/version")?;
+        let first = line.lines().next()?;
+        first.split_whitespace().find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.')).map(str::to_string)
+    })
+}
+
+/// A PCI bus id in one spelling: lower case, a 4-digit domain
+/// (`00000000:1B:00.0` and `1b:00.0` are both `0000:1b:00.0`).
+pub fn normalize_bus_id(id: &str) -> String {
+    let id = id.trim().to_ascii_lowercase();
+    let parts: Vec<&str> = id.split(':').collect();
+    match parts.as_slice() {
+        [dom, bus, devfn] => match u32::from_str_radix(dom, 16) {
+            Ok(dom) => format!("{dom:04x}:{bus:0>2}:{devfn}"),
+            Err(_) => id,
+        },
+        [bus, devfn] => format!("0000:{bus:0>2}:{devfn}"),
+        _ => id,
+    }
+}
+
+/// One ordered pair's verdict.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CachedPair {
+    /// Source bus id.
+    pub from: String,
+    /// Destination bus id.
+    pub to: String,
+    /// The path to use.
+    pub path: CachedPath,
+    /// Why, in one sentence.
+    pub summary: String,
+    /// Measured bandwidths, where the doctor measured both paths.
+    pub speed: Option<SpeedSample>,
+}
+
+/// The cache file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cache {
+    /// Format version ([`FORMAT_VERSION`]).
+    pub version: u32,
+    /// What it is valid for.
+    pub key: CacheKey,
+    /// Seconds since the Unix epoch when written.
+    pub written_at: u64,
+    /// Per ordered pair.
+    pub pairs: Vec<CachedPair>,
+}
+
+/// `$XDG_CACHE_HOME/cuda-peer/doctor.json`, else `$HOME/.cache/cuda-peer/doctor.json`
+/// (the variables passed in; empty counts as unset).
+pub fn default_path(xdg_cache_home: Option<&str>, home: Option<&str>) -> Option<PathBuf> {
+    let base = match (xdg_cache_home.filter(|s| !s.is_empty()), home.filter(|s| !s.is_empty())) {
+        (Some(x), _) => PathBuf::from(x),
+        (None, Some(h)) => Path::new(h).join(".cache"),
+        (None, None) => return None,
+    };
+    Some(base.join("cuda-peer").join("doctor.json"))
+}
+
+/// The cache file under the environment `env` (a lookup of a variable):
+/// [`CACHE_ENV`] where set and not empty, else [`default_path`].
+pub fn cache_path_with(env: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    if let Some(p) = env(CACHE_ENV).filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    default_path(env("XDG_CACHE_HOME").as_deref(), env("HOME").as_deref())
+}
+
+/// The cache file under this process's environment ([`cache_path_with`]).
+pub fn cache_path() -> Option<PathBuf> {
+    cache_path_with(|k| std::env::var(k).ok())
+}
+
+/// Whether verdicts are off: by option (`use_verdicts == false`) or by
+/// [`NO_CACHE_ENV`] in the environment `env`.
+pub fn opted_out(use_verdicts: bool, env: impl Fn(&str) -> Option<String>) -> bool {
+    !use_verdicts || env(NO_CACHE_ENV).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+impl Cache {
+    /// A cache of `pairs` under `key`, stamped now.
+    pub fn new(key: CacheKey, pairs: Vec<CachedPair>) -> Cache {
+        let written_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        Cache { version: FORMAT_VERSION, key, written_at, pairs }
+    }
+
+    /// `Ok` when the cache applies to a process whose key is `here` (see
+    /// the module docs), else why not.
+    pub fn applies_to(&self, here: &CacheKey) -> Result<(), String> {
+        if self.version != FORMAT_VERSION {
+            return Err(format!("format version {} (this library reads {FORMAT_VERSION})", self.version));
+        }
+        if self.key.driver_version != here.driver_version {
+            return Err(format!("written under driver {}, this is {}", self.key.driver_version, here.driver_version));
+        }
+        if self.key.boot_id != here.boot_id {
+            return Err("written before the last reboot".into());
+        }
+        let theirs: Vec<String> = self.key.bus_ids.iter().map(|b| normalize_bus_id(b)).collect();
+        if let Some(b) = here.bus_ids.iter().map(|b| normalize_bus_id(b)).find(|b| !theirs.contains(b)) {
+            return Err(format!("GPU {b} was not seen by the doctor"));
+        }
+        Ok(())
+    }
+
+    /// The verdict for `from -> to` (bus ids, any spelling), if there is one.
+    pub fn pair(&self, from: &str, to: &str) -> Option<&CachedPair> {
+        let (from, to) = (normalize_bus_id(from), normalize_bus_id(to));
+        self.pairs.iter().find(|p| normalize_bus_id(&p.from) == from && normalize_bus_id(&p.to) == to)
+    }
+
+    /// The file's text.
+    pub fn to_json(&self) -> String {
+        let s = json::quote;
+        let bus: Vec<String> = self.key.bus_ids.iter().map(|b| s(b)).collect();
+        let mut out = format!(
+            "{{\n  \"version\": {},\n  \"key\": {{\"driver_version\": {}, \"boot_id\": {}, \"bus_ids\": [{}]}},\n  \"written_at\": {},\n  \"pairs\": [",
+            self.version,
+            s(&self.key.driver_version),
+            s(&self.key.boot_id),
+            bus.join(", "),
+            self.written_at
+        );
+        for (i, p) in self.pairs.iter().enumerate() {
+            out += if i == 0 { "\n    " } else { ",\n    " };
+            out += &format!("{{\"from\": {}, \"to\": {}, \"path\": {}, \"summary\": {}", s(&p.from), s(&p.to), s(p.path.as_str()), s(&p.summary));
+            if let Some(sp) = &p.speed {
+                out +=
+                    &format!(", \"bytes\": {}, \"p2p_gbs\": {}, \"staged_gbs\": {}", sp.bytes, json::number(sp.p2p_gbs), json::number(sp.staged_gbs));
+            }
+            out += "}";
+        }
+        out += if self.pairs.is_empty() { "]\n}\n" } else { "\n  ]\n}\n" };
+        out
+    }
+
+    /// Parses the file's text.
+    pub fn from_json(text: &str) -> Result<Cache, CacheError> {
+        fn bad(what: String) -> CacheError {
+            CacheError::Format { path: PathBuf::new(), what }
+        }
+        fn field<'v>(v: &'v json::Value, k: &str) -> Result<&'v json::Value, CacheError> {
+            v.get(k).ok_or_else(|| bad(format!("no field {k:?}")))
+        }
+        let v = json::parse(text).map_err(|(at, what)| bad(format!("invalid JSON at byte {at}: {what}")))?;
+        let text_of = |v: &json::Value, k: &str| field(v, k)?.as_str().map(str::to_string).ok_or_else(|| bad(format!("{k:?} is not a string")));
+        let int_of = |v: &json::Value, k: &str| field(v, k)?.as_u64().ok_or_else(|| bad(format!("{k:?} is not a whole number")));
+        let version = u32::try_from(int_of(&v, "version")?).map_err(|_| bad("\"version\" out of range".into()))?;
+        if version != FORMAT_VERSION {
+            return Err(bad(format!("format version {version} (this library reads {FORMAT_VERSION})")));
+        }
+        let k = field(&v, "key")?;
+        let bus_ids = field(k, "bus_ids")?
+            .as_array()
+            .ok_or_else(|| bad("\"bus_ids\" is not an array".into()))?
+            .iter()
+            .map(|b| b.as_str().map(str::to_string).ok_or_else(|| bad("a bus id is not a string".into())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let key = CacheKey { driver_version: text_of(k, "driver_version")?, boot_id: text_of(k, "boot_id")?, bus_ids };
+        let written_at = int_of(&v, "written_at")?;
+        let mut pairs = Vec::new();
+        for p in field(&v, "pairs")?.as_array().ok_or_else(|| bad("\"pairs\" is not an array".into()))? {
+            let word = text_of(p, "path")?;
+            let path = CachedPath::parse(&word).ok_or_else(|| bad(format!("unknown path {word:?}")))?;
+            let bytes = p.get("bytes").and_then(json::Value::as_u64).and_then(|b| usize::try_from(b).ok());
+            let num = |k: &str| p.get(k).and_then(json::Value::as_f64);
+            let speed = match (bytes, num("p2p_gbs"), num("staged_gbs")) {
+                (Some(bytes), Some(p2p_gbs), Some(staged_gbs)) => Some(SpeedSample { bytes, p2p_gbs, staged_gbs }),
+                _ => None,
+            };
+            pairs.push(CachedPair { from: text_of(p, "from")?, to: text_of(p, "to")?, path, summary: text_of(p, "summary")?, speed });
+        }
+        Ok(Cache { version, key, written_at, pairs })
+    }
+
+    /// Reads and parses the file at `path`.
+    pub fn read(path: &Path) -> Result<Cache, CacheError> {
+        let text = std::fs::read_to_string(path).map_err(|source| CacheError::Io { path: path.to_path_buf(), source })?;
+        Cache::from_json(&text).map_err(|e| match e {
+            CacheError::Format { what, .. } => CacheError::Format { path: path.to_path_buf(), what },
+            other => other,
+        })
+    }
+
+    /// Writes the file at `path` (creating its directory), atomically (a
+    /// temporary file renamed over it).
+    pub fn write(&self, path: &Path) -> Result<(), CacheError> {
+        let io = |source| CacheError::Io { path: path.to_path_buf(), source };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let tmp = path.with_extension(format!("json.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, self.to_json()).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io(e)
+        })
+    }
+}
+
+/// What a cache says about one link (`crate::copy::decide`'s hook).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Advice {
+    /// Stage without trying P2P.
+    pub(crate) stage: bool,
+    /// `doctor verdict (cache <path>): ...`, for `LinkStatus::reason`.
+    pub(crate) reason: String,
+}
+
+/// What `cache` (read from `origin`) says about the pair of bus ids
+/// `a`, `b` for a process whose key is `here`; `Err(why)` where it says
+/// nothing (does not apply, no entry, `unknown`).
+pub(crate) fn advise(cache: &Cache, origin: &Path, here: &CacheKey, a: &str, b: &str) -> Result<Advice, String> {
+    cache.applies_to(here)?;
+    let head = format!("{REASON_PREFIX} (cache {})", origin.display());
+    let entries: Vec<&CachedPair> = [cache.pair(a, b), cache.pair(b, a)].into_iter().flatten().filter(|p| p.path != CachedPath::Unknown).collect();
+    if entries.is_empty() {
+        return Err(format!("no verdict for {a} <-> {b}"));
+    }
+    for p in &entries {
+        if matches!(p.path, CachedPath::Staged | CachedPath::Unusable) {
+            return Ok(Advice { stage: true, reason: format!("{head}: {} -> {}: {}: {}", p.from, p.to, p.path.as_str(), p.summary) });
+        }
+    }
+    for p in &entries {
+        if let Some(s) = p.speed.filter(|s| faster_path(s) == Some(CachedPath::Staged)) {
+            let reason = format!(
+                "{head}: {} -> {}: P2P measured slower than staging ({:.1} against {:.1} GB/s at {} bytes)",
+                p.from, p.to, s.p2p_gbs, s.staged_gbs, s.bytes
+            );
+            return Ok(Advice { stage: true, reason });
+        }
+    }
+    let p = entries[0];
+    Ok(Advice { stage: false, reason: format!("{head}: {} -> {}: p2p: {}", p.from, p.to, p.summary) })
+}
+
+/// The hook of `crate::copy::decide` (issue 18): what the doctor's cache
+/// says about devices `a` and `b` under `use_verdicts` and this process's
+/// environment. `None` (logged at debug level) wherever it says nothing.
+pub(crate) fn consult(a: usize, b: usize, use_verdicts: bool) -> Option<Advice> {
+    let env = |k: &str| std::env::var(k).ok();
+    if opted_out(use_verdicts, env) {
+        return None;
+    }
+    let path = cache_path_with(env)?;
+    let cache = match Cache::read(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            log::debug!("cuda-peer: no doctor verdicts: {e}");
+            return None;
+        }
+    };
+    let here = match CacheKey::current() {
+        Ok(k) => k,
+        Err(e) => {
+            log::debug!("cuda-peer: doctor cache {} not used: {e}", path.display());
+            return None;
+        }
+    };
+    let (Some(ba), Some(bb)) = (here.bus_ids.get(a), here.bus_ids.get(b)) else {
+        log::debug!("cuda-peer: doctor cache {} not used: device {a} or {b} out of range", path.display());
+        return None;
+    };
+    match advise(&cache, &path, &here, ba, bb) {
+        Ok(advice) => {
+            log::info!("cuda-peer: link {a} <-> {b}: {}", advice.reason);
+            Some(advice)
+        }
+        Err(why) => {
+            log::debug!("cuda-peer: doctor cache {} not used for {a} <-> {b}: {why}", path.display());
+            None
+        }
+    }
+}
+
+/// `reason`, with the doctor's `p2p` verdict after it where one applied.
+pub(crate) fn annotate(reason: &str, advice: Option<&Advice>) -> String {
+    match advice {
+        Some(a) => format!("{reason}; {}", a.reason),
+        None => reason.to_string(),
+    }
+}
+
+/// The JSON subset the cache needs: a reader of the whole grammar
+/// (depth-limited) and the writer's quoting.
+mod json {
+    /// A JSON value.
+    #[derive(Debug, Clone, PartialEq)]
+    pub(super) enum Value {
+        Null,
+        Bool(bool),
+        Num(f64),
+        Str(String),
+        Arr(Vec<Value>),
+        Obj(Vec<(String, Value)>),
+    }
+
+    impl Value {
+        pub(super) fn get(&self, key: &str) -> Option<&Value> {
+            match self {
+                Value::Obj(fields) => fields.iter().find(|(k, _)| k == key).map(|(_, v)| v),
+                _ => None,
+            }
+        }
+        pub(super) fn as_str(&self) -> Option<&str> {
+            match self {
+                Value::Str(s) => Some(s),
+                _ => None,
+            }
+        }
+        pub(super) fn as_f64(&self) -> Option<f64> {
+            match self {
+                Value::Num(n) => Some(*n),
+                _ => None,
+            }
+        }
+        pub(super) fn as_u64(&self) -> Option<u64> {
+            self.as_f64().filter(|n| n.is_finite() && *n >= 0.0 && n.fract() == 0.0 && *n <= 9_007_199_254_740_992.0).map(|n| n as u64)
+        }
+        pub(super) fn as_array(&self) -> Option<&[Value]> {
+            match self {
+                Value::Arr(a) => Some(a),
+                _ => None,
+            }
+        }
+    }
+
+    const MAX_DEPTH: usize = 32;
+
+    /// Parses `text` (one value, whitespace around it); `Err((offset, what))`.
+    pub(super) fn parse(text: &str) -> Result<Value, (usize, String)> {
+        let mut p = Parser { s: text.as_bytes(), i: 0 };
+        let v = p.value(0)?;
+        p.ws();
+        if p.i != p.s.len() {
+            return Err(p.err("trailing characters"));
+        }
+        Ok(v)
+    }
+
+    struct Parser<'a> {
+        s: &'a [u8],
+        i: usize,
+    }
+
+    impl Parser<'_> {
+        fn err(&self, what: &str) -> (usize, String) {
+            (self.i, what.to_string())
+        }
+        fn ws(&mut self) {
+            while self.s.get(self.i).is_some_and(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r')) {
+                self.i += 1;
+            }
+        }
+        fn eat(&mut self, c: u8) -> bool {
+            self.ws();
+            let hit = self.s.get(self.i) == Some(&c);
+            if hit {
+                self.i += 1;
+            }
+            hit
+        }
+        fn value(&mut self, depth: usize) -> Result<Value, (usize, String)> {
+            if depth > MAX_DEPTH {
+                return Err(self.err("nested too deep"));
+            }
+            self.ws();
+            match self.s.get(self.i) {
+                None => Err(self.err("unexpected end")),
+                Some(b'{') => {
+                    self.i += 1;
+                    let mut fields = Vec::new();
+                    if self.eat(b'}') {
+                        return Ok(Value::Obj(fields));
+                    }
+                    loop {
+                        self.ws();
+                        let k = self.string()?;
+                        if !self.eat(b':') {
+                            return Err(self.err("expected ':'"));
+                        }
+                        fields.push((k, self.value(depth + 1)?));
+                        if self.eat(b'}') {
+                            return Ok(Value::Obj(fields));
+                        }
+                        if !self.eat(b',') {
+                            return Err(self.err("expected ',' or '}'"));
+                        }
+                    }
+                }
+                Some(b'[') => {
+                    self.i += 1;
+                    let mut items = Vec::new();
+                    if self.eat(b']') {
+                        return Ok(Value::Arr(items));
+                    }
+                    loop {
+                        items.push(self.value(depth + 1)?);
+                        if self.eat(b']') {
+                            return Ok(Value::Arr(items));
+                        }
+                        if !self.eat(b',') {
+                            return Err(self.err("expected ',' or ']'"));
+                        }
+                    }
+                }
+                Some(b'"') => self.string().map(Value::Str),
+                Some(b't') => self.word("true", Value::Bool(true)),
+                Some(b'f') => self.word("false", Value::Bool(false)),
+                Some(b'n') => self.word("null", Value::Null),
+                Some(_) => self.number(),
+            }
+        }
+        fn word(&mut self, w: &str, v: Value) -> Result<Value, (usize, String)> {
+            if self.s[self.i..].starts_with(w.as_bytes()) {
+                self.i += w.len();
+                Ok(v)
+            } else {
+                Err(self.err("unknown word"))
+            }
+        }
+        fn number(&mut self) -> Result<Value, (usize, String)> {
+            let start = self.i;
+            while self.s.get(self.i).is_some_and(|c| matches!(c, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')) {
+                self.i += 1;
+            }
+            let t = std::str::from_utf8(&self.s[start..self.i]).unwrap_or("");
+            let ok = t.starts_with(|c: char| c == '-' || c.is_ascii_digit());
+            match t.parse::<f64>() {
+                Ok(n) if ok => Ok(Value::Num(n)),
+                _ => Err((start, "not a value".into())),
+            }
+        }
+        fn hex4(&mut self) -> Result<u32, (usize, String)> {
+            let h = self.s.get(self.i..self.i + 4).and_then(|h| std::str::from_utf8(h).ok()).and_then(|h| u32::from_str_radix(h, 16).ok());
+            let h = h.ok_or_else(|| self.err("bad \\u escape"))?;
+            self.i += 4;
+            Ok(h)
+        }
+        fn string(&mut self) -> Result<String, (usize, String)> {
+            if self.s.get(self.i) != Some(&b'"') {
+                return Err(self.err("expected a string"));
+            }
+            self.i += 1;
+            let mut out = Vec::new();
+            loop {
+                let Some(&c) = self.s.get(self.i) else { return Err(self.err("unterminated string")) };
+                self.i += 1;
+                match c {
+                    b'"' => return String::from_utf8(out).map_err(|_| self.err("invalid UTF-8")),
+                    b'\\' => {
+                        let Some(&e) = self.s.get(self.i) else { return Err(self.err("unterminated string")) };
+                        self.i += 1;
+                        let ch = match e {
+                            b'"' => '"',
+                            b'\\' => '\\',
+                            b'/' => '/',
+                            b'b' => '\u{8}',
+                            b'f' => '\u{c}',
+                            b'n' => '\n',
+                            b'r' => '\r',
+                            b't' => '\t',
+                            b'u' => {
+                                let mut u = self.hex4()?;
+                                if (0xD800..0xDC00).contains(&u) {
+                                    if !self.s[self.i..].starts_with(b"\\u") {
+                                        return Err(self.err("lone surrogate"));
+                                    }
+                                    self.i += 2;
+                                    let lo = self.hex4()?;
+                                    if !(0xDC00..0xE000).contains(&lo) {
+                                        return Err(self.err("lone surrogate"));
+                                    }
+                                    u = 0x10000 + ((u - 0xD800) << 10) + (lo - 0xDC00);
+                                }
+                                char::from_u32(u).ok_or_else(|| self.err("bad \\u escape"))?
+                            }
+                            _ => return Err(self.err("bad escape")),
+                        };
+                        let mut buf = [0u8; 4];
+                        out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+                    }
+                    c if c < 0x20 => return Err(self.err("control character in string")),
+                    c => out.push(c),
+                }
+            }
+        }
+    }
+
+    /// `s` as a JSON string.
+    pub(super) fn quote(s: &str) -> String {
+        let mut out = String::with_capacity(s.len() + 2);
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+        out
+    }
+
+    /// `x` as a JSON number (`null` where it is not finite).
+    pub(super) fn number(x: f64) -> String {
+        if x.is_finite() {
+            format!("{x}")
+        } else {
+            "null".into()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn key() -> CacheKey {
+        CacheKey { driver_version: "580.95.05".into(), boot_id: "b0".into(), bus_ids: vec!["0000:19:00.0".into(), "0000:3b:00.0".into()] }
+    }
+
+    fn pair(from: &str, to: &str, path: CachedPath, speed: Option<SpeedSample>) -> CachedPair {
+        CachedPair { from: from.into(), to: to.into(), path, summary: format!("summary of {from} -> {to}, \"quoted\"\n"), speed }
+    }
+
+    fn sample(p2p: f64, staged: f64) -> SpeedSample {
+        SpeedSample { bytes: 64 << 20, p2p_gbs: p2p, staged_gbs: staged }
+    }
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn the_speed_rule_on_fixture_numbers() {
+        assert_eq!(faster_path(&sample(6.0, 12.0)), Some(CachedPath::Staged), "P2P slower than staging");
+        assert_eq!(faster_path(&sample(368.2, 25.1)), Some(CachedPath::P2p));
+        assert_eq!(faster_path(&sample(12.0, 12.0)), Some(CachedPath::P2p), "a tie keeps P2P");
+        assert_eq!(faster_path(&SpeedSample { bytes: 4096, ..sample(1.0, 2.0) }), None, "small copies say nothing");
+        assert_eq!(faster_path(&SpeedSample { bytes: SPEED_RULE_MIN_BYTES, ..sample(1.0, 2.0) }), Some(CachedPath::Staged));
+        assert_eq!(faster_path(&sample(f64::NAN, 2.0)), None);
+        assert_eq!(faster_path(&sample(0.0, 2.0)), None);
+        assert_eq!(faster_path(&sample(3.0, f64::INFINITY)), None);
+    }
+
+    #[test]
+    fn bus_ids_normalise() {
+        assert_eq!(normalize_bus_id("00000000:1B:00.0"), "0000:1b:00.0");
+        assert_eq!(normalize_bus_id("1b:00.0"), "0000:1b:00.0");
+        assert_eq!(normalize_bus_id(" 0000:1b:00.0\n"), "0000:1b:00.0");
+        assert_eq!(normalize_bus_id("garbage"), "garbage");
+    }
+
+    #[test]
+    fn paths_and_opt_outs_from_the_environment() {
+        assert_eq!(cache_path_with(env(&[("HOME", "/home/u")])), Some(PathBuf::from("/home/u/.cache/cuda-peer/doctor.json")));
+        assert_eq!(cache_path_with(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/x")])), Some(PathBuf::from("/x/cuda-peer/doctor.json")));
+        assert_eq!(cache_path_with(env(&[("HOME", "/home/u"), (CACHE_ENV, "/t/d.json")])), Some(PathBuf::from("/t/d.json")));
+        assert_eq!(cache_path_with(env(&[("XDG_CACHE_HOME", ""), ("HOME", "")])), None);
+        assert!(!opted_out(true, env(&[])));
+        assert!(opted_out(false, env(&[])), "opt-out by option");
+        assert!(opted_out(true, env(&[(NO_CACHE_ENV, "1")])), "opt-out by environment");
+        assert!(!opted_out(true, env(&[(NO_CACHE_ENV, "0")])));
+        assert!(!opted_out(true, env(&[(NO_CACHE_ENV, "")])));
+    }
+
+    #[test]
+    fn json_round_trip_and_malformed_files() {
+        let c = Cache::new(
+            key(),
+            vec![
+                pair("0000:19:00.0", "0000:3b:00.0", CachedPath::Staged, Some(sample(6.5, 12.25))),
+                pair("0000:3b:00.0", "0000:19:00.0", CachedPath::Unusable, None),
+            ],
+        );
+        let back = Cache::from_json(&c.to_json()).unwrap();
+        assert_eq!(back, c);
+        let empty = Cache::new(key(), Vec::new());
+        assert_eq!(Cache::from_json(&empty.to_json()).unwrap(), empty);
+        // What the doctor wrote before speeds were cached still reads.
+        let old = r#"{"version": 1, "key": {"driver_version": "550.54.15", "boot_id": "b", "bus_ids": ["0000:03:00.0"]}, "written_at": 5,
+            "pairs": [{"from": "0000:03:00.0", "to": "0000:04:00.0", "path": "unknown", "summary": "\u00e9\ud83d\ude00\/"}]}"#;
+        let o = Cache::from_json(old).unwrap();
+        assert_eq!(o.pairs[0].path, CachedPath::Unknown);
+        assert_eq!(o.pairs[0].summary, "é😀/");
+        assert!(o.pairs[0].speed.is_none());
+        for bad in ["", "{", "[1,]", "{\"version\": 2}", "{\"version\": 1}", "nul", "\"\\ud800\"", "[".repeat(100).as_str(), "{} x", "-"] {
+            assert!(matches!(Cache::from_json(bad), Err(CacheError::Format { .. })), "{bad:?} parsed");
+        }
+        let wrong_path = c.to_json().replace("\"staged\"", "\"nvlink\"");
+        assert!(Cache::from_json(&wrong_path).is_err());
+    }
+
+    #[test]
+    fn a_cache_applies_only_to_its_key() {
+        let c = Cache::new(key(), Vec::new());
+        assert_eq!(c.applies_to(&key()), Ok(()));
+        let reordered = CacheKey { bus_ids: vec!["00000000:3B:00.0".into(), "0000:19:00.0".into()], ..key() };
+        assert_eq!(c.applies_to(&reordered), Ok(()), "CUDA_VISIBLE_DEVICES reordering");
+        let subset = CacheKey { bus_ids: vec!["0000:3b:00.0".into()], ..key() };
+        assert_eq!(c.applies_to(&subset), Ok(()), "a subset of the GPUs");
+        let other_gpu = CacheKey { bus_ids: vec!["0000:19:00.0".into(), "0000:5d:00.0".into()], ..key() };
+        assert!(c.applies_to(&other_gpu).is_err());
+        assert!(c.applies_to(&CacheKey { boot_id: "b1".into(), ..key() }).is_err(), "rebooted");
+        assert!(c.applies_to(&CacheKey { driver_version: "580.82.07".into(), ..key() }).is_err(), "new driver");
+        assert!(Cache { version: 2, ..c }.applies_to(&key()).is_err());
+    }
+
+    #[test]
+    fn advice_follows_verdicts_both_ways() {
+        let (a, b) = ("0000:19:00.0", "0000:3b:00.0");
+        let at = Path::new("/t/doctor.json");
+        let with = |pairs| Cache::new(key(), pairs);
+        let staged = with(vec![pair(a, b, CachedPath::Staged, None)]);
+        let adv = advise(&staged, at, &key(), a, b).unwrap();
+        assert!(adv.stage);
+        assert!(adv.reason.starts_with("doctor verdict (cache /t/doctor.json): 0000:19:00.0 -> 0000:3b:00.0: staged: summary"), "{}", adv.reason);
+        assert!(advise(&staged, at, &key(), b, a).unwrap().stage, "the reverse link of a staged pair stages too");
+        assert!(advise(&with(vec![pair(b, a, CachedPath::Unusable, None)]), at, &key(), a, b).unwrap().stage);
+        let p2p = advise(&with(vec![pair(a, b, CachedPath::P2p, Some(sample(300.0, 20.0)))]), at, &key(), a, b).unwrap();
+        assert!(!p2p.stage);
+        assert_eq!(annotate("P2P, verified", Some(&p2p)), format!("P2P, verified; {}", p2p.reason));
+        assert_eq!(annotate("P2P, verified", None), "P2P, verified");
+        let slow = advise(&with(vec![pair(a, b, CachedPath::P2p, Some(sample(6.0, 12.0)))]), at, &key(), a, b).unwrap();
+        assert!(slow.stage && slow.reason.contains("P2P measured slower than staging (6.0 against 12.0 GB/s"), "{}", slow.reason);
+        assert!(advise(&with(vec![pair(a, b, CachedPath::Unknown, None)]), at, &key(), a, b).is_err());
+        assert!(advise(&with(vec![pair(a, "0000:5d:00.0", CachedPath::Staged, None)]), at, &key(), a, b).is_err(), "another pair");
+        let rebooted = CacheKey { boot_id: "b1".into(), ..key() };
+        assert!(advise(&staged, at, &rebooted, a, b).is_err(), "a mismatching key is ignored");
+    }
+
+    #[test]
+    fn files_round_trip_and_unreadable_ones_are_errors_not_panics() {
+        let dir = std::env::temp_dir().join(format!("cuda-peer-verdict-{}", std::process::id()));
+        let path = dir.join("sub/doctor.json");
+        let c = Cache::new(key(), vec![pair("0000:19:00.0", "0000:3b:00.0", CachedPath::P2p, Some(sample(368.2, 25.1)))]);
+        c.write(&path).unwrap();
+        assert_eq!(Cache::read(&path).unwrap(), c);
+        std::fs::write(&path, "{\"version\": 1").unwrap();
+        assert!(matches!(Cache::read(&path), Err(CacheError::Format { .. })));
+        assert!(matches!(Cache::read(&dir.join("missing.json")), Err(CacheError::Io { .. })));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn module_versions_from_sysfs_or_procfs() {
+        let dir = std::env::temp_dir().join(format!("cuda-peer-verdict-root-{}", std::process::id()));
+        assert_eq!(module_version(&dir), None);
+        std::fs::create_dir_all(dir.join("proc/driver/nvidia")).unwrap();
+        std::fs::write(
+            dir.join("proc/driver/nvidia/version"),
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build\nGCC version: 13\n",
+        )
+        .unwrap();
+        assert_eq!(module_version(&dir).as_deref(), Some("580.95.05"));
+        std::fs::create_dir_all(dir.join("sys/module/nvidia")).unwrap();
+        std::fs::write(dir.join("sys/module/nvidia/version"), "580.95.06\n").unwrap();
+        assert_eq!(module_version(&dir).as_deref(), Some("580.95.06"));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -1,0 +1,263 @@
+//! Ranks on several hosts, simulated on one machine: each child process
+//! gets its own host identity (`CUDA_PEER_HOST_ID`) and NCCL is forced onto
+//! its socket transport (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`), as
+//! between two hosts. Every collective of [`NcclComm`] is checked against a
+//! CPU reference on fresh random data; a peer that dies mid-job fails the
+//! survivor in bounded time with its context still usable. Skipped (a
+//! `SKIPPED <name>` line) with fewer than two GPUs; a missing NCCL library
+//! fails the test only under `CUDA_PEER_REQUIRE_GPU=1`.
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use common::procs::{all_succeeded, child, rank, spawn};
+use cuda_peer::cudarc::driver::CudaStream;
+use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, Bootstrap, NcclComm};
+use cuda_peer::{Element, Error, ReduceOp};
+use half::{bf16, f16};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SEED: &str = "CUDA_PEER_TEST_SEED";
+
+/// The environment of a simulated host: its own identity, NCCL on sockets.
+fn host_env(r: usize, seed: u64) -> Vec<(&'static str, String)> {
+    vec![
+        ("CUDA_PEER_HOST_ID", format!("simulated-host-{r}")),
+        ("NCCL_P2P_DISABLE", "1".into()),
+        ("NCCL_SHM_DISABLE", "1".into()),
+        ("NCCL_NVLS_ENABLE", "0".into()),
+        ("NCCL_SOCKET_IFNAME", "lo".into()),
+        (SEED, seed.to_string()),
+    ]
+}
+
+/// Two GPUs and an NCCL library, or `None` after saying why the test skips.
+fn ready(test: &str) -> bool {
+    if common::gpus(test, 2).is_none() {
+        return false;
+    }
+    match nccl_version() {
+        Ok(v) => {
+            eprintln!("{test}: NCCL {v}");
+            true
+        }
+        Err(e) if common::required() => panic!("{test}: CUDA_PEER_REQUIRE_GPU=1 but NCCL cannot be loaded: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            false
+        }
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var(SEED).ok().and_then(|s| s.parse().ok()).unwrap_or(1)
+}
+
+/// A child's communicator: one simulated host per rank, one GPU each.
+fn open() -> NcclComm {
+    let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
+    assert!(spans_hosts(&rv).unwrap(), "rank {}: the simulated hosts were not told apart", rank());
+    NcclComm::new(&rv, rank(), Duration::from_secs(20)).unwrap()
+}
+
+/// Values 1..=5 (exact under every reduction of two ranks in every type).
+trait Num: Element + Copy + std::fmt::Debug + PartialEq {
+    fn from_u32(x: u32) -> Self;
+    fn to_f64(self) -> f64;
+}
+macro_rules! num {
+    ($($t:ty),*) => {$(impl Num for $t {
+        fn from_u32(x: u32) -> Self { x as $t }
+        fn to_f64(self) -> f64 { self as f64 }
+    })*};
+}
+num!(f32, f64, i32, i64, u32, u64, i8, u8);
+impl Num for f16 {
+    fn from_u32(x: u32) -> Self {
+        f16::from_f64(x as f64)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+}
+impl Num for bf16 {
+    fn from_u32(x: u32) -> Self {
+        bf16::from_f64(x as f64)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+}
+
+/// Every rank's input for call `call`.
+fn inputs<T: Num>(call: u64, n: usize, count: usize) -> Vec<Vec<T>> {
+    (0..n).map(|r| seeded(seed() * 1000 + call * 16 + r as u64, count).into_iter().map(|x| T::from_u32(x % 5 + 1)).collect()).collect()
+}
+
+fn reduce(op: ReduceOp, xs: impl Iterator<Item = f64>, n: usize) -> f64 {
+    let xs: Vec<f64> = xs.collect();
+    match op {
+        ReduceOp::Sum => xs.iter().sum(),
+        ReduceOp::Prod => xs.iter().product(),
+        ReduceOp::Min => xs.iter().cloned().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg => xs.iter().sum::<f64>() / n as f64,
+    }
+}
+
+fn poison<T: Num>(stream: &Arc<CudaStream>, count: usize) -> cuda_peer::cudarc::driver::CudaSlice<T> {
+    stream.clone_htod(&vec![T::from_u32(77); count]).unwrap()
+}
+
+fn assert_close<T: Num>(what: &str, got: &[T], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let w = *w;
+        assert!((g.to_f64() - w).abs() <= 1e-2 * w.abs().max(1.0), "{what} {}: [{i}] = {g:?}, expected {w}", T::DTYPE.name());
+    }
+}
+
+/// Every collective on `T` with `op`, at an odd count; returns the next call number.
+fn check_all<T: Num>(comm: &NcclComm, op: ReduceOp, mut call: u64) -> u64 {
+    let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
+    let count = 4099;
+    // all-reduce, out of place and in place
+    call += 1;
+    let ins = inputs::<T>(call, n, count);
+    let want: Vec<f64> = (0..count).map(|i| reduce(op, ins.iter().map(|x| x[i].to_f64()), n)).collect();
+    let send = s.clone_htod(&ins[r]).unwrap();
+    let mut recv = poison::<T>(&s, count);
+    comm.all_reduce(&send, &mut recv, op).unwrap();
+    let mut inplace = s.clone_htod(&ins[r]).unwrap();
+    comm.all_reduce_in_place(&mut inplace, op).unwrap();
+    comm.synchronize().unwrap();
+    assert_close::<T>(&format!("all_reduce {op:?}"), &s.clone_dtoh(&recv).unwrap(), &want);
+    assert_close::<T>(&format!("all_reduce_in_place {op:?}"), &s.clone_dtoh(&inplace).unwrap(), &want);
+    assert_eq!(s.clone_dtoh(&send).unwrap(), ins[r], "all_reduce changed its input");
+
+    // reduce-scatter
+    call += 1;
+    let ins = inputs::<T>(call, n, count * n);
+    let send = s.clone_htod(&ins[r]).unwrap();
+    let mut recv = poison::<T>(&s, count);
+    comm.reduce_scatter(&send, &mut recv, op).unwrap();
+    comm.synchronize().unwrap();
+    let want: Vec<f64> = (r * count..(r + 1) * count).map(|i| reduce(op, ins.iter().map(|x| x[i].to_f64()), n)).collect();
+    assert_close::<T>(&format!("reduce_scatter {op:?}"), &s.clone_dtoh(&recv).unwrap(), &want);
+
+    // reduce to the last rank (the root is not rank 0)
+    call += 1;
+    let root = n - 1;
+    let ins = inputs::<T>(call, n, count);
+    let send = s.clone_htod(&ins[r]).unwrap();
+    let mut recv = poison::<T>(&s, count);
+    comm.reduce(&send, &mut recv, op, root).unwrap();
+    comm.synchronize().unwrap();
+    let got = s.clone_dtoh(&recv).unwrap();
+    if r == root {
+        let want: Vec<f64> = (0..count).map(|i| reduce(op, ins.iter().map(|x| x[i].to_f64()), n)).collect();
+        assert_close::<T>(&format!("reduce {op:?}"), &got, &want);
+    } else {
+        assert!(got.iter().all(|&g| g == T::from_u32(77)), "reduce wrote a non-root's recv");
+    }
+    call
+}
+
+/// The order-free collectives on `T`.
+fn check_moves<T: Num>(comm: &NcclComm, mut call: u64) -> u64 {
+    let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
+    let count = 3001;
+    call += 1;
+    let ins = inputs::<T>(call, n, count);
+    let send = s.clone_htod(&ins[r]).unwrap();
+    let mut recv = poison::<T>(&s, count * n);
+    comm.all_gather(&send, &mut recv).unwrap();
+    comm.synchronize().unwrap();
+    assert_eq!(s.clone_dtoh(&recv).unwrap(), ins.concat(), "all_gather {}", T::DTYPE.name());
+
+    call += 1;
+    let root = 1 % n;
+    let ins = inputs::<T>(call, n, count);
+    let mut buf = s.clone_htod(&ins[r]).unwrap();
+    comm.broadcast_in_place(&mut buf, root).unwrap();
+    comm.synchronize().unwrap();
+    assert_eq!(s.clone_dtoh(&buf).unwrap(), ins[root], "broadcast {}", T::DTYPE.name());
+    call
+}
+
+fn every_collective_child() {
+    let comm = open();
+    let mut call = 0;
+    call = check_all::<f32>(&comm, ReduceOp::Sum, call);
+    call = check_all::<f32>(&comm, ReduceOp::Avg, call);
+    call = check_all::<bf16>(&comm, ReduceOp::Max, call);
+    call = check_all::<f16>(&comm, ReduceOp::Sum, call);
+    call = check_all::<f64>(&comm, ReduceOp::Prod, call);
+    call = check_all::<i32>(&comm, ReduceOp::Min, call);
+    call = check_all::<u8>(&comm, ReduceOp::Sum, call);
+    call = check_all::<i64>(&comm, ReduceOp::Prod, call);
+    call = check_all::<u64>(&comm, ReduceOp::Max, call);
+    call = check_all::<i8>(&comm, ReduceOp::Sum, call);
+    call = check_all::<u32>(&comm, ReduceOp::Min, call);
+    call = check_moves::<u8>(&comm, call);
+    call = check_moves::<f64>(&comm, call);
+    let _ = check_moves::<bf16>(&comm, call);
+    // Bad input is a typed error, not a panic or a call NCCL would hang on.
+    let s = comm.stream().clone();
+    let (a, mut b) = (s.alloc_zeros::<f32>(8).unwrap(), s.alloc_zeros::<f32>(9).unwrap());
+    assert!(matches!(comm.all_reduce(&a, &mut b, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
+    assert!(matches!(comm.broadcast_in_place(&mut b, 5), Err(Error::InvalidArgument(_))));
+    let mut i = s.alloc_zeros::<i32>(4).unwrap();
+    assert!(matches!(comm.all_reduce_in_place(&mut i, ReduceOp::Avg), Err(Error::UnsupportedOp { .. })));
+    comm.synchronize().unwrap();
+    println!("rank {}: every collective right between simulated hosts", comm.rank());
+}
+
+#[test]
+fn two_simulated_hosts_run_every_collective_on_nccl() {
+    if child() {
+        return every_collective_child();
+    }
+    let name = "two_simulated_hosts_run_every_collective_on_nccl";
+    if !ready(name) {
+        return;
+    }
+    let seed: u64 = rand::random::<u32>() as u64;
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(240), |r| host_env(r, seed)));
+}
+
+fn dead_peer_child() {
+    let comm = open();
+    let s = comm.stream().clone();
+    let mut x = s.clone_htod(&vec![1.0f32; 1 << 16]).unwrap();
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    comm.synchronize().unwrap();
+    if comm.rank() == 1 {
+        // Dies with its communicator open, between two collectives.
+        std::process::exit(0);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let start = Instant::now();
+    let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.synchronize());
+    let took = start.elapsed();
+    assert!(r.is_err(), "rank 0: an all-reduce with a dead peer succeeded");
+    assert!(took < Duration::from_secs(60), "rank 0: the error took {took:?}");
+    // Later calls fail at once; the context still works.
+    assert!(comm.all_reduce_in_place(&mut x, ReduceOp::Sum).is_err(), "a failed communicator ran another call");
+    let y = s.clone_htod(&[5u32, 6, 7]).unwrap();
+    assert_eq!(s.clone_dtoh(&y).unwrap(), vec![5, 6, 7], "rank 0's context is not usable after the abort");
+    println!("rank 0: {:?} after {took:?}; context usable", r.err());
+}
+
+#[test]
+fn a_dead_host_fails_the_survivor_in_bounded_time() {
+    if child() {
+        return dead_peer_child();
+    }
+    let name = "a_dead_host_fails_the_survivor_in_bounded_time";
+    if !ready(name) {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, 1)));
+}
