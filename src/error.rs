@@ -209,6 +209,20 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// The ranks of a multi-process communicator (`ipc::Comm`) did not make
+    /// the same call: another collective, element type, op, count or root
+    /// (each rank's call is compared with every peer's before any data
+    /// moves). Every rank returns this error for the call, nothing was
+    /// enqueued, and the communicator stays usable for the next call.
+    #[error("ranks disagree: this rank calls {ours}, rank {rank} calls {theirs}")]
+    Mismatch {
+        /// The first rank whose call differs from this rank's.
+        rank: usize,
+        /// This rank's call.
+        ours: String,
+        /// That rank's call.
+        theirs: String,
+    },
     /// An NCCL call failed (the collectives between hosts, [`crate::ipc::nccl`]).
     #[error("{op} failed: NCCL result {code} ({message})")]
     Nccl {

@@ -1,39 +1,67 @@
 //! A communicator of processes, one rank per process, each on its own GPU
-//! of one host, with the one-shot all-reduce of `crate::algorithms::oneshot` between
-//! them: every rank's slots and flags live in a [`DeviceRegion`] of its own
-//! device memory that every peer process imports and maps, and each rank's
-//! kernel pushes its input into its peers' regions.
+//! of one host, with the collectives of the single-process API between
+//! them: every rank's slots, flags and staging buffer live in a
+//! [`DeviceRegion`] of its own device memory that every peer process
+//! imports and maps.
+//!
+//! * all-reduce: the one-shot of `crate::algorithms::oneshot`; each rank's kernel
+//!   pushes its input into its peers' regions (SM stores over P2P);
+//! * all-gather, broadcast, reduce-scatter, reduce: in chunks of half the
+//!   staging buffer ([`CommOptions::buffer_bytes`]), alternating halves:
+//!   each rank copies what its peers need into its own buffer, the ranks
+//!   meet at a device-side barrier (a one-element one-shot all-reduce,
+//!   bounded by [`CommOptions::barrier_timeout`] like any one-shot), and
+//!   each rank then reads its peers' buffers: copies (copy engine, over
+//!   P2P) for all-gather and broadcast, the reduction kernel (SM loads over
+//!   P2P, in rank order) for reduce-scatter and reduce. A last barrier ends
+//!   each call, so that no rank overwrites a buffer a peer still reads.
+//!
+//! Before any of that, each call publishes a descriptor (collective,
+//! element type, op, count, root) in host memory the processes share
+//! ([`super::shm`]) and compares it with every peer's: ranks that make
+//! different calls get [`Error::Mismatch`] on every rank, before anything
+//! is enqueued; a rank that does not make the call within the barrier
+//! timeout is an [`Error::Timeout`] (see [`CommOptions::check_calls`]).
 //!
 //! Creating a [`Comm`] takes a few steps, each ended by an all-gather of
 //! every rank's outcome, so that a failure on one rank fails every rank at
 //! once (with the failing rank's error) instead of leaving them waiting:
 //!
-//! 1. each rank opens its device, allocates and zeroes its region and
-//!    exports it; ranks share their host, device (PCI bus id) and region
-//!    size. Ranks on several hosts or two ranks on one device are
-//!    [`Error::Unsupported`];
-//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`:
-//!    without it, [`Error::P2pUnavailable`]; the staged path between
-//!    processes is later work) and binds its Unix socket;
-//! 3. each rank sends its region's descriptor to every peer and imports
-//!    theirs ([`super::fdpass`]);
+//! 1. each rank opens its device (rank 0 also makes the call board); ranks
+//!    share their host and device (PCI bus id). Ranks on several hosts, or two ranks on one device without
+//!    [`CommOptions::share_devices`], are [`Error::Unsupported`];
+//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`)
+//!    and binds its Unix socket; where one rank has no P2P to a peer (or
+//!    asks for it, [`CommOptions::path`]), every rank takes the staged path;
+//! 3. P2P: each rank allocates and zeroes its region in its device memory,
+//!    sends its descriptor to every peer and imports theirs
+//!    ([`super::fdpass`]). Staged: rank 0 makes one shared host buffer for
+//!    every rank's region and sends it; each rank registers it for its
+//!    device. Rank 0 also sends the call board;
 //! 4. unless [`CommOptions::verify`] is off, a small all-reduce of random
-//!    data on each lane is checked against a CPU reference on every rank,
-//!    bounded by [`CommOptions::timeout`].
+//!    data on each lane (the SM stores into the peers' memory and loads of
+//!    their flags) and an all-gather (copies from the peers' staging
+//!    buffers) are checked against a CPU reference on every rank, bounded
+//!    by [`CommOptions::timeout`].
 //!
 //! A peer process that dies is noticed at creation within the timeout. In a
-//! collective, the kernel waits for the peers' flags: if a peer died before
-//! raising them, the kernel gives up after 10 s by trapping, which leaves
-//! this process's CUDA context unusable (the error then surfaces at the next
-//! synchronization); with [`CommOptions::check_calls`], a call first
-//! all-gathers its arguments through the rendezvous, so a dead peer (or one
-//! calling with another count, type or op) is an error before anything is
-//! launched, at the cost of a TCP round trip per call.
+//! collective, with [`CommOptions::check_calls`] (the default), a dead peer
+//! never publishes its call: the call fails with [`Error::Timeout`] after
+//! the barrier timeout, before anything is enqueued. Without it (or if the
+//! peer dies between publishing and launching), the kernels wait for the
+//! peer's flags until the barrier timeout, then give up cleanly (no trap:
+//! the context stays usable) and the communicator reports
+//! [`Error::PeerTimeout`] from then on.
+//!
+//! A failed communicator (a timeout) refuses every later call: make a new
+//! one. A mismatch leaves it usable.
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener};
+use super::shm::{board_bytes, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
 use crate::algorithms::oneshot::{lane_index, layout, LaneLayout};
+use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
@@ -46,8 +74,19 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod ops;
+
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
 pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
+
+/// The default of [`CommOptions::buffer_bytes`].
+pub const DEFAULT_BUFFER_BYTES: usize = 8 << 20;
+
+/// The tag of the call board's descriptor (with its length) among the
+/// descriptors rank 0 sends.
+const BOARD_TAG: u64 = 1 << 63;
+/// The tag of the staged path's shared host buffer (with its length).
+const HOST_TAG: u64 = 1 << 62;
 
 /// Settings of a [`Comm`]: `CommOptions::default()`, then the
 /// builder-style setters (one per field).
@@ -59,11 +98,38 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// Check every rank's slots with a small all-reduce at creation.
     pub verify: bool,
-    /// Before each collective, all-gather (call number, count, element
-    /// type, op) through the exchange and fail with [`Error::Bootstrap`]
-    /// where ranks disagree or one is gone. Costs a round trip to rank 0
-    /// per call: for tests and debugging.
+    /// Before each collective, publish its descriptor (collective, element
+    /// type, op, count, root) in host memory the processes share, wait
+    /// until every rank has published its own for the same call (at most
+    /// [`Self::barrier_timeout`]) and compare: ranks that disagree get
+    /// [`Error::Mismatch`], and one that does not make the call in time an
+    /// [`Error::Timeout`] (the communicator then fails), before anything is
+    /// enqueued. Costs well under a microsecond when the ranks call
+    /// together, but a call's enqueue waits for every rank's (the host of
+    /// a rank cannot run more than one call ahead of its peers'). Off, a
+    /// mismatch is undefined (wrong results, or a barrier timeout).
     pub check_calls: bool,
+    /// Bytes of each rank's staging buffer (in its device memory, mapped by
+    /// every peer) for the collectives other than all-reduce: they run in
+    /// chunks of half of it (rounded down to 256 bytes).
+    pub buffer_bytes: usize,
+    /// Let ranks share a device (more processes than GPUs, as in testing);
+    /// [`Comm::from_env`] then takes device `LOCAL_RANK` modulo the
+    /// number of devices. Without it two ranks on one device are
+    /// [`Error::Unsupported`]. The kernels of ranks on one device do not
+    /// run at the same time but take turns (the driver's time slices
+    /// between processes), so each barrier can take a time slice: slow,
+    /// but every barrier is still bounded by [`Self::barrier_timeout`].
+    pub share_devices: bool,
+    /// Which path the ranks' data takes: [`PathPolicy::Auto`] (P2P where
+    /// every rank reaches every peer's device, else staged),
+    /// [`PathPolicy::P2pOnly`] (else [`Error::P2pUnavailable`]) or
+    /// [`PathPolicy::StagedOnly`]. Staged, every rank's slots, flags and
+    /// staging buffer live in host memory the processes share (a `memfd`,
+    /// page-locked and mapped for each device with `cuMemHostRegister`):
+    /// the kernels and copies reach it over PCIe, no P2P needed. One rank
+    /// that stages makes every rank stage.
+    pub path: PathPolicy,
     /// How long this rank's kernel waits for its peers at the barrier
     /// before it gives up (a peer that died or stopped calling): the kernel
     /// ends cleanly, the context stays usable, and the communicator reports
@@ -73,7 +139,15 @@ pub struct CommOptions {
 
 impl Default for CommOptions {
     fn default() -> Self {
-        CommOptions { timeout: Duration::from_secs(60), verify: true, check_calls: false, barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT }
+        CommOptions {
+            timeout: Duration::from_secs(60),
+            verify: true,
+            check_calls: true,
+            buffer_bytes: DEFAULT_BUFFER_BYTES,
+            share_devices: false,
+            path: PathPolicy::Auto,
+            barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
+        }
     }
 }
 
@@ -99,6 +173,24 @@ impl CommOptions {
     /// Sets [`Self::barrier_timeout`].
     pub fn barrier_timeout(mut self, barrier_timeout: Duration) -> Self {
         self.barrier_timeout = barrier_timeout;
+        self
+    }
+
+    /// Sets [`Self::buffer_bytes`].
+    pub fn buffer_bytes(mut self, buffer_bytes: usize) -> Self {
+        self.buffer_bytes = buffer_bytes;
+        self
+    }
+
+    /// Sets [`Self::share_devices`].
+    pub fn share_devices(mut self, share_devices: bool) -> Self {
+        self.share_devices = share_devices;
+        self
+    }
+
+    /// Sets [`Self::path`].
+    pub fn path(mut self, path: PathPolicy) -> Self {
+        self.path = path;
         self
     }
 }
@@ -127,15 +219,40 @@ pub struct Comm {
     funcs: FnTable,
     div: FnTable,
     order: Orderer,
-    /// Number of the last call; held for a whole call.
+    /// Number of the next call; held for a whole call.
     calls: Mutex<u64>,
     check_calls: bool,
+    barrier_timeout: Duration,
+    /// The per-call descriptors of every rank (host memory shared with the
+    /// peers).
+    board: CallBoard,
+    /// Every rank's staging buffer, as mapped here (this rank's own at
+    /// `rank`): two halves of `half` bytes.
+    data: Vec<u64>,
+    half: usize,
+    /// The reduction kernels (`dst = a op b`) by op and type.
+    red: FnTable,
+    /// The device barrier's word (its address: `bar_ptr`).
+    _bar: CudaSlice<u32>,
+    bar_ptr: u64,
     /// The kernel's control block and this communicator's failed state.
     ctl: Ctl,
     // Dropped after the fields above (the stream is synchronized in Drop).
+    /// Whether the slots and staging buffers are in shared host memory.
+    staged: bool,
     _counters: CudaSlice<u32>,
-    _peers: Vec<DeviceRegion>,
-    _own: DeviceRegion,
+    _memory: Memory,
+}
+
+/// Where every rank's slots, flags and staging buffer live.
+#[derive(Debug)]
+enum Memory {
+    /// In each rank's device memory, mapped by every peer (P2P).
+    Device { own: DeviceRegion, peers: Vec<DeviceRegion> },
+    /// In one host buffer the processes share, page-locked and mapped for
+    /// each rank's device: rank k's region at `k * per_rank` (the staged
+    /// path).
+    Host { reg: RegisteredMemory, per_rank: usize },
 }
 
 impl std::fmt::Debug for Comm {
@@ -186,7 +303,7 @@ fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<
 }
 
 /// The checks of step 1 on every rank's info: one host, one device per rank.
-fn check_layout(infos: &[RankInfo]) -> Result<()> {
+fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<()> {
     if infos.len() > MAX_RANKS {
         return Err(Error::Unsupported(format!("{} ranks in one communicator (at most {MAX_RANKS})", infos.len())));
     }
@@ -197,8 +314,11 @@ fn check_layout(infos: &[RankInfo]) -> Result<()> {
                 infos[0].host, i.host
             )));
         }
-        if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus) {
-            return Err(Error::Unsupported(format!("ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank", i.bus)));
+        if let Some(k) = infos[..r].iter().position(|j| j.bus == i.bus).filter(|_| !share_devices) {
+            return Err(Error::Unsupported(format!(
+                "ranks {k} and {r} are on the same device ({}): the one-shot needs one device per rank (or CommOptions::share_devices)",
+                i.bus
+            )));
         }
     }
     Ok(())
@@ -216,10 +336,11 @@ fn ordinal_of(bus: &str) -> Result<Option<usize>> {
 
 impl Comm {
     /// Reads torchrun's variables ([`Bootstrap::from_env`]), meets the
-    /// other ranks and creates the communicator on device `LOCAL_RANK`.
+    /// other ranks and creates the communicator on device `LOCAL_RANK`
+    /// (modulo the device count with [`CommOptions::share_devices`]).
     pub fn from_env(opts: &CommOptions) -> Result<Comm> {
         let boot = Bootstrap::from_env()?;
-        let device = boot.local_rank;
+        let device = if opts.share_devices { boot.local_rank % crate::driver::device_count()?.max(1) } else { boot.local_rank };
         let rv = boot.connect()?;
         Comm::new(Box::new(rv), device, opts)
     }
@@ -233,79 +354,160 @@ impl Comm {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
         }
-        let (lanes, bytes) = layout(size, true);
+        let staging = opts.buffer_bytes.max(1024).div_ceil(512) * 512;
 
-        // Step 1: device, own region, identity.
+        // Step 1: device, identity, and (rank 0) the call board.
         let opened = (|| {
             if size > MAX_RANKS {
                 return Err(Error::Unsupported(format!("{size} ranks in one communicator (at most {MAX_RANKS})")));
             }
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
-            let own = DeviceRegion::allocate(&ctx, bytes)?;
-            own.zero(&stream)?;
-            let fd = own.export_fd()?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
-            let info = RankInfo { host: super::host_identity(), bus, region: own.len() };
-            Ok((ctx, stream, own, fd, info))
+            let info = RankInfo { host: super::host_identity(), bus, region: staging };
+            // Rank 0 makes the call board and sends it to every peer.
+            let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
+            Ok((ctx, stream, info, board))
         })();
-        let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.4.encode()).map_err(Clone::clone))?;
-        let (ctx, stream, own, fd, _) = opened?;
+        let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.2.encode()).map_err(Clone::clone))?;
+        let (ctx, stream, _, board) = opened?;
         let infos: Vec<RankInfo> = infos
             .iter()
             .enumerate()
             .map(|(r, s)| RankInfo::decode(s).ok_or_else(|| Error::Bootstrap { op: "communicator", reason: format!("rank {r}: malformed info") }))
             .collect::<Result<_>>()?;
-        check_layout(&infos)?;
+        check_layout(&infos, opts.share_devices)?;
 
-        // Step 2: P2P to every peer's device, and this rank's socket.
+        // Step 2: P2P to every peer's device (or the staged path), and this
+        // rank's socket.
         let job = ex.job_id().to_string();
         let listened = (|| {
+            let mut verdict = "p2p";
             for (k, info) in infos.iter().enumerate().filter(|&(k, _)| k != rank) {
-                let Some(peer) = ordinal_of(&info.bus)? else {
-                    return Err(Error::P2pUnavailable {
-                        from: device,
-                        to: usize::MAX,
-                        reason: format!("rank {k}'s device {} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)", info.bus),
-                    });
+                if opts.path == PathPolicy::StagedOnly {
+                    verdict = "staged";
+                    break;
+                }
+                let peer = ordinal_of(&info.bus)?;
+                let reason = match peer {
+                    None => Some(format!("rank {k}'s device {} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)", info.bus)),
+                    Some(p) if p != device && !crate::peer::can_access_peer(device, p)? => Some(format!("no P2P from rank {rank} to rank {k}")),
+                    Some(_) => None,
                 };
-                if !crate::peer::can_access_peer(device, peer)? {
-                    return Err(Error::P2pUnavailable {
-                        from: device,
-                        to: peer,
-                        reason: format!("no P2P from rank {rank} to rank {k} (the staged path between processes is not implemented yet)"),
-                    });
+                if let Some(reason) = reason {
+                    if opts.path == PathPolicy::P2pOnly {
+                        return Err(Error::P2pUnavailable { from: device, to: peer.unwrap_or(usize::MAX), reason });
+                    }
+                    verdict = "staged";
                 }
             }
-            FdListener::bind(&job, rank)
+            Ok((verdict, FdListener::bind(&job, rank)?))
         })();
-        agree(ex, "communicator: checking P2P", listened.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
-        let listener = listened?;
+        let verdicts = agree(ex, "communicator: checking P2P", listened.as_ref().map(|l| l.0.to_string()).map_err(Clone::clone))?;
+        let listener = listened?.1;
+        // One rank without P2P to a peer (or asking for it) stages every rank.
+        let staged = verdicts.iter().any(|v| v == "staged");
+        let (lanes, bytes) = layout(size, !staged);
 
-        // Step 3: descriptors out, then in, then mapped.
+        // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
+            let own = if staged {
+                None
+            } else {
+                let own = DeviceRegion::allocate(&ctx, bytes + staging)?;
+                own.zero(&stream)?;
+                Some((own.export_fd()?, own))
+            };
+            // Staged: every rank's region in one shared host buffer of rank 0's.
+            let per_rank = (bytes + staging).div_ceil(4096) * 4096;
+            let host = if staged && rank == 0 { Some(SharedMemory::create(size * per_rank)?) } else { None };
             for k in (0..size).filter(|&k| k != rank) {
-                send_fd(&job, rank, k, fd.as_fd(), own.len() as u64, opts.timeout)?;
+                if let Some((fd, own)) = &own {
+                    send_fd(&job, rank, k, fd.as_fd(), own.len() as u64, opts.timeout)?;
+                }
+                if let Some(b) = &board {
+                    send_fd(&job, rank, k, b.fd(), BOARD_TAG | b.len() as u64, opts.timeout)?;
+                }
+                if let Some(h) = &host {
+                    send_fd(&job, rank, k, h.fd(), HOST_TAG | h.len() as u64, opts.timeout)?;
+                }
             }
-            let mut got = listener.receive(size - 1, opts.timeout)?;
-            got.sort_by_key(|g| g.from);
-            let mut peers = Vec::with_capacity(size - 1);
-            for (i, g) in got.iter().enumerate() {
-                let expected = if i < rank { i } else { i + 1 };
-                if g.from != expected || g.tag != infos[expected].region as u64 {
+            let expected = if staged { 0 } else { size - 1 }
+                + if rank == 0 {
+                    0
+                } else if staged {
+                    2
+                } else {
+                    1
+                };
+            let mut got = listener.receive(expected, opts.timeout)?;
+            let mut from_rank0 = |tag: u64, what: &str| -> Result<SharedMemory> {
+                let i = got
+                    .iter()
+                    .position(|g| g.from == 0 && g.tag & (BOARD_TAG | HOST_TAG) == tag)
+                    .ok_or_else(|| Error::Bootstrap { op: "communicator: descriptors", reason: format!("rank 0 sent no {what}") })?;
+                let g = got.remove(i);
+                SharedMemory::import(g.fd.as_fd(), (g.tag & !(BOARD_TAG | HOST_TAG)) as usize)
+            };
+            let board = match board {
+                Some(b) => b,
+                None => from_rank0(BOARD_TAG, "call board")?,
+            };
+            let memory = if staged {
+                let host = match host {
+                    Some(h) => h,
+                    None => from_rank0(HOST_TAG, "shared host buffer")?,
+                };
+                if host.len() < size * per_rank {
                     return Err(Error::Bootstrap {
                         op: "communicator: descriptors",
-                        reason: format!("unexpected descriptor from rank {} (tag {})", g.from, g.tag),
+                        reason: format!("rank 0's host buffer has {} bytes, {} expected", host.len(), size * per_rank),
                     });
                 }
-                peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), infos[expected].region)?);
-            }
-            Ok(peers)
+                Memory::Host { reg: RegisteredMemory::register(&ctx, host)?, per_rank }
+            } else {
+                got.sort_by_key(|g| g.from);
+                let mut peers = Vec::with_capacity(size - 1);
+                for (i, g) in got.iter().enumerate() {
+                    let expected = if i < rank { i } else { i + 1 };
+                    if g.from != expected || g.tag & (BOARD_TAG | HOST_TAG) != 0 {
+                        return Err(Error::Bootstrap {
+                            op: "communicator: descriptors",
+                            reason: format!("unexpected descriptor from rank {} (tag {})", g.from, g.tag),
+                        });
+                    }
+                    peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), g.tag as usize)?);
+                }
+                let own = own.map(|o| o.1).ok_or_else(|| Error::Internal("no own region".into()))?;
+                Memory::Device { peers, own }
+            };
+            Ok((memory, CallBoard::new(board, size)?))
         })();
         drop(listener);
-        drop(fd);
         agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
-        let peers = imported?;
+        let (memory, board) = imported?;
+        // Each rank's region, as mapped here, and its length.
+        let regions: Vec<(u64, usize)> = match &memory {
+            Memory::Host { reg, per_rank } => (0..size).map(|k| (reg.device_ptr() + (k * per_rank) as u64, *per_rank)).collect(),
+            Memory::Device { own, peers } => (0..size)
+                .map(|k| match k.cmp(&rank) {
+                    std::cmp::Ordering::Equal => own,
+                    std::cmp::Ordering::Less => &peers[k],
+                    std::cmp::Ordering::Greater => &peers[k - 1],
+                })
+                .map(|r| (r.device_ptr(), r.len()))
+                .collect(),
+        };
+        // Every rank's staging buffer follows its one-shot lanes; its halves
+        // are the same size on every rank (the smallest region's).
+        let smallest = regions.iter().map(|r| r.1).min().unwrap_or(0);
+        let half = (smallest.saturating_sub(bytes) / 2) & !255;
+        if half < 256 * size {
+            return Err(Error::Internal(format!("a staging buffer of {half} bytes per half")));
+        }
+        let data: Vec<u64> = regions.iter().map(|r| r.0 + bytes as u64).collect();
+        let bar = stream.alloc_zeros::<u32>(4).map_err(cudarc_err("cuMemAlloc (barrier word)"))?;
+        let bar_ptr = bar.device_ptr(&stream).0;
 
         // Counters, and the lanes as this rank launches them.
         let counters = stream.alloc_zeros::<u32>(lanes.len() * kernels::ONESHOT_MAX_BLOCKS).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
@@ -316,8 +518,10 @@ impl Comm {
             .enumerate()
             .map(|(l, layout)| Lane {
                 layout,
-                push: PtrArray::from_slice(&peers.iter().map(|p| p.device_ptr() + layout.offset as u64).collect::<Vec<_>>()),
-                pull: own.device_ptr() + layout.offset as u64,
+                push: PtrArray::from_slice(
+                    &regions.iter().enumerate().filter(|&(k, _)| k != rank).map(|(_, r)| r.0 + layout.offset as u64).collect::<Vec<_>>(),
+                ),
+                pull: regions[rank].0 + layout.offset as u64,
                 counters: counter_base + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64,
             })
             .collect();
@@ -335,10 +539,17 @@ impl Comm {
             order: Orderer::default(),
             calls: Mutex::new(0),
             check_calls: opts.check_calls,
+            barrier_timeout: opts.barrier_timeout,
+            board,
+            data,
+            half,
+            red: FnTable::default(),
+            _bar: bar,
+            bar_ptr,
             ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
+            staged,
             _counters: counters,
-            _peers: peers,
-            _own: own,
+            _memory: memory,
         };
         // Every rank's region is zeroed and mapped everywhere before any kernel.
         comm.exchange.barrier()?;
@@ -370,6 +581,23 @@ impl Comm {
                 });
             }
         }
+        // The copies from the peers' staging buffers.
+        let count = 1000;
+        let inputs: Vec<Vec<u32>> = (0..self.size).map(|r| seeded(0x5eed_1000 + r as u64, count)).collect();
+        let send = self.stream.clone_htod(&inputs[self.rank]).map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
+        let mut recv = self.stream.alloc_zeros::<u32>(count * self.size).map_err(cudarc_err("cuMemAlloc (verification)"))?;
+        self.all_gather(&send, &mut recv)?;
+        let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
+        done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
+        wait_bounded(&done, "communicator verification (all-gather)", timeout)?;
+        let got = self.stream.clone_dtoh(&recv).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
+        if let Some(i) = (0..count * self.size).find(|&i| got[i] != inputs[i / count][i % count]) {
+            return Err(Error::P2pUnavailable {
+                from: self.ctx.ordinal(),
+                to: self.ctx.ordinal(),
+                reason: format!("verification all-gather of {count} u32 per rank wrong at {i}"),
+            });
+        }
         Ok(())
     }
 
@@ -381,6 +609,23 @@ impl Comm {
     /// How many ranks (processes) the communicator has.
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// The bytes per rank that each chunk of all-gather, broadcast and
+    /// reduce moves (half the staging buffer; a reduce-scatter chunk is
+    /// this divided among the ranks): larger messages take several chunks.
+    pub fn chunk_bytes(&self) -> usize {
+        self.half
+    }
+
+    /// The path the ranks' data takes: [`Path::P2p`] or [`Path::Staged`]
+    /// (see [`CommOptions::path`]).
+    pub fn path(&self) -> Path {
+        if self.staged {
+            Path::Staged
+        } else {
+            Path::P2p
+        }
     }
 
     /// This rank's device context.
@@ -415,13 +660,12 @@ impl Comm {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
-        let mut calls = self.enter(count, T::DTYPE, op)?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let launched = self.launch::<T>(op, ptr, ptr, count);
-        *calls += 1;
         launched.and(held.finish())
     }
 
@@ -436,36 +680,40 @@ impl Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
-        let mut calls = self.enter(count, T::DTYPE, op)?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let launched = self.launch::<T>(op, src, dst, count);
-        *calls += 1;
         launched.and(read.finish()).and(write.finish())
     }
 
     /// Takes the call lock and, with [`CommOptions::check_calls`], checks
-    /// that every rank makes the same call.
-    fn enter(&self, count: usize, dtype: DType, op: ReduceOp) -> Result<std::sync::MutexGuard<'_, u64>> {
-        let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+    /// that every rank makes the same call (see [`CallBoard::agree`]). A
+    /// mismatch leaves the communicator usable; a peer that does not make
+    /// the call in time fails it.
+    fn enter(&self, desc: CallDesc) -> Result<std::sync::MutexGuard<'_, u64>> {
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.ctl.check()?;
+        let call = *calls;
         if self.check_calls {
-            let mine = format!("{} {count} {} {}", *calls, dtype.name(), op.name());
-            let all = self.exchange.all_gather(mine.as_bytes())?;
-            if let Some(k) = all.iter().position(|b| b != mine.as_bytes()) {
-                return Err(Error::Bootstrap {
-                    op: "all_reduce",
-                    reason: format!(
-                        "ranks disagree: rank {} calls (call, count, type, op) = ({mine}), rank {k} ({})",
-                        self.rank,
-                        String::from_utf8_lossy(&all[k])
-                    ),
-                });
+            match self.board.agree(self.rank, call, &desc, self.barrier_timeout) {
+                Ok(()) => {}
+                Err(e @ Error::Mismatch { .. }) => {
+                    // Every rank saw the same descriptors and refuses the
+                    // call: they stay in step.
+                    *calls += 1;
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.ctl.fail(e.clone());
+                    return Err(e);
+                }
             }
         }
+        *calls += 1;
         Ok(calls)
     }
 
@@ -528,6 +776,17 @@ impl Drop for Comm {
     }
 }
 
+/// The descriptor of a call.
+fn desc(kind: Kind, dtype: DType, op: Option<ReduceOp>, count: usize, root: Option<usize>) -> CallDesc {
+    CallDesc {
+        kind,
+        dtype: DType::ALL.iter().position(|d| *d == dtype).unwrap_or(255) as u8,
+        op: op.and_then(|o| ReduceOp::ALL.iter().position(|x| *x == o)).unwrap_or(255) as u8,
+        root: root.map(|r| r.min(u32::MAX as usize - 1) as u32).unwrap_or(u32::MAX),
+        count: count as u64,
+    }
+}
+
 /// `count` pseudo-random words from `seed` (splitmix64): the same on every
 /// rank, so each can compute every rank's input.
 pub fn seeded(seed: u64, count: usize) -> Vec<u32> {
@@ -560,11 +819,12 @@ mod tests {
 
     #[test]
     fn layouts_with_shared_devices_or_hosts_are_refused() {
-        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")]).is_ok());
-        assert!(matches!(check_layout(&[info("a", "0"), info("a", "0")]), Err(Error::Unsupported(m)) if m.contains("same device")));
-        assert!(matches!(check_layout(&[info("a", "0"), info("b", "1")]), Err(Error::Unsupported(m)) if m.contains("several hosts")));
+        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")], false).is_ok());
+        assert!(matches!(check_layout(&[info("a", "0"), info("a", "0")], false), Err(Error::Unsupported(m)) if m.contains("same device")));
+        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "0")], true).is_ok());
+        assert!(matches!(check_layout(&[info("a", "0"), info("b", "1")], true), Err(Error::Unsupported(m)) if m.contains("several hosts")));
         let nine: Vec<_> = (0..9).map(|d| info("a", &d.to_string())).collect();
-        assert!(matches!(check_layout(&nine), Err(Error::Unsupported(_))));
+        assert!(matches!(check_layout(&nine, false), Err(Error::Unsupported(_))));
     }
 
     #[test]

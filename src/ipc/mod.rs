@@ -9,8 +9,11 @@
 //! * [`fdpass`]: file descriptors between the processes of one host, over
 //!   Unix domain sockets (`SCM_RIGHTS`).
 //! * [`vmm`]: device memory another process can map ([`DeviceRegion`]).
+//! * [`shm`]: host memory shared between the processes (a `memfd`), where a
+//!   communicator's ranks compare their calls.
 //! * [`Comm`]: a communicator of processes, one rank per process on its
-//!   own GPU, with the one-shot all-reduce over peer memory.
+//!   own GPU, with all-reduce (the one-shot over peer memory),
+//!   reduce-scatter, all-gather, broadcast and reduce.
 //! * [`nccl`]: the collectives between hosts, on NCCL loaded at run time
 //!   ([`NcclComm`]); [`spans_hosts`] says whether a job needs it.
 //!
@@ -30,6 +33,7 @@ pub mod bootstrap;
 pub mod comm;
 pub mod fdpass;
 pub mod nccl;
+pub mod shm;
 pub mod vmm;
 
 pub use bootstrap::{Bootstrap, Exchange, Rendezvous};

@@ -1,0 +1,288 @@
+//! The collectives of a [`Comm`] other than all-reduce: reduce-scatter,
+//! all-gather, broadcast and reduce, through the ranks' staging buffers
+//! (see the module docs of [`super`]).
+
+use super::{desc, Comm, Kind};
+use crate::driver::{api, bind};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{check, cudarc_err, Error, Result};
+use crate::kernels;
+use crate::kernels::load::function;
+use crate::kernels::{Kernel, KernelOp};
+use cuda_peer_sys as sys;
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+impl Comm {
+    /// Reduce-scatter: `send` holds `size() * c` elements on every rank;
+    /// `recv` (c elements) becomes block `rank()` of the reduction, in rank
+    /// order, of every rank's `send`. Every rank must make the same call
+    /// (the same c, element type and op), in the same order as its other
+    /// collectives; see [`CommOptions::check_calls`](super::CommOptions::check_calls).
+    pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        crate::copy::check_context("reduce_scatter", "send", &self.ctx, send.stream().context())?;
+        crate::copy::check_context("reduce_scatter", "recv", &self.ctx, recv.stream().context())?;
+        let (n, c, esz) = (self.size, recv.len(), T::DTYPE.size());
+        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("reduce_scatter: count overflows".into()))?;
+        if send.len() != total {
+            return Err(Error::LengthMismatch { op: "reduce_scatter", expected: total, got: send.len() });
+        }
+        let _call = self.enter(desc(Kind::ReduceScatter, T::DTYPE, Some(op), c, None))?;
+        if c == 0 {
+            return Ok(());
+        }
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let me = self.rank;
+        let r = self.guarded(|| {
+            if n == 1 {
+                return self.copy(dst, src, c * esz);
+            }
+            // Each chunk: block q of this rank's send at q * stride of its
+            // staging half, for rank q to read.
+            let stride = (self.half / n) & !255;
+            self.staged(
+                c,
+                stride / esz,
+                |o, len, h| {
+                    for q in (0..n).filter(|&q| q != me) {
+                        self.copy(self.data[me] + h + (q * stride) as u64, src + ((q * c + o) * esz) as u64, len * esz)?;
+                    }
+                    Ok(())
+                },
+                |o, len, h| {
+                    let part = |k: usize| if k == me { src + ((me * c + o) * esz) as u64 } else { self.data[k] + h + (me * stride) as u64 };
+                    self.fold::<T>(op, dst + (o * esz) as u64, part, len)
+                },
+            )?;
+            self.average::<T>(op, dst, c)
+        });
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// All-gather: `send` holds c elements on every rank; `recv`
+    /// (`size() * c` elements) becomes the concatenation of every rank's
+    /// `send` in rank order. As for [`Self::reduce_scatter`], the count
+    /// being c.
+    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        crate::copy::check_context("all_gather", "send", &self.ctx, send.stream().context())?;
+        crate::copy::check_context("all_gather", "recv", &self.ctx, recv.stream().context())?;
+        let (n, c, esz) = (self.size, send.len(), T::DTYPE.size());
+        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
+        if recv.len() != total {
+            return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
+        }
+        let _call = self.enter(desc(Kind::AllGather, T::DTYPE, None, c, None))?;
+        if c == 0 {
+            return Ok(());
+        }
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let me = self.rank;
+        let r = self.guarded(|| {
+            self.copy(dst + ((me * c) * esz) as u64, src, c * esz)?;
+            if n == 1 {
+                return Ok(());
+            }
+            self.staged(
+                c,
+                self.half / esz,
+                |o, len, h| self.copy(self.data[me] + h, src + (o * esz) as u64, len * esz),
+                |o, len, h| {
+                    for k in (0..n).filter(|&k| k != me) {
+                        self.copy(dst + ((k * c + o) * esz) as u64, self.data[k] + h, len * esz)?;
+                    }
+                    Ok(())
+                },
+            )
+        });
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// Broadcast in place: every rank's `buf` becomes a copy of `root`'s.
+    /// Every rank must make the same call (the same length, element type
+    /// and root); see [`Self::reduce_scatter`].
+    pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+        crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
+        let (n, count, esz) = (self.size, buf.len(), T::DTYPE.size());
+        if root >= n {
+            return Err(Error::RootOutOfRange { root, size: n });
+        }
+        let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
+        if count == 0 || n == 1 {
+            return Ok(());
+        }
+        let (ptr, held) = self.order.write(buf, &self.stream)?;
+        let me = self.rank;
+        let r = self.guarded(|| {
+            self.staged(
+                count,
+                self.half / esz,
+                |o, len, h| if me == root { self.copy(self.data[me] + h, ptr + (o * esz) as u64, len * esz) } else { Ok(()) },
+                |o, len, h| if me == root { Ok(()) } else { self.copy(ptr + (o * esz) as u64, self.data[root] + h, len * esz) },
+            )
+        });
+        r.and(held.finish())
+    }
+
+    /// Reduce to `root`: the root's `recv` becomes the reduction, in rank
+    /// order, of every rank's `send` (c elements each). The other ranks'
+    /// `recv` is not written (it is taken for the call's signature to match
+    /// the single-process [`crate::Group::reduce`]). Every rank must make
+    /// the same call (c, element type, op and root); see
+    /// [`Self::reduce_scatter`].
+    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, root: usize, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        crate::copy::check_context("reduce", "send", &self.ctx, send.stream().context())?;
+        crate::copy::check_context("reduce", "recv", &self.ctx, recv.stream().context())?;
+        let (n, count, esz) = (self.size, send.len(), T::DTYPE.size());
+        if root >= n {
+            return Err(Error::RootOutOfRange { root, size: n });
+        }
+        if recv.len() != count {
+            return Err(Error::LengthMismatch { op: "reduce", expected: count, got: recv.len() });
+        }
+        let _call = self.enter(desc(Kind::Reduce, T::DTYPE, Some(op), count, Some(root)))?;
+        if count == 0 {
+            return Ok(());
+        }
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let me = self.rank;
+        let r = self.guarded(|| {
+            if n == 1 {
+                return self.copy(dst, src, count * esz);
+            }
+            self.staged(
+                count,
+                self.half / esz,
+                |o, len, h| if me == root { Ok(()) } else { self.copy(self.data[me] + h, src + (o * esz) as u64, len * esz) },
+                |o, len, h| {
+                    if me != root {
+                        return Ok(());
+                    }
+                    let part = |k: usize| if k == me { src + (o * esz) as u64 } else { self.data[k] + h };
+                    self.fold::<T>(op, dst + (o * esz) as u64, part, len)
+                },
+            )?;
+            if me == root {
+                self.average::<T>(op, dst, count)?;
+            }
+            Ok(())
+        });
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// Runs `f`, the enqueue of a collective; if it fails part way, the
+    /// ranks are out of step: this rank's kernels still waiting are told
+    /// to give up, the peers' time out at their next barrier, and the
+    /// communicator fails.
+    fn guarded(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        let r = f();
+        if let Err(e) = &r {
+            self.ctl.abort();
+            self.ctl.fail(Error::GroupFailed { reason: format!("rank {}: a collective failed part way: {e}", self.rank) });
+        }
+        r
+    }
+
+    /// Moves `count` elements in chunks of at most `per`: for each chunk,
+    /// `write(offset, len, half)` fills this rank's staging half (`half`:
+    /// its byte offset in every rank's buffer), the ranks meet, and
+    /// `read(offset, len, half)` reads the peers' halves. Chunks alternate
+    /// halves, so a rank fills one half while a slower peer may still read
+    /// the other (filling chunk i + 2 waits for the barrier of chunk i + 1,
+    /// which every peer reaches only after reading chunk i); a last barrier
+    /// ends the call, so the next call may fill either half.
+    fn staged(
+        &self,
+        count: usize,
+        per: usize,
+        mut write: impl FnMut(usize, usize, u64) -> Result<()>,
+        mut read: impl FnMut(usize, usize, u64) -> Result<()>,
+    ) -> Result<()> {
+        let per = per.max(1);
+        let (mut o, mut i) = (0, 0usize);
+        while o < count {
+            let len = per.min(count - o);
+            let h = ((i % 2) * self.half) as u64;
+            write(o, len, h)?;
+            self.barrier()?;
+            read(o, len, h)?;
+            o += len;
+            i += 1;
+        }
+        self.barrier()
+    }
+
+    /// A device-side barrier of every rank: a one-element one-shot
+    /// all-reduce, which returns (on the device) only once every rank's
+    /// stream has reached it, so each rank's work enqueued before it is
+    /// complete and visible. Bounded by the barrier timeout.
+    fn barrier(&self) -> Result<()> {
+        self.launch::<u32>(ReduceOp::Sum, self.bar_ptr, self.bar_ptr, 1)
+    }
+
+    /// `dst = part(0) op part(1) op ... op part(n - 1)`, `len` elements,
+    /// left to right (the same order on every rank).
+    fn fold<T: Element>(&self, op: ReduceOp, dst: u64, part: impl Fn(usize) -> u64, len: usize) -> Result<()> {
+        self.reduce2(op, T::DTYPE, dst, part(0), part(1), len)?;
+        for k in 2..self.size {
+            self.reduce2(op, T::DTYPE, dst, dst, part(k), len)?;
+        }
+        Ok(())
+    }
+
+    /// `dst = a op b` over `count` elements on this rank's stream.
+    fn reduce2(&self, op: ReduceOp, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
+        let kernel = Kernel::Reduce2(KernelOp::of(op), dtype);
+        let f = self.red.get(kernel, || function(&self.ctx, kernel))?;
+        let n = count as u64;
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(&dst).arg(&a).arg(&b).arg(&n);
+        // SAFETY: the kernel's signature is (T*, const T*, const T*, u64);
+        // `dst` holds `count` elements of `dtype` on this device (a caller's
+        // buffer) and `a`, `b` hold `count` elements each, on this device or
+        // a peer's staging buffer mapped here with read-write access (P2P
+        // checked at creation), alive as long as the communicator.
+        unsafe { launch.launch(grid(count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
+        Ok(())
+    }
+
+    /// [`ReduceOp::Avg`]'s division of `count` elements at `x` by the
+    /// number of ranks.
+    fn average<T: Element>(&self, op: ReduceOp, x: u64, count: usize) -> Result<()> {
+        if op != ReduceOp::Avg || self.size == 1 {
+            return Ok(());
+        }
+        let dtype = T::DTYPE;
+        let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
+        let (cnt, divisor) = (count as u64, self.size as f64);
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(&x).arg(&cnt).arg(&divisor);
+        // SAFETY: signature (T*, u64, double); `x` holds `count` elements on this device.
+        unsafe { launch.launch(grid(count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
+        Ok(())
+    }
+
+    /// Copies `bytes` from `src` to `dst` on this rank's stream (either may
+    /// be a peer's staging buffer, mapped here: a copy over P2P).
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        // SAFETY: both ranges hold `bytes` bytes, on this device or in a
+        // peer's staging buffer mapped here with read-write access, alive
+        // as long as the communicator (the callers' buffers are held by
+        // their order guards until the copy is ordered).
+        check("cuMemcpyDtoDAsync", unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream.cu_stream() as sys::CUstream) })
+    }
+}
+
+/// A grid over `count` elements of `dtype`, 16 bytes per thread.
+fn grid(count: usize, dtype: DType) -> LaunchConfig {
+    let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
+    let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 }
+}

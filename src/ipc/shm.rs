@@ -1,0 +1,370 @@
+//! Host memory that the processes of one host share: an anonymous file
+//! (`memfd_create`) of a few pages, mapped shared into each process, whose
+//! descriptor travels to the peers over [`super::fdpass`].
+//!
+//! A [`Comm`](super::Comm) keeps its per-call descriptors here
+//! (its call board): each rank publishes what it is about to call, and every
+//! rank compares them before any data moves.
+
+use crate::error::{Error, Result};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+fn io_err(op: &'static str) -> impl FnOnce(rustix::io::Errno) -> Error {
+    move |e| Error::Bootstrap { op, reason: e.to_string() }
+}
+
+/// A region of host memory shared between processes, mapped read-write
+/// into this one (unmapped on drop; the memory lives while any process maps
+/// it or holds its descriptor).
+#[derive(Debug)]
+pub struct SharedMemory {
+    ptr: *mut u64,
+    len: usize,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping is process-wide and its contents are only accessed
+// through atomics (`CallBoard`), so it may be used from any thread.
+unsafe impl Send for SharedMemory {}
+// SAFETY: as for Send.
+unsafe impl Sync for SharedMemory {}
+
+impl SharedMemory {
+    /// A new zeroed region of at least `bytes` (whole pages), mapped here.
+    pub fn create(bytes: usize) -> Result<SharedMemory> {
+        let len = bytes.max(1).div_ceil(4096) * 4096;
+        let fd = rustix::fs::memfd_create("cuda-peer-ipc", rustix::fs::MemfdFlags::CLOEXEC).map_err(io_err("memfd_create"))?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(io_err("ftruncate (shared memory)"))?;
+        Self::map(fd, len)
+    }
+
+    /// Maps the region of `len` bytes that a peer created and sent as `fd`.
+    pub fn import(fd: BorrowedFd<'_>, len: usize) -> Result<SharedMemory> {
+        let st = rustix::fs::fstat(fd).map_err(io_err("fstat (shared memory)"))?;
+        if len == 0 || !len.is_multiple_of(4096) || (st.st_size as u64) < len as u64 {
+            return Err(Error::Bootstrap { op: "shared memory", reason: format!("a peer's region has {} bytes, {len} expected", st.st_size) });
+        }
+        let fd = fd.try_clone_to_owned().map_err(|e| Error::Bootstrap { op: "dup (shared memory)", reason: e.to_string() })?;
+        Self::map(fd, len)
+    }
+
+    fn map(fd: OwnedFd, len: usize) -> Result<SharedMemory> {
+        use rustix::mm::{MapFlags, ProtFlags};
+        // SAFETY: a new shared mapping of `len` bytes of the file (which
+        // has at least `len` bytes) at an address the kernel picks: no
+        // existing memory is replaced.
+        let p = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, &fd, 0) }
+            .map_err(io_err("mmap (shared memory)"))?;
+        Ok(SharedMemory { ptr: p.cast(), len, fd })
+    }
+
+    /// The descriptor to send to the peers.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Its length in bytes (whole pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a region has at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its address in this process.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.cast()
+    }
+
+    /// Word `i` (of 8 bytes), as an atomic; `None` past the end.
+    fn word(&self, i: usize) -> Option<&AtomicU64> {
+        if (i + 1) * 8 > self.len {
+            return None;
+        }
+        // SAFETY: in bounds (checked), 8-byte aligned (the mapping is page
+        // aligned), live as long as `self`; every process accesses the
+        // words only atomically, so an `AtomicU64` view is sound.
+        Some(unsafe { AtomicU64::from_ptr(self.ptr.add(i)) })
+    }
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once; no reference
+        // into it outlives `self` (`word` borrows `self`).
+        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) } {
+            log::warn!("cuda-peer: munmap of shared memory failed: {e}");
+        }
+    }
+}
+
+/// [`SharedMemory`] page-locked and mapped for one device
+/// (`cuMemHostRegister` with `DEVICEMAP`), so that the device's kernels
+/// and copies reach it at [`Self::device_ptr`]: the staged path between
+/// processes. Unregistered on drop, then unmapped.
+#[derive(Debug)]
+pub struct RegisteredMemory {
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    dptr: u64,
+    // Dropped after `drop` unregisters it.
+    mem: SharedMemory,
+}
+
+impl RegisteredMemory {
+    /// Registers `mem` for `ctx`'s device.
+    pub fn register(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, mem: SharedMemory) -> Result<RegisteredMemory> {
+        use cudarc::driver::sys as cu;
+        crate::driver::bind(ctx)?;
+        let flags = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: `mem` is a live mapping of `mem.len()` bytes, page aligned,
+        // registered once here and unregistered in `drop` before it is
+        // unmapped; a context is current (bound above), so the driver, which
+        // cudarc loaded to make that context, is loaded.
+        let r = unsafe { cu::cuMemHostRegister_v2(mem.as_ptr().cast(), mem.len(), flags) };
+        if r != cu::CUresult::CUDA_SUCCESS {
+            return Err(Error::driver("cuMemHostRegister", r as u32));
+        }
+        let mut dptr: cuda_peer_sys::CUdeviceptr = 0;
+        // SAFETY: the registered range, alive for the call; the driver writes
+        // one device address.
+        let got = crate::error::check("cuMemHostGetDevicePointer", unsafe {
+            crate::driver::api()?.cuMemHostGetDevicePointer_v2(&mut dptr, mem.as_ptr().cast(), 0)
+        });
+        let reg = RegisteredMemory { ctx: ctx.clone(), dptr, mem };
+        got?;
+        Ok(reg)
+    }
+
+    /// Its address for the device's kernels and copies.
+    pub fn device_ptr(&self) -> u64 {
+        self.dptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Always false (see [`SharedMemory::is_empty`]).
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+}
+
+impl Drop for RegisteredMemory {
+    fn drop(&mut self) {
+        use cudarc::driver::sys as cu;
+        if crate::driver::bind(&self.ctx).is_err() {
+            log::warn!("cuda-peer: no context to unregister shared host memory");
+            return;
+        }
+        // SAFETY: registered in `register`, unregistered once; its users
+        // (the communicator's kernels and copies) were synchronized first.
+        let r = unsafe { cu::cuMemHostUnregister(self.mem.as_ptr().cast()) };
+        if r != cu::CUresult::CUDA_SUCCESS {
+            log::warn!("cuda-peer: cuMemHostUnregister failed: {r:?}");
+        }
+    }
+}
+
+/// What a rank calls: compared between the ranks before data moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CallDesc {
+    /// The collective (its name).
+    pub kind: Kind,
+    /// The element type's index in [`crate::DType::ALL`].
+    pub dtype: u8,
+    /// The op's index in [`crate::ReduceOp::ALL`], or 255 for none.
+    pub op: u8,
+    /// The root, or `u32::MAX` for none.
+    pub root: u32,
+    /// The count, as each collective's docs define it.
+    pub count: u64,
+}
+
+/// The collectives, as published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Kind {
+    AllReduce = 1,
+    ReduceScatter = 2,
+    AllGather = 3,
+    Broadcast = 4,
+    Reduce = 5,
+}
+
+const KINDS: [Kind; 5] = [Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce];
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllGather => "all_gather",
+            Kind::Broadcast => "broadcast",
+            Kind::Reduce => "reduce",
+        }
+    }
+}
+
+impl CallDesc {
+    fn pack(&self) -> u64 {
+        (self.kind as u64) | (self.dtype as u64) << 8 | (self.op as u64) << 16 | (self.root as u64) << 32
+    }
+
+    fn unpack(w: u64, count: u64) -> Option<CallDesc> {
+        let kind = *KINDS.iter().find(|k| **k as u64 == w & 0xff)?;
+        Some(CallDesc { kind, dtype: (w >> 8) as u8, op: (w >> 16) as u8, root: (w >> 32) as u32, count })
+    }
+}
+
+impl std::fmt::Display for CallDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ty = crate::DType::ALL.get(self.dtype as usize).map(|d| d.name()).unwrap_or("?");
+        write!(f, "{}({} x {ty}", self.kind.name(), self.count)?;
+        if let Some(op) = crate::ReduceOp::ALL.get(self.op as usize) {
+            write!(f, ", {}", op.name())?;
+        }
+        if self.root != u32::MAX {
+            write!(f, ", root {}", self.root)?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// Slots per rank: a rank publishes call k in slot k % SLOTS. A rank can be
+/// at most one call ahead of any other (it waits for every rank's call k
+/// before it publishes k + 1), so two would do.
+const SLOTS: usize = 4;
+/// Words per slot: the call number + 1 (0: none yet), the packed
+/// descriptor, the count, unused.
+const WORDS: usize = 4;
+
+/// Every rank's per-call descriptors, in [`SharedMemory`].
+#[derive(Debug)]
+pub(crate) struct CallBoard {
+    mem: SharedMemory,
+    size: usize,
+}
+
+/// The bytes of a board for `size` ranks.
+pub(crate) fn board_bytes(size: usize) -> usize {
+    size * SLOTS * WORDS * 8
+}
+
+impl CallBoard {
+    /// The board of `size` ranks in `mem` (zeroed by its creator).
+    pub(crate) fn new(mem: SharedMemory, size: usize) -> Result<CallBoard> {
+        if mem.len() < board_bytes(size) {
+            return Err(Error::Internal(format!("a call board of {} bytes for {size} ranks", mem.len())));
+        }
+        Ok(CallBoard { mem, size })
+    }
+
+    fn slot(&self, rank: usize, call: u64) -> [&AtomicU64; 3] {
+        let base = (rank * SLOTS + (call % SLOTS as u64) as usize) * WORDS;
+        // In bounds: rank < size, checked against the length in `new`.
+        let w = |i| self.mem.word(base + i).unwrap_or_else(|| unreachable_word());
+        [w(0), w(1), w(2)]
+    }
+
+    /// Publishes `desc` as this rank's call number `call`, waits (at most
+    /// `timeout`) until every rank has published its call `call`, and
+    /// compares: `Ok` where every rank calls the same, else
+    /// [`Error::Mismatch`] (the same verdict on every rank, which all
+    /// compare the same descriptors) or [`Error::Timeout`] (a rank that
+    /// does not reach the call: dead, or stopped calling).
+    pub(crate) fn agree(&self, rank: usize, call: u64, desc: &CallDesc, timeout: Duration) -> Result<()> {
+        let [seq, packed, count] = self.slot(rank, call);
+        packed.store(desc.pack(), Ordering::Relaxed);
+        count.store(desc.count, Ordering::Relaxed);
+        seq.store(call + 1, Ordering::Release);
+        let start = Instant::now();
+        let mut spins = 0u32;
+        for k in 0..self.size {
+            if k == rank {
+                continue;
+            }
+            let [seq, packed, count] = self.slot(k, call);
+            loop {
+                let s = seq.load(Ordering::Acquire);
+                if s == call + 1 {
+                    break;
+                }
+                if s > call + 1 + SLOTS as u64 || start.elapsed() > timeout {
+                    let why = if s > call + 1 { "is ahead of" } else { "did not reach" };
+                    log::warn!("cuda-peer: rank {k} {why} call {call} of rank {rank}");
+                    return Err(Error::Timeout { op: "communicator: waiting for a peer to make the same call", after: timeout });
+                }
+                spins += 1;
+                if spins < 2000 {
+                    std::hint::spin_loop();
+                } else if spins < 4000 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+            let theirs = CallDesc::unpack(packed.load(Ordering::Relaxed), count.load(Ordering::Relaxed));
+            if theirs != Some(*desc) {
+                return Err(Error::Mismatch {
+                    rank: k,
+                    ours: desc.to_string(),
+                    theirs: theirs.map(|t| t.to_string()).unwrap_or_else(|| "an unknown call".into()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cold]
+fn unreachable_word() -> &'static AtomicU64 {
+    // Only reached by a bug (an index past the board): a private dummy word
+    // keeps it from being undefined behaviour or a panic.
+    static DUMMY: AtomicU64 = AtomicU64::new(u64::MAX);
+    &DUMMY
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(count: u64) -> CallDesc {
+        CallDesc { kind: Kind::AllGather, dtype: 0, op: 255, root: u32::MAX, count }
+    }
+
+    #[test]
+    fn descriptors_round_trip_and_print() {
+        let d = CallDesc { kind: Kind::Reduce, dtype: 3, op: 2, root: 1, count: 77 };
+        assert_eq!(CallDesc::unpack(d.pack(), 77), Some(d));
+        assert_eq!(d.to_string(), "reduce(77 x bf16, min, root 1)");
+        assert_eq!(desc(5).to_string(), "all_gather(5 x f32)");
+    }
+
+    /// Two "ranks" (threads) on one region, one imported from the other's
+    /// descriptor: equal calls agree, a different count is a mismatch on
+    /// both, the next call agrees again, and a missing peer is a timeout.
+    #[test]
+    fn ranks_agree_disagree_and_time_out() {
+        let a = SharedMemory::create(board_bytes(2)).unwrap();
+        let b = SharedMemory::import(a.fd(), a.len()).unwrap();
+        let (a, b) = (CallBoard::new(a, 2).unwrap(), CallBoard::new(b, 2).unwrap());
+        let t = Duration::from_secs(10);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| (0..3).map(|c| b.agree(1, c, &desc(if c == 1 { 9 } else { 5 }), t)).collect::<Vec<_>>());
+            let mine: Vec<_> = (0..3).map(|c| a.agree(0, c, &desc(5), t)).collect();
+            for got in [mine, h.join().unwrap()] {
+                assert!(got[0].is_ok() && got[2].is_ok(), "{got:?}");
+                assert!(matches!(&got[1], Err(Error::Mismatch { .. })), "{got:?}");
+            }
+        });
+        let start = Instant::now();
+        assert!(matches!(a.agree(0, 3, &desc(5), Duration::from_millis(100)), Err(Error::Timeout { .. })));
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+}
