@@ -7,21 +7,14 @@
 
 mod common;
 
+use common::procs::{all_succeeded, child, rank, spawn};
+
 use cuda_peer::cudarc::driver::CudaStream;
 use cuda_peer::ipc::{comm::seeded, Bootstrap, Comm, CommOptions};
 use cuda_peer::{Element, Error, Path, PathPolicy, ReduceOp};
 use half::{bf16, f16};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Set in a child: the test it runs.
-const CHILD: &str = "CUDA_PEER_MP_CHILD";
-
-/// Whether this process is a child (then the test body is the child's).
-fn child() -> bool {
-    std::env::var_os(CHILD).is_some()
-}
 
 /// Set in a child: ranks share the GPUs (more processes than devices).
 const SHARE: &str = "CUDA_PEER_MP_SHARE";
@@ -44,63 +37,6 @@ fn child_comm(opts: &CommOptions) -> Comm {
     comm
 }
 
-fn rank() -> usize {
-    std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)
-}
-
-/// Runs `test` as `n` children of this binary with `extra(rank)` env vars;
-/// returns each child's exit code (None: killed at the deadline) and output.
-fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> Vec<(&'static str, String)>) -> Vec<(Option<i32>, String)> {
-    let exe = std::env::current_exe().expect("current_exe");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut children: Vec<_> = (0..n)
-        .map(|r| {
-            let mut cmd = Command::new(&exe);
-            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(CHILD, test)
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in extra(r) {
-                cmd.env(k, v);
-            }
-            cmd.spawn().expect("spawn a child")
-        })
-        .collect();
-    let start = Instant::now();
-    let mut codes: Vec<Option<Option<i32>>> = vec![None; n];
-    while codes.iter().any(Option::is_none) && start.elapsed() < deadline {
-        for (c, code) in children.iter_mut().zip(codes.iter_mut()) {
-            if code.is_none() {
-                if let Ok(Some(s)) = c.try_wait() {
-                    *code = Some(s.code());
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    children
-        .into_iter()
-        .zip(codes)
-        .map(|(mut c, code)| {
-            let code = code.unwrap_or_else(|| {
-                let _ = c.kill();
-                None
-            });
-            let out = c
-                .wait_with_output()
-                .map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-                .unwrap_or_default();
-            (code, out)
-        })
-        .collect()
-}
-
 /// Runs test `name` as three processes: on fewer than three GPUs, two of
 /// them share a device (`CommOptions::share_devices`).
 fn three_processes(name: &str) {
@@ -120,13 +56,6 @@ fn three_processes_with(name: &str, env: Vec<(&'static str, String)>) {
         eprintln!("{name}: {gpus} GPUs: ranks 0 and 2 share device 0");
     }
     all_succeeded(name, &spawn(name, 3, Duration::from_secs(400), |_| share.clone()));
-}
-
-/// Asserts that every child exited 0.
-fn all_succeeded(test: &str, results: &[(Option<i32>, String)]) {
-    for (r, (code, out)) in results.iter().enumerate() {
-        assert_eq!(*code, Some(0), "{test}: rank {r} exited with {code:?} (None: killed at the deadline); its output:\n{out}");
-    }
 }
 
 fn gpu_count(test: &str, min: usize) -> Option<usize> {
