@@ -6,7 +6,7 @@
 //! | impl | what runs |
 //! |---|---|
 //! | `cuda-peer-ipc` | [`cuda_peer::ipc::Comm::all_reduce_in_place`] (one-shot over peer memory imported between processes) |
-//! | `cuda-peer-ipc-staged` | not implemented yet (the staged path between processes is later work): skipped with a line |
+//! | `cuda-peer-ipc-staged` | the same on the staged path (`CommOptions::path(PathPolicy::StagedOnly)`: pinned host memory shared between the processes) |
 //! | `nccl-mp` | NCCL, one rank per process (`ncclCommInitRank`), `NCCL_NVLS_ENABLE=0` unless set, `NCCL_P2P_DISABLE` removed |
 //! | `nccl-mp-no-p2p` | the same with `NCCL_P2P_DISABLE=1` |
 //! | `cuda-peer-nccl` | [`cuda_peer::ipc::NcclComm`] (cuda-peer's path between hosts) in `nccl-mp`'s setting: its cost over calling NCCL directly |
@@ -40,7 +40,7 @@ use crate::{require_gpus, unusable, Res};
 use clap::ValueEnum;
 use cuda_peer::cudarc::driver::{sys as cu, CudaSlice, CudaStream};
 use cuda_peer::ipc::{Bootstrap, Comm, CommOptions, Exchange, NcclComm};
-use cuda_peer::{driver, ReduceOp};
+use cuda_peer::{driver, PathPolicy, ReduceOp};
 use half::bf16;
 use rand::Rng;
 use std::collections::HashMap;
@@ -51,7 +51,7 @@ use std::sync::Arc;
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct Args {
     /// Implementations, in the order run.
-    #[arg(long, value_delimiter = ',', default_value = "cuda-peer-ipc,nccl-mp,cuda-peer-nccl,nccl-mp-no-p2p")]
+    #[arg(long, value_delimiter = ',', default_value = "cuda-peer-ipc,nccl-mp,cuda-peer-nccl,cuda-peer-ipc-staged,nccl-mp-no-p2p")]
     impls: Vec<MpImpl>,
     /// Element types.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
@@ -97,7 +97,7 @@ pub(crate) enum MpImpl {
     /// cuda-peer's communicator of processes (`ipc::Comm`).
     #[value(name = "cuda-peer-ipc")]
     PeerIpc,
-    /// cuda-peer between processes without P2P: not implemented yet.
+    /// cuda-peer between processes on the staged path (no P2P).
     #[value(name = "cuda-peer-ipc-staged")]
     PeerIpcStaged,
     /// NCCL, one rank per process.
@@ -203,15 +203,20 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
     for &imp in &args.impls {
         let start = progress.done;
         match imp {
-            MpImpl::PeerIpc => {
+            MpImpl::PeerIpc | MpImpl::PeerIpcStaged => {
                 let port = shared_port(&ex)?;
-                let made = with_port(boot, port).and_then(|b| Ok(Comm::new(Box::new(b.connect()?), boot.local_rank, &CommOptions::default())?));
+                let (opts, what) = if imp == MpImpl::PeerIpc {
+                    (CommOptions::default(), "ipc::Comm, one-shot over imported peer memory")
+                } else {
+                    (CommOptions::default().path(PathPolicy::StagedOnly), "ipc::Comm on the staged path: shared pinned host memory, no P2P")
+                };
+                let made = with_port(boot, port).and_then(|b| Ok(Comm::new(Box::new(b.connect()?), boot.local_rank, &opts)?));
                 match made {
                     Ok(comm) => {
                         let rank_ = MpRank { ex: &ex, stream: comm.stream().clone(), imp, engine: Engine::Peer(&comm) };
                         if rank == 0 {
                             println!("#");
-                            println!("# {}: {n} processes (ipc::Comm, one-shot over imported peer memory)", imp.name());
+                            println!("# {}: {n} processes ({what})", imp.name());
                         }
                         rank_.sweep(args, &mut progress)?;
                     }
@@ -220,11 +225,6 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
                             println!("# {}: unavailable: {e}", imp.name());
                         }
                     }
-                }
-            }
-            MpImpl::PeerIpcStaged => {
-                if rank == 0 {
-                    println!("# {}: skipped: not implemented yet (ipc::Comm needs P2P; the staged path between processes is later work)", imp.name());
                 }
             }
             MpImpl::NcclMp | MpImpl::NcclMpNoP2p | MpImpl::PeerNccl => {
