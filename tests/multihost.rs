@@ -12,7 +12,7 @@ mod common;
 
 use common::procs::{all_succeeded, child, rank, spawn};
 use cuda_peer::cudarc::driver::CudaStream;
-use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, Bootstrap, NcclComm};
+use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, world::Engine, Bootstrap, CommOptions, NcclComm, WorldComm};
 use cuda_peer::{Element, Error, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -152,7 +152,7 @@ fn check_all<T: Num>(comm: &NcclComm, op: ReduceOp, mut call: u64) -> u64 {
     let ins = inputs::<T>(call, n, count);
     let send = s.clone_htod(&ins[r]).unwrap();
     let mut recv = poison::<T>(&s, count);
-    comm.reduce(&send, &mut recv, op, root).unwrap();
+    comm.reduce(&send, &mut recv, root, op).unwrap();
     comm.synchronize().unwrap();
     let got = s.clone_dtoh(&recv).unwrap();
     if r == root {
@@ -180,7 +180,7 @@ fn check_moves<T: Num>(comm: &NcclComm, mut call: u64) -> u64 {
     let root = 1 % n;
     let ins = inputs::<T>(call, n, count);
     let mut buf = s.clone_htod(&ins[r]).unwrap();
-    comm.broadcast_in_place(&mut buf, root).unwrap();
+    comm.broadcast(&mut buf, root).unwrap();
     comm.synchronize().unwrap();
     assert_eq!(s.clone_dtoh(&buf).unwrap(), ins[root], "broadcast {}", T::DTYPE.name());
     call
@@ -207,7 +207,7 @@ fn every_collective_child() {
     let s = comm.stream().clone();
     let (a, mut b) = (s.alloc_zeros::<f32>(8).unwrap(), s.alloc_zeros::<f32>(9).unwrap());
     assert!(matches!(comm.all_reduce(&a, &mut b, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
-    assert!(matches!(comm.broadcast_in_place(&mut b, 5), Err(Error::InvalidArgument(_))));
+    assert!(matches!(comm.broadcast(&mut b, 5), Err(Error::RootOutOfRange { .. })));
     let mut i = s.alloc_zeros::<i32>(4).unwrap();
     assert!(matches!(comm.all_reduce_in_place(&mut i, ReduceOp::Avg), Err(Error::UnsupportedOp { .. })));
     comm.synchronize().unwrap();
@@ -260,4 +260,40 @@ fn a_dead_host_fails_the_survivor_in_bounded_time() {
         return;
     }
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, 1)));
+}
+
+/// A `WorldComm` child: checks the engine it picked, then an all-reduce and
+/// an all-gather of fresh data against the CPU reference.
+fn world_child(want_nccl: bool) {
+    let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
+    let comm = WorldComm::new(Box::new(rv), rank(), &CommOptions::default().timeout(Duration::from_secs(60))).unwrap();
+    let engine = comm.engine();
+    assert_eq!(engine == Engine::Nccl, want_nccl, "rank {}: engine {engine:?}", comm.rank());
+    let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
+    let count = 5003;
+    let ins = inputs::<u32>(900, n, count);
+    let mut buf = s.clone_htod(&ins[r]).unwrap();
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+    let send = s.clone_htod(&ins[r]).unwrap();
+    let mut all = poison::<u32>(&s, count * n);
+    comm.all_gather(&send, &mut all).unwrap();
+    comm.synchronize().unwrap();
+    let want: Vec<u32> = (0..count).map(|i| ins.iter().map(|x| x[i]).sum()).collect();
+    assert_eq!(s.clone_dtoh(&buf).unwrap(), want, "rank {r}: all_reduce on {engine:?}");
+    assert_eq!(s.clone_dtoh(&all).unwrap(), ins.concat(), "rank {r}: all_gather on {engine:?}");
+    println!("rank {r}: WorldComm on {engine:?} right");
+}
+
+#[test]
+fn world_comm_picks_nccl_across_hosts_and_cuda_peer_within_one() {
+    if child() {
+        return world_child(std::env::var_os("CUDA_PEER_HOST_ID").is_some());
+    }
+    let name = "world_comm_picks_nccl_across_hosts_and_cuda_peer_within_one";
+    if !ready(name) {
+        return;
+    }
+    let seed: u64 = rand::random::<u32>() as u64;
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, seed)));
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |_| vec![(SEED, seed.to_string())]));
 }

@@ -16,6 +16,8 @@
 //!   reduce-scatter, all-gather, broadcast and reduce.
 //! * [`nccl`]: the collectives between hosts, on NCCL loaded at run time
 //!   ([`NcclComm`]); [`spans_hosts`] says whether a job needs it.
+//! * [`WorldComm`]: one API over both, picked at bootstrap (one host:
+//!   [`Comm`]; several: [`NcclComm`]).
 //!
 //! The `cuda-peer-run` launcher (the `run/` crate of the workspace) starts
 //! a program as N processes with torchrun's variables set.
@@ -35,11 +37,13 @@ pub mod fdpass;
 pub mod nccl;
 pub mod shm;
 pub mod vmm;
+pub mod world;
 
 pub use bootstrap::{Bootstrap, Exchange, Rendezvous};
 pub use comm::{Comm, CommOptions};
 pub use nccl::NcclComm;
 pub use vmm::DeviceRegion;
+pub use world::WorldComm;
 
 /// The environment variable that overrides [`host_identity`] (to simulate
 /// several hosts on one machine in tests, or to name hosts whose names and

@@ -348,9 +348,10 @@ impl NcclComm {
         r.and(read.finish()).and(write.finish())
     }
 
-    /// In-place broadcast: every rank's `buf` becomes rank `root`'s.
-    pub fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
-        self.check_root("broadcast", root)?;
+    /// Broadcast in place: every rank's `buf` becomes rank `root`'s (as
+    /// [`super::Comm::broadcast`]).
+    pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+        self.check_root(root)?;
         crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
         let (ptr, held) = self.order.write(buf, &self.stream)?;
@@ -364,10 +365,10 @@ impl NcclComm {
 
     /// Reduce: rank `root`'s `recv` becomes the reduction of every rank's
     /// `send`; the other ranks' `recv` is left as it was (it must still be
-    /// as long as `send`).
-    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
+    /// as long as `send`), as [`super::Comm::reduce`].
+    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, root: usize, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
-        self.check_root("reduce", root)?;
+        self.check_root(root)?;
         self.check_buffers("reduce", recv, send, send.len())?;
         let count = send.len();
         let (src, read) = self.order.read(send, &self.stream)?;
@@ -380,9 +381,9 @@ impl NcclComm {
         r.and(read.finish()).and(write.finish())
     }
 
-    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+    fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.size {
-            return Err(Error::InvalidArgument(format!("{op}: root {root} of {} ranks", self.size)));
+            return Err(Error::RootOutOfRange { root, size: self.size });
         }
         Ok(())
     }
