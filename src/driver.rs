@@ -138,18 +138,36 @@ pub(crate) unsafe fn stream_wait_event(op: &'static str, stream: sys::CUstream, 
 }
 
 /// The context of `stream` (`cuStreamGetCtx`), the error named `op`.
-/// cuda-peer-sys does not bind `cuStreamGetCtx` (its bindings are not to
-/// be regenerated here), so this one call goes through cudarc's.
 ///
 /// # Safety
 ///
 /// `stream` is a live stream, or null (the current context's).
 pub(crate) unsafe fn stream_context(op: &'static str, stream: cusys::CUstream) -> Result<sys::CUcontext> {
-    let mut got: cusys::CUcontext = std::ptr::null_mut();
+    let mut got: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: writes one context handle; the caller's contract for `stream`.
-    let res = unsafe { cusys::cuStreamGetCtx(stream, &mut got) };
-    if res != cusys::CUresult::CUDA_SUCCESS {
-        return Err(Error::driver(op, res as u32));
-    }
-    Ok(got as sys::CUcontext)
+    check(op, unsafe { api()?.cuStreamGetCtx(raw_stream_of(stream), &mut got) })?;
+    Ok(got)
+}
+
+/// Page-locks `len` bytes at `ptr` and maps them for every context
+/// (`cuMemHostRegister`, portable and device-mapped), the error named `op`.
+///
+/// # Safety
+///
+/// `ptr` is a live, page-aligned mapping of `len` bytes that stays mapped
+/// until [`host_unregister`] undoes this; a context is current.
+pub(crate) unsafe fn host_register(op: &'static str, ptr: *mut std::ffi::c_void, len: usize) -> Result<()> {
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    // SAFETY: the caller's contract.
+    check(op, unsafe { api()?.cuMemHostRegister_v2(ptr, len, flags) })
+}
+
+/// Undoes [`host_register`] (`cuMemHostUnregister`), the error named `op`.
+///
+/// # Safety
+///
+/// `ptr` was registered by [`host_register`] and no device work uses it.
+pub(crate) unsafe fn host_unregister(op: &'static str, ptr: *mut std::ffi::c_void) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check(op, unsafe { api()?.cuMemHostUnregister(ptr) })
 }

@@ -15,7 +15,8 @@ fi
 out="$here/src/bindings.rs"
 [ "${1:-}" = "--check" ] && out=$(mktemp --suffix=.rs)
 cargo run -q --release --manifest-path "$here/generate/Cargo.toml" -- "$wheel_dir/nvidia/cuda_runtime/include" "$out"
-rustfmt --edition 2021 "$out"
+# The repository's rustfmt.toml in both modes (a --check file lives in /tmp, out of its reach).
+rustfmt --edition 2021 --config-path "$here/../rustfmt.toml" "$out"
 if [ "${1:-}" = "--check" ]; then
   if diff -u "$here/src/bindings.rs" "$out" > /dev/null; then
     echo "sys/src/bindings.rs: regeneration reproduces the committed file"

@@ -117,17 +117,11 @@ pub struct RegisteredMemory {
 impl RegisteredMemory {
     /// Registers `mem` for `ctx`'s device.
     pub fn register(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, mem: SharedMemory) -> Result<RegisteredMemory> {
-        use cudarc::driver::sys as cu;
         crate::driver::bind(ctx)?;
-        let flags = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: `mem` is a live mapping of `mem.len()` bytes, page aligned,
         // registered once here and unregistered in `drop` before it is
-        // unmapped; a context is current (bound above), so the driver, which
-        // cudarc loaded to make that context, is loaded.
-        let r = unsafe { cu::cuMemHostRegister_v2(mem.as_ptr().cast(), mem.len(), flags) };
-        if r != cu::CUresult::CUDA_SUCCESS {
-            return Err(Error::driver("cuMemHostRegister", r as u32));
-        }
+        // unmapped; a context is current (bound above).
+        unsafe { crate::driver::host_register("cuMemHostRegister", mem.as_ptr().cast(), mem.len()) }?;
         let mut dptr: cuda_peer_sys::CUdeviceptr = 0;
         // SAFETY: the registered range, alive for the call; the driver writes
         // one device address.
@@ -157,16 +151,14 @@ impl RegisteredMemory {
 
 impl Drop for RegisteredMemory {
     fn drop(&mut self) {
-        use cudarc::driver::sys as cu;
         if crate::driver::bind(&self.ctx).is_err() {
             log::warn!("cuda-peer: no context to unregister shared host memory");
             return;
         }
         // SAFETY: registered in `register`, unregistered once; its users
         // (the communicator's kernels and copies) were synchronized first.
-        let r = unsafe { cu::cuMemHostUnregister(self.mem.as_ptr().cast()) };
-        if r != cu::CUresult::CUDA_SUCCESS {
-            log::warn!("cuda-peer: cuMemHostUnregister failed: {r:?}");
+        if let Err(e) = unsafe { crate::driver::host_unregister("cuMemHostUnregister", self.mem.as_ptr().cast()) } {
+            log::warn!("cuda-peer: {e}");
         }
     }
 }

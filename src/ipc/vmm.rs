@@ -173,7 +173,7 @@ impl DeviceRegion {
         // SAFETY: the range is mapped and writable from this device, and
         // `stream` belongs to a context of it (the caller's contract, checked
         // by the driver).
-        check("cuMemsetD8Async", unsafe { api()?.cuMemsetD8Async(self.ptr, 0, self.size, stream.cu_stream() as sys::CUstream) })?;
+        check("cuMemsetD8Async", unsafe { api()?.cuMemsetD8Async(self.ptr, 0, self.size, crate::driver::raw_stream(stream)) })?;
         stream.synchronize().map_err(crate::error::cudarc_err("cuStreamSynchronize"))
     }
 

@@ -9,7 +9,6 @@ use crate::error::{check, cudarc_err, Error, Result};
 use crate::kernels;
 use crate::kernels::load::function;
 use crate::kernels::{Kernel, KernelOp};
-use cuda_peer_sys as sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 impl Comm {
@@ -276,7 +275,7 @@ impl Comm {
         // peer's staging buffer mapped here with read-write access, alive
         // as long as the communicator (the callers' buffers are held by
         // their order guards until the copy is ordered).
-        check("cuMemcpyDtoDAsync", unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream.cu_stream() as sys::CUstream) })
+        check("cuMemcpyDtoDAsync", unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, crate::driver::raw_stream(&self.stream)) })
     }
 }
 

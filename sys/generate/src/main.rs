@@ -34,6 +34,8 @@ const FUNCTIONS: &[&str] = &[
     "cuMemHostAlloc",
     "cuMemFreeHost",
     "cuMemHostGetDevicePointer_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
     "cuMemcpyPeer",
     "cuMemcpyPeerAsync",
     "cuMemcpyDtoHAsync_v2",
@@ -46,6 +48,7 @@ const FUNCTIONS: &[&str] = &[
     "cuStreamSynchronize",
     "cuStreamQuery",
     "cuStreamWaitEvent",
+    "cuStreamGetCtx",
     "cuStreamGetCaptureInfo_v2",
     "cuUserObjectCreate",
     "cuUserObjectRelease",
@@ -94,7 +97,7 @@ const TYPES: &[&str] = &[
 ];
 
 /// Macros (flags) the safe layer needs.
-const VARS: &[&str] = &["CU_MEMHOSTALLOC_PORTABLE", "CU_MEMHOSTALLOC_DEVICEMAP", "CUDA_VERSION"];
+const VARS: &[&str] = &["CU_MEMHOSTALLOC_PORTABLE", "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTREGISTER_PORTABLE", "CU_MEMHOSTREGISTER_DEVICEMAP", "CUDA_VERSION"];
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
