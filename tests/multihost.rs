@@ -10,10 +10,11 @@
 
 mod common;
 
+use common::num::Num;
 use common::procs::{all_succeeded, child, rank, spawn};
 use cuda_peer::cudarc::driver::CudaStream;
 use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, world::Engine, Bootstrap, CommOptions, NcclComm, WorldComm};
-use cuda_peer::{Element, Error, ReduceOp};
+use cuda_peer::{Error, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,38 +62,9 @@ fn open() -> NcclComm {
     NcclComm::new(&rv, rank(), Duration::from_secs(20)).unwrap()
 }
 
-/// Values 1..=5 (exact under every reduction of two ranks in every type).
-trait Num: Element + Copy + std::fmt::Debug + PartialEq {
-    fn from_u32(x: u32) -> Self;
-    fn to_f64(self) -> f64;
-}
-macro_rules! num {
-    ($($t:ty),*) => {$(impl Num for $t {
-        fn from_u32(x: u32) -> Self { x as $t }
-        fn to_f64(self) -> f64 { self as f64 }
-    })*};
-}
-num!(f32, f64, i32, i64, u32, u64, i8, u8);
-impl Num for f16 {
-    fn from_u32(x: u32) -> Self {
-        f16::from_f64(x as f64)
-    }
-    fn to_f64(self) -> f64 {
-        f16::to_f64(self)
-    }
-}
-impl Num for bf16 {
-    fn from_u32(x: u32) -> Self {
-        bf16::from_f64(x as f64)
-    }
-    fn to_f64(self) -> f64 {
-        bf16::to_f64(self)
-    }
-}
-
 /// Every rank's input for call `call`.
 fn inputs<T: Num>(call: u64, n: usize, count: usize) -> Vec<Vec<T>> {
-    (0..n).map(|r| seeded(seed() * 1000 + call * 16 + r as u64, count).into_iter().map(|x| T::from_u32(x % 5 + 1)).collect()).collect()
+    (0..n).map(|r| seeded(seed() * 1000 + call * 16 + r as u64, count).into_iter().map(|x| T::from_f64((x % 5 + 1) as f64)).collect()).collect()
 }
 
 fn reduce(op: ReduceOp, xs: impl Iterator<Item = f64>, n: usize) -> f64 {
@@ -107,7 +79,7 @@ fn reduce(op: ReduceOp, xs: impl Iterator<Item = f64>, n: usize) -> f64 {
 }
 
 fn poison<T: Num>(stream: &Arc<CudaStream>, count: usize) -> cuda_peer::cudarc::driver::CudaSlice<T> {
-    stream.clone_htod(&vec![T::from_u32(77); count]).unwrap()
+    stream.clone_htod(&vec![T::from_f64(77.0); count]).unwrap()
 }
 
 fn assert_close<T: Num>(what: &str, got: &[T], want: &[f64]) {
@@ -159,7 +131,7 @@ fn check_all<T: Num>(comm: &NcclComm, op: ReduceOp, mut call: u64) -> u64 {
         let want: Vec<f64> = (0..count).map(|i| reduce(op, ins.iter().map(|x| x[i].to_f64()), n)).collect();
         assert_close::<T>(&format!("reduce {op:?}"), &got, &want);
     } else {
-        assert!(got.iter().all(|&g| g == T::from_u32(77)), "reduce wrote a non-root's recv");
+        assert!(got.iter().all(|&g| g == T::from_f64(77.0)), "reduce wrote a non-root's recv");
     }
     call
 }

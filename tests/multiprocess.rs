@@ -7,11 +7,12 @@
 
 mod common;
 
+use common::num::Num;
 use common::procs::{all_succeeded, child, rank, spawn};
 
 use cuda_peer::cudarc::driver::CudaStream;
 use cuda_peer::ipc::{comm::seeded, Bootstrap, Comm, CommOptions};
-use cuda_peer::{Element, Error, Path, PathPolicy, ReduceOp};
+use cuda_peer::{Error, Path, PathPolicy, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,36 +61,6 @@ fn three_processes_with(name: &str, env: Vec<(&'static str, String)>) {
 
 fn gpu_count(test: &str, min: usize) -> Option<usize> {
     common::gpus(test, min).map(|g| g.len())
-}
-
-/// Element types with exact small-integer values and a tolerance for `Avg`.
-trait Num: Element + Copy + std::fmt::Debug {
-    fn from_f64(x: f64) -> Self;
-    fn to_f64(self) -> f64;
-}
-
-macro_rules! num {
-    ($($t:ty),*) => {$(impl Num for $t {
-        fn from_f64(x: f64) -> Self { x as $t }
-        fn to_f64(self) -> f64 { self as f64 }
-    })*};
-}
-num!(f32, f64, i32, i64, u32, u64, i8, u8);
-impl Num for f16 {
-    fn from_f64(x: f64) -> Self {
-        f16::from_f64(x)
-    }
-    fn to_f64(self) -> f64 {
-        f16::to_f64(self)
-    }
-}
-impl Num for bf16 {
-    fn from_f64(x: f64) -> Self {
-        bf16::from_f64(x)
-    }
-    fn to_f64(self) -> f64 {
-        bf16::to_f64(self)
-    }
 }
 
 /// Rank r's input: small non-negative integers (1..=5), so that every

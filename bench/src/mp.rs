@@ -326,21 +326,25 @@ fn nccl_child(args: &Args, imp: MpImpl, boot: &Bootstrap) -> Res<()> {
     let comm = cudarc::nccl::Comm::from_rank(stream.clone(), ex.rank(), ex.size(), id).map_err(|e| nccl_err("ncclCommInitRank", e))?;
     if ex.rank() == 0 {
         let v = cudarc::nccl::result::get_nccl_version().map_err(|e| nccl_err("ncclGetVersion", e))?;
-        println!("#");
-        println!(
-            "# {}: NCCL {}.{}.{}, {} processes (one rank each), NCCL_P2P_DISABLE={}, NCCL_NVLS_ENABLE={}",
-            imp.name(),
-            v / 10000,
-            v / 100 % 100,
-            v % 100,
-            ex.size(),
-            std::env::var("NCCL_P2P_DISABLE").unwrap_or_else(|_| "(unset)".into()),
-            std::env::var("NCCL_NVLS_ENABLE").unwrap_or_else(|_| "(unset)".into()),
-        );
+        print_nccl_header(imp.name(), v, ex.size());
     }
     let mut progress = Progress { done: args.progress_offset, total: args.progress_total.unwrap_or(points(args, ex.size()).len()) };
     let r = MpRank { ex: &ex, stream, imp, engine: Engine::Nccl(&comm) };
     r.sweep(args, &mut progress)
+}
+
+/// The header of an NCCL impl's table: the library's version and NCCL's settings.
+fn print_nccl_header(what: &str, version: i32, ranks: usize) {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| "(unset)".into());
+    println!("#");
+    println!(
+        "# {what}: NCCL {}.{}.{}, {ranks} processes (one rank each), NCCL_P2P_DISABLE={}, NCCL_NVLS_ENABLE={}",
+        version / 10000,
+        version / 100 % 100,
+        version % 100,
+        var("NCCL_P2P_DISABLE"),
+        var("NCCL_NVLS_ENABLE"),
+    );
 }
 
 /// A rank's `cuda-peer-nccl` child: cuda-peer's own NCCL communicator
@@ -359,16 +363,7 @@ fn peer_nccl_child(args: &Args, boot: &Bootstrap) -> Res<()> {
     let ex = boot.connect()?;
     let comm = NcclComm::new(&ex, boot.local_rank, std::time::Duration::from_secs(120))?;
     if ex.rank() == 0 {
-        println!("#");
-        println!(
-            "# cuda-peer-nccl: ipc::NcclComm on NCCL {}.{}.{}, {} processes (one rank each), NCCL_P2P_DISABLE={}, NCCL_NVLS_ENABLE={}",
-            v / 10000,
-            v / 100 % 100,
-            v % 100,
-            ex.size(),
-            std::env::var("NCCL_P2P_DISABLE").unwrap_or_else(|_| "(unset)".into()),
-            std::env::var("NCCL_NVLS_ENABLE").unwrap_or_else(|_| "(unset)".into()),
-        );
+        print_nccl_header("cuda-peer-nccl (ipc::NcclComm)", v, ex.size());
     }
     let mut progress = Progress { done: args.progress_offset, total: args.progress_total.unwrap_or(points(args, ex.size()).len()) };
     let r = MpRank { ex: &ex, stream: comm.stream().clone(), imp: MpImpl::PeerNccl, engine: Engine::PeerNccl(&comm) };

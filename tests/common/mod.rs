@@ -44,4 +44,5 @@ pub fn diff<T: PartialEq>(a: &[T], b: &[T]) -> Option<(usize, usize)> {
     let wrong: Vec<usize> = a.iter().zip(b).enumerate().filter(|(_, (x, y))| x != y).map(|(i, _)| i).collect();
     wrong.first().map(|&f| (f, wrong.len()))
 }
+pub mod num;
 pub mod procs;
