@@ -18,7 +18,7 @@
 //!
 //! Before any of that, each call publishes a descriptor (collective,
 //! element type, op, count, root) in host memory the processes share
-//! ([`super::shm`]) and compares it with every peer's: ranks that make
+//! (shared host memory) and compares it with every peer's: ranks that make
 //! different calls get [`Error::Mismatch`] on every rank, before anything
 //! is enqueued; a rank that does not make the call within the barrier
 //! timeout is an [`Error::Timeout`] (see [`CommOptions::check_calls`]).

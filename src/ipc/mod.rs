@@ -9,7 +9,7 @@
 //! * [`fdpass`]: file descriptors between the processes of one host, over
 //!   Unix domain sockets (`SCM_RIGHTS`).
 //! * [`vmm`]: device memory another process can map ([`DeviceRegion`]).
-//! * [`shm`]: host memory shared between the processes (a `memfd`), where a
+//! * `shm` (crate-private): host memory shared between the processes (a `memfd`), where a
 //!   communicator's ranks compare their calls.
 //! * [`Comm`]: a communicator of processes, one rank per process on its
 //!   own GPU, with all-reduce (the one-shot over peer memory),
@@ -35,7 +35,7 @@ pub mod bootstrap;
 pub mod comm;
 pub mod fdpass;
 pub mod nccl;
-pub mod shm;
+pub(crate) mod shm;
 pub mod vmm;
 pub mod world;
 

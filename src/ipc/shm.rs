@@ -70,11 +70,6 @@ impl SharedMemory {
         self.len
     }
 
-    /// Always false: a region has at least one page.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Its address in this process.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.cast()
@@ -136,16 +131,6 @@ impl RegisteredMemory {
     /// Its address for the device's kernels and copies.
     pub fn device_ptr(&self) -> u64 {
         self.dptr
-    }
-
-    /// Its length in bytes.
-    pub fn len(&self) -> usize {
-        self.mem.len()
-    }
-
-    /// Always false (see [`SharedMemory::is_empty`]).
-    pub fn is_empty(&self) -> bool {
-        self.mem.is_empty()
     }
 }
 
