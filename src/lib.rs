@@ -28,7 +28,8 @@
 //! - [`group`]: the communicator API, a [`Group`] of ranks with its options and accessors.
 //! - [`collectives`]: the collectives of a group on cudarc buffers.
 //! - [`raw`]: the all-reduce of a group on raw device pointers and streams.
-//! - `ipc` (Linux): one process per GPU, with bootstrap, shared device memory and `Comm`.
+//! - `ipc` (Linux): one process per GPU, with bootstrap, shared device memory and `Comm`, and NCCL between hosts (`NcclComm`, `WorldComm`).
+//! - [`verdict`]: the doctor's cached verdicts per pair, and the speed rule the doctor and `Auto` share.
 //! - [`copy`]: the transport, with verified links, the path decision, routes between ranks, staging.
 //! - [`peer`]: peer access as RAII guards.
 //! - [`topology`]: which devices can reach each other, and how.
@@ -55,7 +56,7 @@
 //!     -> communicator                   ranks, routes, launchers
 //!       -> failure, launch, reach, kernels
 //!       -> copy (route, staged, verify) transport: path decision, routes, copies
-//!         -> peer, topology, sync, graph
+//!         -> verdict, peer, topology, sync, graph
 //!           -> driver, dtype, error, sys
 //! ```
 //!
