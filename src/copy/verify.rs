@@ -109,8 +109,10 @@ pub fn verify_direction(from: &Arc<CudaContext>, to: &Arc<CudaContext>, timeout:
 }
 
 /// Verifies both directions between `a` and `b` (peer access must already
-/// be enabled both ways for the copies to take the P2P path). The answer
-/// for a pair is cached for the life of the process.
+/// be enabled both ways for the copies to take the P2P path). A verdict for
+/// a pair (and a copy that never completed) is cached for the life of the
+/// process; any other error (out of memory, a failed driver call) is
+/// transient and the next link verifies again.
 pub fn verify_pair(a: &Arc<CudaContext>, b: &Arc<CudaContext>, timeout: Duration) -> Result<Verdict> {
     let key = (a.ordinal().min(b.ordinal()), a.ordinal().max(b.ordinal()));
     if let Some(v) = CACHE.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
@@ -120,8 +122,17 @@ pub fn verify_pair(a: &Arc<CudaContext>, b: &Arc<CudaContext>, timeout: Duration
         Verdict::Ok => verify_direction(b, a, timeout),
         bad => Ok(bad),
     });
-    CACHE.lock().unwrap_or_else(|p| p.into_inner()).insert(key, v.clone());
+    if cacheable(&v) {
+        CACHE.lock().unwrap_or_else(|p| p.into_inner()).insert(key, v.clone());
+    }
     v
+}
+
+/// Whether a verification's outcome says something lasting about the pair:
+/// a verdict, or a copy that did not complete in time; not an error that
+/// another attempt may not meet (memory, a driver call failing).
+fn cacheable(v: &Result<Verdict>) -> bool {
+    matches!(v, Ok(_) | Err(crate::Error::Timeout { .. }))
 }
 
 #[cfg(test)]
@@ -135,6 +146,15 @@ mod tests {
         assert_eq!(a.len(), 4099);
         assert_ne!(a, b);
         assert!(a.iter().filter(|&&x| x == 0).count() < 100);
+    }
+
+    #[test]
+    fn only_verdicts_and_hung_copies_are_cached() {
+        assert!(cacheable(&Ok(Verdict::Ok)));
+        assert!(cacheable(&Ok(Verdict::Corrupt { wrong: 1, first: 0 })));
+        assert!(cacheable(&Err(crate::Error::Timeout { op: "link verification", after: Duration::from_secs(1) })));
+        let oom = crate::Error::driver("cuMemAlloc", 2); // CUDA_ERROR_OUT_OF_MEMORY
+        assert!(!cacheable(&Err(oom)), "an out-of-memory error downgraded the pair for good");
     }
 
     #[test]
