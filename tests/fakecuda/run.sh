@@ -6,7 +6,8 @@
 # CUDA_PEER_REQUIRE_GPU=1 and CUDA_PEER_FAKE_EXPECTED=1, so a test that does
 # not find the shim, or two GPUs, fails instead of skipping. As a check that
 # the shim passes through when it is not lying, the copy tests also run
-# under it in mode "off".
+# under it in mode "off", and the doctor (.gpu/bin/cuda-peer, when staged)
+# must judge the lying pairs degraded, never P2P.
 #
 #   tests/fakecuda/run.sh [TEST_BINARY]      (from the repository root)
 #
@@ -52,6 +53,28 @@ done
 copy=$(ls .gpu/tests/*-copy-test 2>/dev/null | head -1)
 if [ -n "$copy" ]; then
   CUDA_PEER_FAKE=off run "mode-off-copy-tests" "${FAKECUDA_TIMEOUT:-300}" "$copy" --test-threads=1
+fi
+# The doctor under the lies (issue 18): a pair whose peer copies are corrupt,
+# or whose peer access cannot be enabled, must not be judged P2P (exit 1,
+# degraded, or 2 where it also distrusts the driver's own copy, which the
+# shim corrupts too). Its check children inherit the shim.
+doctor=.gpu/bin/cuda-peer
+if [ -x "$doctor" ]; then
+  for mode in corrupt-peer-copies peer-unavailable; do
+    name="doctor-${mode}"
+    start=$SECONDS
+    CUDA_PEER_FAKE=$mode timeout -k 10 120 "$doctor" doctor --json --no-cache > "$results/$name.json" 2> "$results/$name.err"
+    rc=$?
+    verdicts=$(python3 -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+print(" ".join(f"{p['from']}->{p['to']}:{p['level']}/{p['use_path']}" for p in d["pairs"]))' "$results/$name.json" 2>/dev/null)
+    ok=1
+    [ "$rc" -eq 1 ] || [ "$rc" -eq 2 ] || ok=0
+    [ -n "$verdicts" ] || ok=0
+    case " $verdicts" in *"/p2p"*) ok=0 ;; esac
+    echo "$name: rc=$rc in $((SECONDS - start)) s; pairs: ${verdicts:-none}; $([ $ok -eq 1 ] && echo ok || echo WRONG: expected exit 1 or 2 and no pair on p2p)" | tee -a "$summary"
+    [ $ok -eq 1 ] || status=1
+  done
 fi
 echo "fakecuda/run.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL); logs in $results" | tee -a "$summary"
 exit $status
