@@ -600,6 +600,30 @@ mod tests {
         assert!(Cache::from_json(&wrong_path).is_err());
     }
 
+    /// Every prefix of a real file, and the file with each byte replaced
+    /// by each of a few troublesome ones, parses or is an error: never a
+    /// panic (the reader indexes bytes itself).
+    #[test]
+    fn truncated_and_corrupted_files_never_panic() {
+        let text = Cache::new(key(), vec![pair("0000:19:00.0", "0000:3b:00.0", CachedPath::Staged, Some(sample(6.5, 12.25)))]).to_json();
+        let text = text.replace("staged by", "st\\u00e9ged \\ud83d\\ude00 by");
+        let bytes = text.as_bytes();
+        for end in 0..bytes.len() {
+            if let Ok(t) = std::str::from_utf8(&bytes[..end]) {
+                let _ = Cache::from_json(t);
+            }
+        }
+        for i in 0..bytes.len() {
+            for b in [b'"', b'\\', b'{', b']', b'-', b'e', b'u', b'0', b' '] {
+                let mut v = bytes.to_vec();
+                v[i] = b;
+                if let Ok(t) = String::from_utf8(v) {
+                    let _ = Cache::from_json(&t);
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_cache_applies_only_to_its_key() {
         let c = Cache::new(key(), Vec::new());
