@@ -606,7 +606,7 @@ mod tests {
     #[test]
     fn truncated_and_corrupted_files_never_panic() {
         let text = Cache::new(key(), vec![pair("0000:19:00.0", "0000:3b:00.0", CachedPath::Staged, Some(sample(6.5, 12.25)))]).to_json();
-        let text = text.replace("staged by", "st\\u00e9ged \\ud83d\\ude00 by");
+        let text = text.replace("summary of", "s\\u00e9mmary \\ud83d\\ude00 of");
         let bytes = text.as_bytes();
         for end in 0..bytes.len() {
             if let Ok(t) = std::str::from_utf8(&bytes[..end]) {
