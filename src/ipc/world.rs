@@ -23,12 +23,21 @@ pub enum Engine {
 /// The communicator of a job of processes, one rank per process: the
 /// collectives of [`Comm`] with the same signatures, on cuda-peer's paths
 /// within one host and on NCCL across hosts (see the module docs).
-#[derive(Debug)]
 pub enum WorldComm {
     /// Every rank on this host.
     Host(Box<Comm>),
-    /// Ranks on several hosts.
-    Hosts(NcclComm),
+    /// Ranks on several hosts, and the exchange they met through (kept for
+    /// [`WorldComm::exchange`]).
+    Hosts(Box<NcclComm>, Box<dyn Exchange>),
+}
+
+impl std::fmt::Debug for WorldComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorldComm::Host(c) => f.debug_tuple("Host").field(c).finish(),
+            WorldComm::Hosts(c, _) => f.debug_tuple("Hosts").field(c).finish(),
+        }
+    }
 }
 
 /// Runs `$body` with `$c` bound to the engine's communicator.
@@ -36,7 +45,7 @@ macro_rules! either {
     ($self:expr, $c:ident => $body:expr) => {
         match $self {
             WorldComm::Host($c) => $body,
-            WorldComm::Hosts($c) => $body,
+            WorldComm::Hosts($c, _) => $body,
         }
     };
 }
@@ -58,7 +67,8 @@ impl WorldComm {
     /// do not. Every rank must call it at the same time.
     pub fn new(exchange: Box<dyn Exchange>, device: usize, opts: &CommOptions) -> Result<WorldComm> {
         if super::spans_hosts(&*exchange)? {
-            Ok(WorldComm::Hosts(NcclComm::new(&*exchange, device, opts.barrier_timeout)?))
+            let comm = NcclComm::new(&*exchange, device, opts.barrier_timeout)?;
+            Ok(WorldComm::Hosts(Box::new(comm), exchange))
         } else {
             Ok(WorldComm::Host(Box::new(Comm::new(exchange, device, opts)?)))
         }
@@ -68,7 +78,7 @@ impl WorldComm {
     pub fn engine(&self) -> Engine {
         match self {
             WorldComm::Host(c) => Engine::Host(c.path()),
-            WorldComm::Hosts(_) => Engine::Nccl,
+            WorldComm::Hosts(..) => Engine::Nccl,
         }
     }
 
@@ -80,6 +90,15 @@ impl WorldComm {
     /// How many ranks the job has.
     pub fn size(&self) -> usize {
         either!(self, c => c.size())
+    }
+
+    /// The exchange the ranks met through: small all-gathers and barriers
+    /// between the processes, on the host (the bootstrap's TCP rendezvous).
+    pub fn exchange(&self) -> &dyn Exchange {
+        match self {
+            WorldComm::Host(c) => c.exchange(),
+            WorldComm::Hosts(_, ex) => &**ex,
+        }
     }
 
     /// This rank's context.
