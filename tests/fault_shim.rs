@@ -5,7 +5,11 @@
 //!   but `cuCtxEnablePeerAccess` fails;
 //! - `corrupt-peer-copies`: every device-to-device copy between two devices
 //!   lands with its first byte flipped;
-//! - `fail-module-load=N`: loading a kernel module fails on device N.
+//! - `fail-module-load=N`: loading a kernel module fails on device N;
+//! - `drop-sm-stores=N`: the fused all-reduce kernels (one-shot, mesh) are
+//!   not run on device N though their launch succeeds, so nothing their SM
+//!   peer stores would carry arrives (a pair whose copy engines work while
+//!   its SM peer stores are lost, as seen from its peers).
 //!
 //! Under each, links and groups (every algorithm, Auto and forced; every
 //! path policy) must give either exact results (checked against the CPU),
@@ -375,6 +379,30 @@ fn corrupt_peer_copies_reach_unverified_p2p() {
         say(&format!("  [corrupt-peer-copies, verify off] ring over P2P: {}", o.short()));
         assert!(matches!(o, Outcome::Wrong(_)), "with verification off the ring's P2P copies should be corrupt: {}", o.short());
         assert!(shim.fired() > 0);
+    });
+}
+
+/// Fused kernels that never deliver (the shim drops every one-shot and
+/// mesh launch on one device, as when a pair's SM peer stores are lost
+/// while its copy engines work): the check at group creation catches it,
+/// Auto groups run the ring (exact), forced fused algorithms are a typed
+/// error; never a wrong answer or a hang.
+#[test]
+fn dropped_sm_stores_leave_the_ring_or_a_typed_error() {
+    const T: &str = "dropped_sm_stores_leave_the_ring_or_a_typed_error";
+    let Some((shim, ctxs)) = under(T, |m| m.starts_with("drop-sm-stores=")) else { return };
+    bounded(T, move || {
+        let mode = shim.mode.clone();
+        every_group(&mode, &ctxs, |_, algorithm, o| match (algorithm, o) {
+            (Algorithm::Mesh | Algorithm::OneShot, Outcome::Failed(e)) if is_no_p2p(e) => Ok(()),
+            (Algorithm::Auto, Outcome::Correct(how)) if how.contains("OneShot") || how.contains("Mesh") => {
+                Err(format!("Auto kept a fused algorithm whose kernels never ran: {how}"))
+            }
+            (Algorithm::Auto | Algorithm::Ring, Outcome::Correct(_)) => Ok(()),
+            (_, other) => Err(format!("expected the ring's exact result or a typed refusal, got {}", other.short())),
+        });
+        assert!(shim.fired() > 0, "the shim never dropped a launch: the test proved nothing");
+        say(&format!("  [{mode}] launches dropped: {}", shim.fired()));
     });
 }
 

@@ -35,6 +35,15 @@
  *                           cuLibraryLoadData fail with
  *                           CUDA_ERROR_OUT_OF_MEMORY when the current
  *                           context's device is ordinal N.
+ *   drop-sm-stores=N        the kernels that store into peers' memory
+ *                           (cuda-peer's fused all-reduces, cp_oneshot_*
+ *                           and cp_meshar_*, found by name at
+ *                           cuModuleGetFunction) are not run when the
+ *                           current context's device is ordinal N, and
+ *                           cuLaunchKernel says they were: what device N's
+ *                           SM peer stores and flags would have carried
+ *                           never arrives, as on a pair whose copy-engine
+ *                           P2P works while SM peer stores are lost.
  *
  * Exported for tests: cuda_peer_fake_mode() (the mode string, "off" when
  * none) and cuda_peer_fake_fired() (how many faults were injected so far).
@@ -75,7 +84,7 @@ typedef void (*CUhostFn)(void *);
 
 #define EXPORT __attribute__((visibility("default")))
 
-enum mode { MODE_OFF, MODE_PEER_UNAVAILABLE, MODE_CORRUPT, MODE_FAIL_MODULE_LOAD };
+enum mode { MODE_OFF, MODE_PEER_UNAVAILABLE, MODE_CORRUPT, MODE_FAIL_MODULE_LOAD, MODE_DROP_SM };
 
 static enum mode g_mode = MODE_OFF;
 static int g_fail_ordinal = -1;
@@ -91,18 +100,19 @@ static void fake_init(void) {
         g_mode = MODE_PEER_UNAVAILABLE;
     } else if (strcmp(m, "corrupt-peer-copies") == 0) {
         g_mode = MODE_CORRUPT;
-    } else if (strncmp(m, "fail-module-load=", 17) == 0) {
+    } else if (strncmp(m, "fail-module-load=", 17) == 0 || strncmp(m, "drop-sm-stores=", 15) == 0) {
+        size_t skip = m[0] == 'f' ? 17 : 15;
         char *end = NULL;
-        long n = strtol(m + 17, &end, 10);
-        if (end == m + 17 || *end != '\0' || n < 0) {
-            fprintf(stderr, "fakecuda: CUDA_PEER_FAKE=%s: expected fail-module-load=<ordinal>\n", m);
+        long n = strtol(m + skip, &end, 10);
+        if (end == m + skip || *end != '\0' || n < 0) {
+            fprintf(stderr, "fakecuda: CUDA_PEER_FAKE=%s: expected %.*s<ordinal>\n", m, (int)skip, m);
             abort();
         }
-        g_mode = MODE_FAIL_MODULE_LOAD;
+        g_mode = m[0] == 'f' ? MODE_FAIL_MODULE_LOAD : MODE_DROP_SM;
         g_fail_ordinal = (int)n;
     } else {
         fprintf(stderr, "fakecuda: unknown CUDA_PEER_FAKE=%s (expected off, peer-unavailable, "
-                        "corrupt-peer-copies or fail-module-load=<ordinal>)\n", m);
+                        "corrupt-peer-copies, fail-module-load=<ordinal> or drop-sm-stores=<ordinal>)\n", m);
         abort();
     }
     if (g_mode != MODE_OFF) {
@@ -371,23 +381,22 @@ EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) 
 
 typedef CUresult (*ctx_get_device_t)(CUdevice *);
 
-static int module_load_fails(void) {
-    if (g_mode != MODE_FAIL_MODULE_LOAD) {
-        return 0;
-    }
+/* Whether the current context's device is the mode's ordinal. */
+static int on_faulty_device(void) {
     static ctx_get_device_t get = NULL;
     if (get == NULL) {
         get = (ctx_get_device_t)real("cuCtxGetDevice");
     }
     CUdevice dev = -1;
-    if (get == NULL || get(&dev) != CUDA_SUCCESS) {
+    return get != NULL && get(&dev) == CUDA_SUCCESS && dev == g_fail_ordinal;
+}
+
+static int module_load_fails(void) {
+    if (g_mode != MODE_FAIL_MODULE_LOAD || !on_faulty_device()) {
         return 0;
     }
-    if (dev == g_fail_ordinal) {
-        fired();
-        return 1;
-    }
-    return 0;
+    fired();
+    return 1;
 }
 
 typedef CUresult (*module_load_data_t)(CUmodule *, const void *);
@@ -432,6 +441,57 @@ EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_op
     return r;
 }
 
+/* ---- drop-sm-stores ----------------------------------------------------- */
+
+typedef void *CUfunction;
+
+/* The fused kernels' handles, as cuModuleGetFunction handed them out. */
+#define FUSED_MAX 4096
+static CUfunction g_fused[FUSED_MAX];
+static int g_nfused;
+static pthread_mutex_t g_fused_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int is_fused_name(const char *name) {
+    return name != NULL && (strncmp(name, "cp_oneshot_", 11) == 0 || strncmp(name, "cp_meshar_", 10) == 0);
+}
+
+static int is_fused(CUfunction f) {
+    int found = 0;
+    pthread_mutex_lock(&g_fused_lock);
+    for (int i = 0; i < g_nfused && !found; i++) {
+        found = g_fused[i] == f;
+    }
+    pthread_mutex_unlock(&g_fused_lock);
+    return found;
+}
+
+typedef CUresult (*module_get_function_t)(CUfunction *, CUmodule, const char *);
+EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule module, const char *name) {
+    REAL(module_get_function_t, "cuModuleGetFunction");
+    CUresult r = real_fn(f, module, name);
+    if (r == CUDA_SUCCESS && g_mode == MODE_DROP_SM && f != NULL && is_fused_name(name)) {
+        pthread_mutex_lock(&g_fused_lock);
+        if (g_nfused < FUSED_MAX) {
+            g_fused[g_nfused++] = *f;
+        }
+        pthread_mutex_unlock(&g_fused_lock);
+    }
+    return r;
+}
+
+typedef CUresult (*launch_kernel_t)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
+                                    unsigned int, unsigned int, CUstream, void **, void **);
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                               unsigned int by, unsigned int bz, unsigned int shared, CUstream stream, void **params,
+                               void **extra) {
+    REAL(launch_kernel_t, "cuLaunchKernel");
+    if (g_mode == MODE_DROP_SM && is_fused(f) && on_faulty_device()) {
+        fired();
+        return CUDA_SUCCESS;
+    }
+    return real_fn(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+}
+
 /* ---- cuGetProcAddress ----------------------------------------------------- */
 
 EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags);
@@ -461,6 +521,8 @@ static void *override_for(const char *symbol, int version, unsigned long long fl
         {"cuModuleLoadData", (void *)cuModuleLoadData, 0},
         {"cuModuleLoadDataEx", (void *)cuModuleLoadDataEx, 0},
         {"cuLibraryLoadData", (void *)cuLibraryLoadData, 0},
+        {"cuModuleGetFunction", (void *)cuModuleGetFunction, 0},
+        {"cuLaunchKernel", (void *)cuLaunchKernel, 0},
         /* A caller that looks cuGetProcAddress up through itself keeps
          * getting the overrides. */
         {"cuGetProcAddress", (void *)cuGetProcAddress_v2, 12000},

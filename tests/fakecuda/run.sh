@@ -47,7 +47,7 @@ run() {  # name, timeout seconds, command...
   echo "$name: rc=$rc in $((SECONDS - start)) s; ${line:-no test result line}" | tee -a "$summary"
   [ "$rc" -eq 0 ] || status=1
 }
-for mode in peer-unavailable corrupt-peer-copies fail-module-load=1; do
+for mode in peer-unavailable corrupt-peer-copies fail-module-load=1 drop-sm-stores=1; do
   CUDA_PEER_FAKE=$mode run "mode-${mode//=/-}" "${FAKECUDA_TIMEOUT:-300}" "$bin" --test-threads=1 --nocapture
 done
 copy=$(ls .gpu/tests/*-copy-test 2>/dev/null | head -1)
@@ -55,13 +55,14 @@ if [ -n "$copy" ]; then
   CUDA_PEER_FAKE=off run "mode-off-copy-tests" "${FAKECUDA_TIMEOUT:-300}" "$copy" --test-threads=1
 fi
 # The doctor under the lies (issue 18): a pair whose peer copies are corrupt,
-# or whose peer access cannot be enabled, must not be judged P2P (exit 1,
+# whose peer access cannot be enabled, or whose SM peer stores never arrive
+# (fused kernels dropped on device 1), must not be judged P2P (exit 1,
 # degraded, or 2 where it also distrusts the driver's own copy, which the
 # shim corrupts too). Its check children inherit the shim.
 doctor=.gpu/bin/cuda-peer
 if [ -x "$doctor" ]; then
-  for mode in corrupt-peer-copies peer-unavailable; do
-    name="doctor-${mode}"
+  for mode in corrupt-peer-copies peer-unavailable drop-sm-stores=1; do
+    name="doctor-${mode//=/-}"
     start=$SECONDS
     CUDA_PEER_FAKE=$mode timeout -k 10 120 "$doctor" doctor --json --no-cache > "$results/$name.json" 2> "$results/$name.err"
     rc=$?

@@ -55,6 +55,15 @@ CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) { return cuMemcpyA
 CUresult cuLaunchHostFunc(void *stream, void (*fn)(void *), void *arg) { (void)stream; fn(arg); return 0; }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) { (void)flags; *p = calloc(1, n); return *p ? 0 : 2; }
 CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void *stream) { (void)stream; memset((void *)(uintptr_t)p, v, n); return 0; }
+/* Functions are their names' addresses; launches are counted. */
+CUresult cuModuleGetFunction(void **f, void *module, const char *name) { (void)module; *f = (void *)name; return 0; }
+int pretend_launches;
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh,
+                        void *stream, void **params, void **extra) {
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)sh; (void)stream; (void)params; (void)extra;
+    pretend_launches++;
+    return 0;
+}
 int pretend_driver_marker = 42;
 #else
 static int failures;
@@ -130,6 +139,23 @@ int main(void) {
     } else if (strcmp(mode, "fail-module-load=1") == 0) {
         CHECK(load(&m, "x") == 2, "fail-module-load=1 on device 1 should be out of memory");
         CHECK(fake_fired() == 1, "fail-module-load: %ld faults fired", fake_fired());
+    } else if (strncmp(mode, "drop-sm-stores=", 15) == 0) {
+        /* The pretend context is on device 1. */
+        int on_one = strcmp(mode, "drop-sm-stores=1") == 0;
+        CUresult (*getf)(void **, void *, const char *) = (CUresult (*)(void **, void *, const char *))dlsym(b, "cuModuleGetFunction");
+        CUresult (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **) =
+            (CUresult (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **))dlsym(b, "cuLaunchKernel");
+        int *launches = (int *)dlsym(b, "pretend_launches");
+        CHECK(getf && launch && launches, "cuModuleGetFunction, cuLaunchKernel or the launch count missing");
+        if (failures) return 1;
+        void *fused = NULL, *mesh = NULL, *plain = NULL;
+        CHECK(getf(&fused, NULL, "cp_oneshot_sum_f32") == 0 && getf(&mesh, NULL, "cp_meshar_max_u8") == 0
+                  && getf(&plain, NULL, "cp_reduce2_sum_f32") == 0, "cuModuleGetFunction");
+        CHECK(launch(plain, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) == 0 && *launches == 1, "a plain kernel should run");
+        CHECK(launch(fused, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) == 0, "a dropped launch still says success");
+        CHECK(launch(mesh, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) == 0, "a dropped launch still says success");
+        CHECK(*launches == (on_one ? 1 : 3), "%s: %d launches reached the driver", mode, *launches);
+        CHECK(fake_fired() == (on_one ? 2 : 0), "%s: %ld faults fired", mode, fake_fired());
     } else if (strcmp(mode, "fail-module-load=0") == 0) {
         CHECK(load(&m, "x") == 0, "fail-module-load=0 on device 1 should pass");
         CHECK(fake_fired() == 0, "fail-module-load=0: %ld faults fired", fake_fired());
