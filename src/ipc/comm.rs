@@ -749,8 +749,10 @@ impl Comm {
         // bytes from the lane's offset (one `layout` on every rank); the
         // counters hold ONESHOT_MAX_BLOCKS words of this rank. Every rank
         // runs the lane's grid on each call of the lane (the callers' contract,
-        // checked per call with `check_calls`), and each rank has its own
-        // device, so every rank's blocks can be resident at once.
+        // checked per call with `check_calls`). Each rank has its own device,
+        // or (`share_devices`) shares one with ranks of other processes, whose
+        // contexts the driver time-slices: every rank's kernel gets to run,
+        // and a barrier that waits too long gives up (the control block).
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         if op == ReduceOp::Avg && self.size > 1 {
             let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
