@@ -12,25 +12,33 @@ mod common;
 
 use common::num::Num;
 use common::procs::{all_succeeded, child, rank, spawn};
-use cuda_peer::cudarc::driver::CudaStream;
+use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
 use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, world::Engine, Bootstrap, CommOptions, NcclComm, WorldComm};
-use cuda_peer::{Error, ReduceOp};
+use cuda_peer::{Element, Error, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const SEED: &str = "CUDA_PEER_TEST_SEED";
 
-/// The environment of a simulated host: its own identity, NCCL on sockets.
-fn host_env(r: usize, seed: u64) -> Vec<(&'static str, String)> {
+/// The environment of rank r on simulated hosts of `per_host` ranks each:
+/// its host's identity and its place there, NCCL on sockets.
+fn hosts_env(r: usize, per_host: usize, seed: u64) -> Vec<(&'static str, String)> {
     vec![
-        ("CUDA_PEER_HOST_ID", format!("simulated-host-{r}")),
+        ("CUDA_PEER_HOST_ID", format!("simulated-host-{}", r / per_host)),
+        ("LOCAL_RANK", (r % per_host).to_string()),
+        ("LOCAL_WORLD_SIZE", per_host.to_string()),
         ("NCCL_P2P_DISABLE", "1".into()),
         ("NCCL_SHM_DISABLE", "1".into()),
         ("NCCL_NVLS_ENABLE", "0".into()),
         ("NCCL_SOCKET_IFNAME", "lo".into()),
         (SEED, seed.to_string()),
     ]
+}
+
+/// One simulated host per rank.
+fn host_env(r: usize, seed: u64) -> Vec<(&'static str, String)> {
+    hosts_env(r, 1, seed)
 }
 
 /// Two GPUs and an NCCL library, or `None` after saying why the test skips.
@@ -62,6 +70,47 @@ fn open() -> NcclComm {
     NcclComm::new(&rv, rank(), Duration::from_secs(20)).unwrap()
 }
 
+/// A child's `WorldComm` on simulated hosts of `per_host` ranks: the
+/// ranks' devices alternate so that no host, and no NCCL group across
+/// hosts, has one GPU twice (device = (local rank + host) mod 2).
+fn open_world(per_host: usize) -> WorldComm {
+    let r = rank();
+    let device = (r % per_host + r / per_host) % 2;
+    let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
+    let opts = CommOptions::default().timeout(Duration::from_secs(60)).barrier_timeout(Duration::from_secs(20));
+    WorldComm::new(Box::new(rv), device, &opts).unwrap()
+}
+
+/// The collectives the checks call, on `NcclComm` and on `WorldComm`.
+trait Coll {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    fn stream(&self) -> &Arc<CudaStream>;
+    fn synchronize(&self) -> cuda_peer::Result<()>;
+    fn all_reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()>;
+    fn all_reduce_in_place<T: Element>(&self, b: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()>;
+    fn reduce_scatter<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()>;
+    fn all_gather<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>) -> cuda_peer::Result<()>;
+    fn broadcast<T: Element>(&self, b: &mut CudaSlice<T>, root: usize) -> cuda_peer::Result<()>;
+    fn reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, root: usize, op: ReduceOp) -> cuda_peer::Result<()>;
+}
+
+macro_rules! coll {
+    ($($t:ty),*) => {$(impl Coll for $t {
+        fn rank(&self) -> usize { <$t>::rank(self) }
+        fn size(&self) -> usize { <$t>::size(self) }
+        fn stream(&self) -> &Arc<CudaStream> { <$t>::stream(self) }
+        fn synchronize(&self) -> cuda_peer::Result<()> { <$t>::synchronize(self) }
+        fn all_reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::all_reduce(self, s, r, op) }
+        fn all_reduce_in_place<T: Element>(&self, b: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::all_reduce_in_place(self, b, op) }
+        fn reduce_scatter<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::reduce_scatter(self, s, r, op) }
+        fn all_gather<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>) -> cuda_peer::Result<()> { <$t>::all_gather(self, s, r) }
+        fn broadcast<T: Element>(&self, b: &mut CudaSlice<T>, root: usize) -> cuda_peer::Result<()> { <$t>::broadcast(self, b, root) }
+        fn reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, root: usize, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::reduce(self, s, r, root, op) }
+    })*};
+}
+coll!(NcclComm, WorldComm);
+
 /// Every rank's input for call `call`.
 fn inputs<T: Num>(call: u64, n: usize, count: usize) -> Vec<Vec<T>> {
     (0..n).map(|r| seeded(seed() * 1000 + call * 16 + r as u64, count).into_iter().map(|x| T::from_f64((x % 5 + 1) as f64)).collect()).collect()
@@ -91,7 +140,7 @@ fn assert_close<T: Num>(what: &str, got: &[T], want: &[f64]) {
 }
 
 /// Every collective on `T` with `op`, at an odd count; returns the next call number.
-fn check_all<T: Num>(comm: &NcclComm, op: ReduceOp, mut call: u64) -> u64 {
+fn check_all<C: Coll, T: Num>(comm: &C, op: ReduceOp, mut call: u64) -> u64 {
     let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
     let count = 4099;
     // all-reduce, out of place and in place
@@ -137,7 +186,7 @@ fn check_all<T: Num>(comm: &NcclComm, op: ReduceOp, mut call: u64) -> u64 {
 }
 
 /// The order-free collectives on `T`.
-fn check_moves<T: Num>(comm: &NcclComm, mut call: u64) -> u64 {
+fn check_moves<C: Coll, T: Num>(comm: &C, mut call: u64) -> u64 {
     let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
     let count = 3001;
     call += 1;
@@ -158,23 +207,22 @@ fn check_moves<T: Num>(comm: &NcclComm, mut call: u64) -> u64 {
     call
 }
 
-fn every_collective_child() {
-    let comm = open();
+fn every_collective<C: Coll>(comm: &C) {
     let mut call = 0;
-    call = check_all::<f32>(&comm, ReduceOp::Sum, call);
-    call = check_all::<f32>(&comm, ReduceOp::Avg, call);
-    call = check_all::<bf16>(&comm, ReduceOp::Max, call);
-    call = check_all::<f16>(&comm, ReduceOp::Sum, call);
-    call = check_all::<f64>(&comm, ReduceOp::Prod, call);
-    call = check_all::<i32>(&comm, ReduceOp::Min, call);
-    call = check_all::<u8>(&comm, ReduceOp::Sum, call);
-    call = check_all::<i64>(&comm, ReduceOp::Prod, call);
-    call = check_all::<u64>(&comm, ReduceOp::Max, call);
-    call = check_all::<i8>(&comm, ReduceOp::Sum, call);
-    call = check_all::<u32>(&comm, ReduceOp::Min, call);
-    call = check_moves::<u8>(&comm, call);
-    call = check_moves::<f64>(&comm, call);
-    let _ = check_moves::<bf16>(&comm, call);
+    call = check_all::<C, f32>(comm, ReduceOp::Sum, call);
+    call = check_all::<C, f32>(comm, ReduceOp::Avg, call);
+    call = check_all::<C, bf16>(comm, ReduceOp::Max, call);
+    call = check_all::<C, f16>(comm, ReduceOp::Sum, call);
+    call = check_all::<C, f64>(comm, ReduceOp::Prod, call);
+    call = check_all::<C, i32>(comm, ReduceOp::Min, call);
+    call = check_all::<C, u8>(comm, ReduceOp::Sum, call);
+    call = check_all::<C, i64>(comm, ReduceOp::Prod, call);
+    call = check_all::<C, u64>(comm, ReduceOp::Max, call);
+    call = check_all::<C, i8>(comm, ReduceOp::Sum, call);
+    call = check_all::<C, u32>(comm, ReduceOp::Min, call);
+    call = check_moves::<C, u8>(comm, call);
+    call = check_moves::<C, f64>(comm, call);
+    let _ = check_moves::<C, bf16>(comm, call);
     // Bad input is a typed error, not a panic or a call NCCL would hang on.
     let s = comm.stream().clone();
     let (a, mut b) = (s.alloc_zeros::<f32>(8).unwrap(), s.alloc_zeros::<f32>(9).unwrap());
@@ -183,6 +231,11 @@ fn every_collective_child() {
     let mut i = s.alloc_zeros::<i32>(4).unwrap();
     assert!(matches!(comm.all_reduce_in_place(&mut i, ReduceOp::Avg), Err(Error::UnsupportedOp { .. })));
     comm.synchronize().unwrap();
+}
+
+fn every_collective_child() {
+    let comm = open();
+    every_collective(&comm);
     println!("rank {}: every collective right between simulated hosts", comm.rank());
 }
 
@@ -268,4 +321,25 @@ fn world_comm_picks_nccl_across_hosts_and_cuda_peer_within_one() {
     let seed: u64 = rand::random::<u32>() as u64;
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, seed)));
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |_| vec![(SEED, seed.to_string())]));
+}
+
+/// Two simulated hosts of two ranks each (4 processes on the 2 GPUs):
+/// `WorldComm` takes two tiers (cuda-peer inside each host, NCCL across),
+/// and every collective is exact against the CPU, at counts that leave a
+/// remainder after the split between a host's ranks.
+#[test]
+fn two_simulated_hosts_of_two_ranks_run_every_collective_in_two_tiers() {
+    if child() {
+        let comm = open_world(2);
+        assert!(matches!(comm.engine(), Engine::Tiered(_)), "rank {}: engine {:?}", rank(), comm.engine());
+        every_collective(&comm);
+        println!("rank {}: every collective right in two tiers ({:?})", comm.rank(), comm.engine());
+        return;
+    }
+    let name = "two_simulated_hosts_of_two_ranks_run_every_collective_in_two_tiers";
+    if !ready(name) {
+        return;
+    }
+    let seed: u64 = rand::random::<u32>() as u64;
+    all_succeeded(name, &spawn(name, 4, Duration::from_secs(300), |r| hosts_env(r, 2, seed)));
 }

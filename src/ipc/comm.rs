@@ -690,6 +690,17 @@ impl Comm {
         launched.and(read.finish()).and(write.finish())
     }
 
+    /// The all-reduce on pointers already ordered on this communicator's
+    /// stream (`src` and `dst`: `count` elements, the same or disjoint),
+    /// for the collectives built on this one ([`super::tiered`]).
+    pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        if count == 0 {
+            return Ok(());
+        }
+        self.launch::<T>(op, src, dst, count)
+    }
+
     /// Takes the call lock and, with [`CommOptions::check_calls`], checks
     /// that every rank makes the same call (see [`CallBoard::agree`]). A
     /// mismatch leaves the communicator usable; a peer that does not make

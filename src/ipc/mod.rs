@@ -16,8 +16,9 @@
 //!   reduce-scatter, all-gather, broadcast and reduce.
 //! * [`nccl`]: the collectives between hosts, on NCCL loaded at run time
 //!   ([`NcclComm`]); [`spans_hosts`] says whether a job needs it.
-//! * [`WorldComm`]: one API over both, picked at bootstrap (one host:
-//!   [`Comm`]; several: [`NcclComm`]).
+//! * [`WorldComm`]: one API over them, picked at bootstrap (one host:
+//!   [`Comm`]; several: [`tiered::Tiered`], cuda-peer inside each host and
+//!   NCCL across, or [`NcclComm`] alone).
 //!
 //! The `cuda-peer-run` launcher (the `run/` crate of the workspace) starts
 //! a program as N processes with torchrun's variables set.
@@ -36,6 +37,7 @@ pub mod comm;
 pub mod fdpass;
 pub mod nccl;
 pub(crate) mod shm;
+pub mod tiered;
 pub mod vmm;
 pub mod world;
 

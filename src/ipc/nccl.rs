@@ -149,27 +149,15 @@ impl NcclComm {
             return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
         }
         // Rank 0's id, or every rank's reason to stop, in one all-gather.
-        let mine: Result<(Option<sys::NcclUniqueId>, &'static NcclApi)> = (|| {
-            let api = sys::nccl()?;
-            if rank != 0 {
-                return Ok((None, api));
-            }
-            let mut id = sys::NcclUniqueId { internal: [0; 128] };
-            // SAFETY: writes the 128-byte id.
-            check(api, "ncclGetUniqueId", unsafe { (api.ncclGetUniqueId)(&mut id) })?;
-            Ok((Some(id), api))
-        })();
+        let mine: Result<Option<[u8; 128]>> =
+            if rank == 0 { NcclComm::unique_id().map(Some) } else { sys::nccl().map(|_| None).map_err(Error::from) };
         let blob = match &mine {
-            Ok((Some(id), _)) => {
-                let mut b = vec![b'+'];
-                b.extend(id.internal.iter().map(|&c| c as u8));
-                b
-            }
-            Ok((None, _)) => vec![b'+'],
+            Ok(Some(id)) => [&[b'+'][..], &id[..]].concat(),
+            Ok(None) => vec![b'+'],
             Err(e) => format!("-{e}").into_bytes(),
         };
         let all = exchange.all_gather(&blob)?;
-        let api = mine?.1;
+        mine?;
         if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.first() != Some(&b'+')) {
             return Err(Error::Bootstrap {
                 op: "NCCL communicator",
@@ -180,18 +168,35 @@ impl NcclComm {
             op: "NCCL communicator",
             reason: format!("rank 0 sent a {}-byte id, not 128", all[0].len().saturating_sub(1)),
         })?;
-        let mut id = sys::NcclUniqueId { internal: [0; 128] };
-        for (d, s) in id.internal.iter_mut().zip(id_bytes) {
-            *d = *s as std::os::raw::c_char;
-        }
-
+        let id: [u8; 128] = id_bytes.try_into().map_err(|_| Error::Internal("an NCCL id of the wrong length".into()))?;
         let ctx = crate::driver::context(device)?;
         let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+        NcclComm::with_stream(&id, rank, size, stream, timeout)
+    }
+
+    /// A new NCCL unique id (the bytes every rank of a communicator passes
+    /// to [`Self::with_stream`]; one rank makes it, the others receive it).
+    pub(crate) fn unique_id() -> Result<[u8; 128]> {
+        let api = sys::nccl()?;
+        let mut id = sys::NcclUniqueId { internal: [0; 128] };
+        // SAFETY: writes the 128-byte id.
+        check(api, "ncclGetUniqueId", unsafe { (api.ncclGetUniqueId)(&mut id) })?;
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    /// Joins the communicator of `size` ranks named by `id` as `rank`,
+    /// enqueueing on `stream` (which may be another communicator's: the
+    /// tiered collectives run both on one stream). Blocks until every rank
+    /// has joined.
+    pub(crate) fn with_stream(id: &[u8; 128], rank: usize, size: usize, stream: Arc<CudaStream>, timeout: Duration) -> Result<NcclComm> {
+        let api = sys::nccl()?;
+        let nid = sys::NcclUniqueId { internal: id.map(|b| b as std::os::raw::c_char) };
+        let ctx = stream.context().clone();
         crate::driver::bind(&ctx)?;
         let mut comm: sys::NcclComm = std::ptr::null_mut();
-        // SAFETY: the id is rank 0's, every rank passes the same size and
-        // its own rank; the device's context is current on this thread.
-        check(api, "ncclCommInitRank", unsafe { (api.ncclCommInitRank)(&mut comm, size as i32, id, rank as i32) })?;
+        // SAFETY: every rank passes the same id and size and its own rank;
+        // the stream's context is current on this thread.
+        check(api, "ncclCommInitRank", unsafe { (api.ncclCommInitRank)(&mut comm, size as i32, nid, rank as i32) })?;
         Ok(NcclComm { api, rank, size, ctx, stream, order: Orderer::default(), timeout, handle: Mutex::new(Handle { comm, failed: None }) })
     }
 
@@ -379,6 +384,32 @@ impl NcclComm {
         let r = self
             .enqueue("ncclReduce", |api, comm, s| unsafe { (api.ncclReduce)(src as *const _, dst as *mut _, count, dt, nop, root as i32, comm, s) });
         r.and(read.finish()).and(write.finish())
+    }
+
+    /// The all-reduce on pointers already ordered on this communicator's
+    /// stream (`count` elements of `dtype` each; the same or disjoint).
+    pub(crate) fn all_reduce_ptrs(&self, dtype: DType, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
+        let (dt, nop) = (nccl_dtype(dtype), nccl_op(op));
+        // SAFETY: the caller's contract: both pointers hold `count` elements
+        // of `dtype` on this device and are ordered on this stream.
+        self.enqueue("ncclAllReduce", |api, comm, s| unsafe { (api.ncclAllReduce)(src as *const _, dst as *mut _, count, dt, nop, comm, s) })
+    }
+
+    /// The all-gather on pointers already ordered on this communicator's
+    /// stream (`src`: c elements, `dst`: `size() * c`; `src` may be
+    /// `dst`'s block `rank()`, NCCL's in-place form).
+    pub(crate) fn all_gather_ptrs(&self, dtype: DType, src: u64, dst: u64, c: usize) -> Result<()> {
+        let dt = nccl_dtype(dtype);
+        // SAFETY: the caller's contract (sizes, device, order).
+        self.enqueue("ncclAllGather", |api, comm, s| unsafe { (api.ncclAllGather)(src as *const _, dst as *mut _, c, dt, comm, s) })
+    }
+
+    /// The broadcast in place on a pointer already ordered on this
+    /// communicator's stream (`root` < `size()`).
+    pub(crate) fn broadcast_ptrs(&self, dtype: DType, ptr: u64, count: usize, root: usize) -> Result<()> {
+        let dt = nccl_dtype(dtype);
+        // SAFETY: the caller's contract (size, device, order); in place.
+        self.enqueue("ncclBroadcast", |api, comm, s| unsafe { (api.ncclBroadcast)(ptr as *const _, ptr as *mut _, count, dt, root as i32, comm, s) })
     }
 
     fn check_root(&self, root: usize) -> Result<()> {

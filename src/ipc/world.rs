@@ -1,11 +1,14 @@
 //! One API for a job of processes, wherever its ranks run: [`WorldComm`]
-//! runs cuda-peer's own paths ([`Comm`]) when every rank is on one host,
-//! and NCCL ([`NcclComm`]) when the ranks span hosts, decided at bootstrap
-//! from the ranks' host identities ([`super::spans_hosts`]).
+//! runs cuda-peer's own paths ([`Comm`]) when every rank is on one host;
+//! when the ranks span hosts, two tiers ([`Tiered`]: cuda-peer inside each
+//! host, NCCL across) where the hosts run equal, contiguous groups of at
+//! least two ranks, else NCCL for every rank ([`NcclComm`]). Decided at
+//! bootstrap from the ranks' host identities ([`super::host_identity`]).
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::comm::{Comm, CommOptions};
 use super::nccl::NcclComm;
+use super::tiered::{self, Tiered};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::Result;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
@@ -18,6 +21,8 @@ pub enum Engine {
     Host(crate::copy::Path),
     /// NCCL between hosts ([`NcclComm`]).
     Nccl,
+    /// cuda-peer inside each host (on this path), NCCL across hosts ([`Tiered`]).
+    Tiered(crate::copy::Path),
 }
 
 /// The communicator of a job of processes, one rank per process: the
@@ -29,6 +34,8 @@ pub enum WorldComm {
     /// Ranks on several hosts, and the exchange they met through (kept for
     /// [`WorldComm::exchange`]).
     Hosts(Box<NcclComm>, Box<dyn Exchange>),
+    /// Ranks on several hosts, in two tiers.
+    Tiered(Box<Tiered>),
 }
 
 impl std::fmt::Debug for WorldComm {
@@ -36,6 +43,7 @@ impl std::fmt::Debug for WorldComm {
         match self {
             WorldComm::Host(c) => f.debug_tuple("Host").field(c).finish(),
             WorldComm::Hosts(c, _) => f.debug_tuple("Hosts").field(c).finish(),
+            WorldComm::Tiered(c) => f.debug_tuple("Tiered").field(c).finish(),
         }
     }
 }
@@ -46,6 +54,7 @@ macro_rules! either {
         match $self {
             WorldComm::Host($c) => $body,
             WorldComm::Hosts($c, _) => $body,
+            WorldComm::Tiered($c) => $body,
         }
     };
 }
@@ -62,16 +71,21 @@ impl WorldComm {
     }
 
     /// Creates the communicator of the ranks of `exchange`, this one on
-    /// `device`: [`Comm::new`] when they share a host, [`NcclComm::new`]
-    /// (with [`CommOptions::barrier_timeout`] bounding its waits) when they
-    /// do not. Every rank must call it at the same time.
+    /// `device`: [`Comm::new`] when they share a host; across hosts,
+    /// [`Tiered`] where the hosts run equal, contiguous groups of two or
+    /// more ranks, else [`NcclComm::new`] (its waits bounded by
+    /// [`CommOptions::barrier_timeout`]). Every rank must call it at the
+    /// same time.
     pub fn new(exchange: Box<dyn Exchange>, device: usize, opts: &CommOptions) -> Result<WorldComm> {
-        if super::spans_hosts(&*exchange)? {
-            let comm = NcclComm::new(&*exchange, device, opts.barrier_timeout)?;
-            Ok(WorldComm::Hosts(Box::new(comm), exchange))
-        } else {
-            Ok(WorldComm::Host(Box::new(Comm::new(exchange, device, opts)?)))
+        let hosts = exchange.all_gather(super::host_identity().as_bytes())?;
+        if hosts.iter().all(|h| *h == hosts[0]) {
+            return Ok(WorldComm::Host(Box::new(Comm::new(exchange, device, opts)?)));
         }
+        if let Some(layout) = tiered::layout(&hosts) {
+            return Ok(WorldComm::Tiered(Box::new(Tiered::new(exchange, layout, device, opts)?)));
+        }
+        let comm = NcclComm::new(&*exchange, device, opts.barrier_timeout)?;
+        Ok(WorldComm::Hosts(Box::new(comm), exchange))
     }
 
     /// What carries the collectives.
@@ -79,6 +93,7 @@ impl WorldComm {
         match self {
             WorldComm::Host(c) => Engine::Host(c.path()),
             WorldComm::Hosts(..) => Engine::Nccl,
+            WorldComm::Tiered(t) => Engine::Tiered(t.local_path()),
         }
     }
 
@@ -98,6 +113,7 @@ impl WorldComm {
         match self {
             WorldComm::Host(c) => c.exchange(),
             WorldComm::Hosts(_, ex) => &**ex,
+            WorldComm::Tiered(t) => t.exchange(),
         }
     }
 

@@ -21,7 +21,7 @@ impl Comm {
         op.check(T::DTYPE)?;
         crate::copy::check_context("reduce_scatter", "send", &self.ctx, send.stream().context())?;
         crate::copy::check_context("reduce_scatter", "recv", &self.ctx, recv.stream().context())?;
-        let (n, c, esz) = (self.size, recv.len(), T::DTYPE.size());
+        let (n, c) = (self.size, recv.len());
         let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("reduce_scatter: count overflows".into()))?;
         if send.len() != total {
             return Err(Error::LengthMismatch { op: "reduce_scatter", expected: total, got: send.len() });
@@ -32,8 +32,25 @@ impl Comm {
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
+        let r = self.reduce_scatter_body::<T>(op, src, dst, c);
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// [`Self::reduce_scatter`] on pointers already ordered on this
+    /// communicator's stream (`src`: `size() * c` elements, `dst`: c), for
+    /// the collectives built on this one ([`super::super::tiered`]).
+    pub(crate) fn reduce_scatter_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, c: usize) -> Result<()> {
+        let _call = self.enter(desc(Kind::ReduceScatter, T::DTYPE, Some(op), c, None))?;
+        if c == 0 {
+            return Ok(());
+        }
+        self.reduce_scatter_body::<T>(op, src, dst, c)
+    }
+
+    fn reduce_scatter_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, c: usize) -> Result<()> {
+        let (n, esz) = (self.size, T::DTYPE.size());
         let me = self.rank;
-        let r = self.guarded(|| {
+        self.guarded(|| {
             if n == 1 {
                 return self.copy(dst, src, c * esz);
             }
@@ -55,8 +72,7 @@ impl Comm {
                 },
             )?;
             self.average::<T>(op, dst, c)
-        });
-        r.and(read.finish()).and(write.finish())
+        })
     }
 
     /// All-gather: `send` holds c elements on every rank; `recv`
@@ -66,7 +82,7 @@ impl Comm {
     pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         crate::copy::check_context("all_gather", "send", &self.ctx, send.stream().context())?;
         crate::copy::check_context("all_gather", "recv", &self.ctx, recv.stream().context())?;
-        let (n, c, esz) = (self.size, send.len(), T::DTYPE.size());
+        let (n, c) = (self.size, send.len());
         let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
         if recv.len() != total {
             return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
@@ -77,8 +93,24 @@ impl Comm {
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
+        let r = self.all_gather_body::<T>(src, dst, c);
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// [`Self::all_gather`] on pointers already ordered on this
+    /// communicator's stream (`src`: c elements, `dst`: `size() * c`).
+    pub(crate) fn all_gather_ptrs<T: Element>(&self, src: u64, dst: u64, c: usize) -> Result<()> {
+        let _call = self.enter(desc(Kind::AllGather, T::DTYPE, None, c, None))?;
+        if c == 0 {
+            return Ok(());
+        }
+        self.all_gather_body::<T>(src, dst, c)
+    }
+
+    fn all_gather_body<T: Element>(&self, src: u64, dst: u64, c: usize) -> Result<()> {
+        let (n, esz) = (self.size, T::DTYPE.size());
         let me = self.rank;
-        let r = self.guarded(|| {
+        self.guarded(|| {
             self.copy(dst + ((me * c) * esz) as u64, src, c * esz)?;
             if n == 1 {
                 return Ok(());
@@ -94,8 +126,7 @@ impl Comm {
                     Ok(())
                 },
             )
-        });
-        r.and(read.finish()).and(write.finish())
+        })
     }
 
     /// Broadcast in place: every rank's `buf` becomes a copy of `root`'s.
@@ -103,7 +134,7 @@ impl Comm {
     /// and root); see [`Self::reduce_scatter`].
     pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
-        let (n, count, esz) = (self.size, buf.len(), T::DTYPE.size());
+        let (n, count) = (self.size, buf.len());
         if root >= n {
             return Err(Error::RootOutOfRange { root, size: n });
         }
@@ -112,16 +143,30 @@ impl Comm {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
-        let me = self.rank;
-        let r = self.guarded(|| {
+        let r = self.broadcast_body::<T>(ptr, count, root);
+        r.and(held.finish())
+    }
+
+    /// [`Self::broadcast`] on a pointer already ordered on this
+    /// communicator's stream (`root` < `size()`, checked by the caller).
+    pub(crate) fn broadcast_ptrs<T: Element>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
+        let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
+        if count == 0 || self.size == 1 {
+            return Ok(());
+        }
+        self.broadcast_body::<T>(ptr, count, root)
+    }
+
+    fn broadcast_body<T: Element>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
+        let (me, esz) = (self.rank, T::DTYPE.size());
+        self.guarded(|| {
             self.staged(
                 count,
                 self.half / esz,
                 |o, len, h| if me == root { self.copy(self.data[me] + h, ptr + (o * esz) as u64, len * esz) } else { Ok(()) },
                 |o, len, h| if me == root { Ok(()) } else { self.copy(ptr + (o * esz) as u64, self.data[root] + h, len * esz) },
             )
-        });
-        r.and(held.finish())
+        })
     }
 
     /// Reduce to `root`: the root's `recv` becomes the reduction, in rank

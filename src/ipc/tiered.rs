@@ -1,0 +1,383 @@
+//! The collectives of a job whose ranks span hosts, in two tiers: inside
+//! each host by cuda-peer ([`Comm`], over peer or shared host memory),
+//! across hosts by NCCL ([`NcclComm`]), one NCCL communicator per local
+//! index (the ranks with the same place on every host).
+//!
+//! All-reduce of c elements on L ranks per host: a reduce-scatter inside
+//! the host leaves each rank c / L elements of the host's reduction; NCCL
+//! all-reduces those across hosts (each link between hosts carries 1 / L
+//! of the message); an all-gather inside the host puts the whole back
+//! together. The c mod L elements left over take an all-reduce inside the
+//! host and one across. Both tiers enqueue on one stream (the host
+//! communicator's), so each step follows the one before it.
+//!
+//! Layout: every host runs the same number of ranks, numbered
+//! contiguously (host h has ranks h·L to h·L + L − 1, as torchrun and
+//! `cuda-peer-run` number them). Where a job's hosts do not fit,
+//! [`super::WorldComm`] uses NCCL alone.
+
+use super::bootstrap::{Bootstrap, Exchange};
+use super::comm::{Comm, CommOptions};
+use super::nccl::NcclComm;
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{check, Error, Result};
+use crate::sync::Orderer;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use std::sync::{Arc, Mutex};
+
+/// `(hosts, ranks per host)` when the ranks (by their host identities, in
+/// rank order) run on at least two hosts, the same number on each, at
+/// least two per host, numbered contiguously per host; `None` otherwise.
+pub(crate) fn layout(hosts_of: &[Vec<u8>]) -> Option<(usize, usize)> {
+    let n = hosts_of.len();
+    let per = hosts_of.iter().take_while(|h| **h == hosts_of[0]).count();
+    if per < 2 || !n.is_multiple_of(per) || n / per < 2 {
+        return None;
+    }
+    let mut seen: Vec<&Vec<u8>> = Vec::new();
+    for block in hosts_of.chunks(per) {
+        if block.iter().any(|h| *h != block[0]) || seen.contains(&&block[0]) {
+            return None;
+        }
+        seen.push(&block[0]);
+    }
+    Some((n / per, per))
+}
+
+/// One all-gather of every rank's `mine` (its bytes, or why it cannot go
+/// on): every rank gets every rank's bytes, or every rank gets the same
+/// error naming the first rank that failed, so that all stay in step.
+fn gather(ex: &dyn Exchange, step: &'static str, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+    let blob = match &mine {
+        Ok(b) => [&[b'+'][..], b].concat(),
+        Err(e) => format!("-{e}").into_bytes(),
+    };
+    let all = ex.all_gather(&blob)?;
+    if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.first() != Some(&b'+')) {
+        return Err(Error::Bootstrap { op: step, reason: format!("rank {r}: {}", String::from_utf8_lossy(b.get(1..).unwrap_or(&[]))) });
+    }
+    mine?;
+    Ok(all.into_iter().map(|b| b[1..].to_vec()).collect())
+}
+
+/// A free TCP port on the loopback interface (for this host's own rendezvous).
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::Bootstrap { op: "tiered communicator: a port", reason: e.to_string() })?;
+    l.local_addr().map(|a| a.port()).map_err(|e| Error::Bootstrap { op: "tiered communicator: a port", reason: e.to_string() })
+}
+
+/// A communicator of ranks on several hosts in two tiers (see the module
+/// docs); made by [`super::WorldComm`].
+pub struct Tiered {
+    local: Comm,
+    cross: NcclComm,
+    exchange: Box<dyn Exchange>,
+    rank: usize,
+    size: usize,
+    host: usize,
+    per_host: usize,
+    order: Orderer,
+    /// Scratch on the shared stream, grown as calls need; held for a whole
+    /// call, which also keeps calls one at a time.
+    scratch: Mutex<Option<CudaSlice<u8>>>,
+}
+
+impl std::fmt::Debug for Tiered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tiered")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("host", &self.host)
+            .field("per_host", &self.per_host)
+            .finish()
+    }
+}
+
+impl Tiered {
+    /// Creates the two tiers for the ranks of `exchange` laid out as
+    /// `(hosts, per_host)` ([`layout`]), this rank on `device`. Every rank
+    /// calls it at the same time; a failure on any rank is an error on
+    /// every rank.
+    pub(crate) fn new(exchange: Box<dyn Exchange>, (hosts, per_host): (usize, usize), device: usize, opts: &CommOptions) -> Result<Tiered> {
+        let ex = &*exchange;
+        let (rank, size) = (ex.rank(), ex.size());
+        let (host, local) = (rank / per_host, rank % per_host);
+        // 1. Each host's rendezvous port, from its first rank.
+        let port = if local == 0 { free_port().map(|p| p.to_le_bytes().to_vec()) } else { Ok(Vec::new()) };
+        let ports = gather(ex, "tiered communicator: host rendezvous ports", port)?;
+        let port = ports[host * per_host]
+            .as_slice()
+            .try_into()
+            .map(u16::from_le_bytes)
+            .map_err(|_| Error::Bootstrap { op: "tiered communicator", reason: format!("host {host}'s first rank sent no port") })?;
+        // 2. Each local index's NCCL id, from its rank on the first host
+        //    (every rank loads NCCL here, so a missing library stops all).
+        let id = if host == 0 { NcclComm::unique_id().map(|id| id.to_vec()) } else { crate::ipc::nccl::nccl_version().map(|_| Vec::new()) };
+        let ids = gather(ex, "tiered communicator: NCCL ids", id)?;
+        let id: [u8; 128] = ids[local]
+            .as_slice()
+            .try_into()
+            .map_err(|_| Error::Bootstrap { op: "tiered communicator", reason: format!("rank {local} sent no NCCL id") })?;
+        // 3. This host's communicator, over its own rendezvous.
+        let made = Bootstrap::new(local, per_host, local, per_host, "127.0.0.1", port)
+            .map(|b| b.with_timeout(opts.timeout))
+            .and_then(|b| b.connect())
+            .and_then(|rv| Comm::new(Box::new(rv), device, opts));
+        gather(ex, "tiered communicator: every host's communicator", made.as_ref().map(|_| Vec::new()).map_err(Clone::clone))?;
+        let local_comm = made?;
+        // 4. The NCCL communicator of this local index, on the same stream.
+        let cross = NcclComm::with_stream(&id, host, hosts, local_comm.stream().clone(), opts.barrier_timeout)?;
+        Ok(Tiered { local: local_comm, cross, exchange, rank, size, host, per_host, order: Orderer::default(), scratch: Mutex::new(None) })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks the job has.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// This rank's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.local.context()
+    }
+
+    /// The stream both tiers enqueue on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.local.stream()
+    }
+
+    /// The exchange the ranks met through.
+    pub fn exchange(&self) -> &dyn Exchange {
+        &*self.exchange
+    }
+
+    /// Waits, bounded, for the collectives enqueued so far (both tiers).
+    pub fn synchronize(&self) -> Result<()> {
+        self.local.synchronize()?;
+        self.cross.synchronize()?;
+        self.order.synchronize()
+    }
+
+    /// Scratch of at least `bytes` on the shared stream (grown, never
+    /// under graph capture), and its address.
+    fn scratch(&self, held: &mut Option<CudaSlice<u8>>, bytes: usize) -> Result<u64> {
+        let stream = self.stream();
+        if held.as_ref().is_none_or(|s| s.len() < bytes) {
+            if crate::sync::is_capturing(stream)? {
+                return Err(Error::Capture {
+                    op: "tiered collective",
+                    reason: format!("needs {bytes} bytes of scratch, more than it has: run the call once before capturing it"),
+                });
+            }
+            *held = Some(stream.alloc_zeros::<u8>(bytes.max(256)).map_err(crate::error::cudarc_err("cuMemAllocAsync (tiered scratch)"))?);
+        }
+        let s = held.as_ref().ok_or_else(|| Error::Internal("tiered scratch missing".into()))?;
+        let (p, _guard) = s.device_ptr(stream);
+        Ok(p)
+    }
+
+    /// Copies `bytes` on the shared stream.
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 || dst == src {
+            return Ok(());
+        }
+        crate::driver::bind(self.context())?;
+        // SAFETY: both ranges hold `bytes` bytes on this device (the
+        // callers' ordered buffers or this communicator's scratch), and
+        // the copy is ordered on the stream every step runs on.
+        check("cuMemcpyDtoDAsync", unsafe { crate::driver::api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, crate::driver::raw_stream(self.stream())) })
+    }
+
+    /// The two-tier all-reduce of `count` elements, `src` to `dst` (the
+    /// same or disjoint), using `chunk` (at least `count / per_host`
+    /// elements) between the tiers.
+    fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize, chunk: u64) -> Result<()> {
+        let (l, esz) = (self.per_host, T::DTYPE.size());
+        let q = count / l;
+        if q > 0 {
+            self.local.reduce_scatter_ptrs::<T>(op, src, chunk, q)?;
+            self.cross.all_reduce_ptrs(T::DTYPE, op, chunk, chunk, q)?;
+            self.local.all_gather_ptrs::<T>(chunk, dst, q)?;
+        }
+        let main = q * l;
+        if main < count {
+            let (s, d) = (src + (main * esz) as u64, dst + (main * esz) as u64);
+            self.local.all_reduce_ptrs::<T>(op, s, d, count - main)?;
+            self.cross.all_reduce_ptrs(T::DTYPE, op, d, d, count - main)?;
+        }
+        Ok(())
+    }
+
+    fn same_context<B: DeviceSlice<U>, U>(&self, op: &'static str, what: &'static str, b: &B) -> Result<()> {
+        crate::copy::check_context(op, what, self.context(), b.stream().context())
+    }
+
+    /// In-place all-reduce (as [`Comm::all_reduce_in_place`]). `Avg` is the
+    /// average of the hosts' averages, which is every rank's average (every
+    /// host has as many ranks).
+    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.same_context("all_reduce", "buffer", buf)?;
+        let count = buf.len();
+        if count == 0 {
+            return Ok(());
+        }
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let chunk = self.scratch(&mut held, (count / self.per_host).max(1) * T::DTYPE.size())?;
+        let (ptr, guard) = self.order.write(buf, self.stream())?;
+        let r = self.all_reduce_ptrs::<T>(op, ptr, ptr, count, chunk);
+        r.and(guard.finish())
+    }
+
+    /// Out-of-place all-reduce (as [`Comm::all_reduce`]).
+    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.same_context("all_reduce", "send", send)?;
+        self.same_context("all_reduce", "recv", recv)?;
+        let count = send.len();
+        if recv.len() != count {
+            return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let chunk = self.scratch(&mut held, (count / self.per_host).max(1) * T::DTYPE.size())?;
+        let (src, read) = self.order.read(send, self.stream())?;
+        let (dst, write) = self.order.write(recv, self.stream())?;
+        let r = self.all_reduce_ptrs::<T>(op, src, dst, count, chunk);
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// Reduce-scatter (as [`Comm::reduce_scatter`]): the two-tier
+    /// all-reduce of the whole `send` into scratch, then this rank's block.
+    pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.same_context("reduce_scatter", "send", send)?;
+        self.same_context("reduce_scatter", "recv", recv)?;
+        let (c, esz) = (recv.len(), T::DTYPE.size());
+        let total = c.checked_mul(self.size).ok_or_else(|| Error::InvalidArgument("reduce_scatter: count overflows".into()))?;
+        if send.len() != total {
+            return Err(Error::LengthMismatch { op: "reduce_scatter", expected: total, got: send.len() });
+        }
+        if c == 0 {
+            return Ok(());
+        }
+        let full = total * esz;
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let base = self.scratch(&mut held, full + (total / self.per_host).max(1) * esz)?;
+        let (src, read) = self.order.read(send, self.stream())?;
+        let (dst, write) = self.order.write(recv, self.stream())?;
+        let r = self
+            .all_reduce_ptrs::<T>(op, src, base, total, base + full as u64)
+            .and_then(|()| self.copy(dst, base + (self.rank * c * esz) as u64, c * esz));
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// All-gather (as [`Comm::all_gather`]): inside the host into the
+    /// host's block of `recv`, then the hosts' blocks across hosts.
+    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        self.same_context("all_gather", "send", send)?;
+        self.same_context("all_gather", "recv", recv)?;
+        let (c, esz) = (send.len(), T::DTYPE.size());
+        let total = c.checked_mul(self.size).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
+        if recv.len() != total {
+            return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
+        }
+        if c == 0 {
+            return Ok(());
+        }
+        let _held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let (src, read) = self.order.read(send, self.stream())?;
+        let (dst, write) = self.order.write(recv, self.stream())?;
+        let block = self.per_host * c;
+        let mine = dst + (self.host * block * esz) as u64;
+        let r = self.local.all_gather_ptrs::<T>(src, mine, c).and_then(|()| self.cross.all_gather_ptrs(T::DTYPE, mine, dst, block));
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// Broadcast in place (as [`Comm::broadcast`]): across hosts among the
+    /// ranks with the root's local index, then inside every host.
+    pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+        self.same_context("broadcast", "buffer", buf)?;
+        if root >= self.size {
+            return Err(Error::RootOutOfRange { root, size: self.size });
+        }
+        let count = buf.len();
+        if count == 0 {
+            return Ok(());
+        }
+        let _held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let (root_host, root_local) = (root / self.per_host, root % self.per_host);
+        let (ptr, guard) = self.order.write(buf, self.stream())?;
+        let across = if self.rank % self.per_host == root_local { self.cross.broadcast_ptrs(T::DTYPE, ptr, count, root_host) } else { Ok(()) };
+        let r = across.and_then(|()| self.local.broadcast_ptrs::<T>(ptr, count, root_local));
+        r.and(guard.finish())
+    }
+
+    /// Reduce to `root` (as [`Comm::reduce`]): the two-tier all-reduce into
+    /// scratch, which the root copies into its `recv`.
+    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, root: usize, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.same_context("reduce", "send", send)?;
+        self.same_context("reduce", "recv", recv)?;
+        if root >= self.size {
+            return Err(Error::RootOutOfRange { root, size: self.size });
+        }
+        let (count, esz) = (send.len(), T::DTYPE.size());
+        if recv.len() != count {
+            return Err(Error::LengthMismatch { op: "reduce", expected: count, got: recv.len() });
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let full = count * esz;
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let base = self.scratch(&mut held, full + (count / self.per_host).max(1) * esz)?;
+        let (src, read) = self.order.read(send, self.stream())?;
+        let (dst, write) = self.order.write(recv, self.stream())?;
+        let mut r = self.all_reduce_ptrs::<T>(op, src, base, count, base + full as u64);
+        if self.rank == root {
+            r = r.and_then(|()| self.copy(dst, base, full));
+        }
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// The path inside this host ([`Comm::path`]).
+    pub fn local_path(&self) -> crate::copy::Path {
+        self.local.path()
+    }
+
+    /// How many ranks each host runs.
+    pub fn per_host(&self) -> usize {
+        self.per_host
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(hosts: &[&str]) -> Vec<Vec<u8>> {
+        hosts.iter().map(|h| h.as_bytes().to_vec()).collect()
+    }
+
+    #[test]
+    fn layouts_that_take_two_tiers() {
+        assert_eq!(layout(&ids(&["a", "a", "b", "b"])), Some((2, 2)));
+        assert_eq!(layout(&ids(&["a", "a", "a", "b", "b", "b", "c", "c", "c"])), Some((3, 3)));
+        // One rank per host: NCCL alone; one host: no NCCL.
+        assert_eq!(layout(&ids(&["a", "b"])), None);
+        assert_eq!(layout(&ids(&["a", "a"])), None);
+        // Unequal hosts, interleaved ranks, a host twice: NCCL alone.
+        assert_eq!(layout(&ids(&["a", "a", "b"])), None);
+        assert_eq!(layout(&ids(&["a", "a", "b", "b", "b", "b"])), None);
+        assert_eq!(layout(&ids(&["a", "b", "a", "b"])), None);
+        assert_eq!(layout(&ids(&["a", "a", "b", "b", "a", "a"])), None);
+        assert_eq!(layout(&[]), None);
+    }
+}
