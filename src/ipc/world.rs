@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 /// What carries a [`WorldComm`]'s collectives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Engine {
     /// cuda-peer between the processes of one host ([`Comm`]), on this path.
     Host(crate::copy::Path),
@@ -28,6 +29,7 @@ pub enum Engine {
 /// The communicator of a job of processes, one rank per process: the
 /// collectives of [`Comm`] with the same signatures, on cuda-peer's paths
 /// within one host and on NCCL across hosts (see the module docs).
+#[non_exhaustive]
 pub enum WorldComm {
     /// Every rank on this host.
     Host(Box<Comm>),
