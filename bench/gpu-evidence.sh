@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU evidence the open issues ask for, in phases, for a device call
+# with a staged bundle (../shared/gpu/bundle; carry .gpu.tgz and unpack
+# first). Each phase writes under $OUT/<phase>/ and prints one summary
+# line; everything is packed into $OUT/evidence.tgz at the end (the device
+# returns only a few files).
+#
+#   tar xzf .gpu.tgz && bash bench/gpu-evidence.sh tests alone fault soak sanitizer mp
+#   OLD=/path/to/old/cuda-peer-bench bash bench/gpu-evidence.sh oldnew
+#
+# Phases (about how long each takes on 2x H200):
+#   tests      every test binary, sharded (bench/gpu-tests-parallel.sh), ~3 min
+#   alone      raw and copy tests alone (their memory and timing checks), ~1 min
+#   fault      tests/fakecuda/run.sh: every lying-driver mode and the doctor under it, ~3-5 min
+#   soak       10,000 randomized collectives (examples/soak), ~2 min
+#   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh), ~3 min
+#   mp         cuda-peer-bench mp-allreduce under cuda-peer-run -n 2, ~3 min
+#   oldnew     bench/oldnew.sh $OLD against .gpu/bin/cuda-peer-bench, ~2 min
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:?set OUT (the device sets it)}"
+export NCCL_NVLS_ENABLE=0 CUDA_PEER_NO_DOCTOR_CACHE=1
+status=0
+line() { echo "$*" | tee -a "$OUT/evidence-summary.txt"; }
+phase() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  mkdir -p "$OUT/$name"
+  local start=$SECONDS
+  OUT="$OUT/$name" timeout -k 10 "$limit" "$@" > "$OUT/$name/output.txt" 2>&1
+  local rc=$?
+  line "$name: rc=$rc in $((SECONDS - start)) s ($(date -u +%T))"
+  [ "$rc" -eq 0 ] || status=1
+}
+line "gpu-evidence: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), $(date -u +%FT%TZ)"
+for p in "$@"; do
+  case "$p" in
+    tests) SHARDS=8 SHARD_TIMEOUT=200 phase tests 260 bash bench/gpu-tests-parallel.sh ;;
+    alone) CUDA_PEER_REQUIRE_GPU=1 phase alone 200 bash -c 'for t in .gpu/tests/main-raw-test .gpu/tests/main-copy-test; do echo "== $t"; "$t" --test-threads=1 || exit 1; done' ;;
+    fault) FAKECUDA_TIMEOUT=70 phase fault 420 tests/fakecuda/run.sh ;;
+    soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
+    sanitizer) SANITIZER_TIMEOUT=50 phase sanitizer 400 tests/sanitizer.sh ;;
+    mp) phase mp 300 .gpu/bin/cuda-peer-run -n 2 -- .gpu/bin/cuda-peer-bench mp-allreduce --machine h200x2 --out "$OUT/mp" ;;
+    oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:?set OLD to the old cuda-peer-bench}" .gpu/bin/cuda-peer-bench 2 ;;
+    *) line "unknown phase $p"; status=1 ;;
+  esac
+done
+(cd "$OUT" && tar czf evidence.tgz --exclude=evidence.tgz ./* && find . -mindepth 1 -maxdepth 1 ! -name evidence.tgz ! -name evidence-summary.txt -exec rm -rf {} +)
+cat "$OUT/evidence-summary.txt"
+exit $status
