@@ -69,8 +69,11 @@ fn free_port() -> Result<u16> {
 /// A communicator of ranks on several hosts in two tiers (see the module
 /// docs); made by [`super::WorldComm`].
 pub struct Tiered {
-    local: Comm,
+    // Dropped first: a bounded wait for the shared stream, then the NCCL
+    // communicator aborted, so that NCCL work stuck on a dead host cannot
+    // hold up the host communicator's own wait on the stream.
     cross: NcclComm,
+    local: Comm,
     exchange: Box<dyn Exchange>,
     rank: usize,
     size: usize,
@@ -127,7 +130,7 @@ impl Tiered {
         let local_comm = made?;
         // 4. The NCCL communicator of this local index, on the same stream.
         let cross = NcclComm::with_stream(&id, host, hosts, local_comm.stream().clone(), opts.barrier_timeout)?;
-        Ok(Tiered { local: local_comm, cross, exchange, rank, size, host, per_host, order: Orderer::default(), scratch: Mutex::new(None) })
+        Ok(Tiered { cross, local: local_comm, exchange, rank, size, host, per_host, order: Orderer::default(), scratch: Mutex::new(None) })
     }
 
     /// This process's rank.
