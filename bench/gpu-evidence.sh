@@ -5,6 +5,7 @@
 # line; everything is packed into $OUT/evidence.tgz at the end (the device
 # returns only a few files).
 #
+#   BUNDLE_PACK=1 ../shared/gpu/bundle && bench/pack-gpu.sh     (here; then carry .gpu.tgz)
 #   tar xzf .gpu.tgz && bash bench/gpu-evidence.sh tests alone fault soak sanitizer mp
 #   OLD=/path/to/old/cuda-peer-bench bash bench/gpu-evidence.sh oldnew
 #
