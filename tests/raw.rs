@@ -62,31 +62,22 @@ trait Elem: Copy + PartialEq + std::fmt::Debug + bytemuck::Pod {
     fn close(got: Self, want: Self, n: usize) -> bool;
 }
 
-impl Elem for u32 {
-    const DTYPE: DType = DType::U32;
-    fn random(rng: &mut impl Rng) -> Self {
-        rng.random()
-    }
-    fn sum(a: Self, b: Self) -> Self {
-        a.wrapping_add(b)
-    }
-    fn close(got: Self, want: Self, _: usize) -> bool {
-        got == want
-    }
+/// Integers: uniform random, wrapping sums, compared exactly.
+macro_rules! int_elem {
+    ($($t:ty => $d:ident),*) => {$(impl Elem for $t {
+        const DTYPE: DType = DType::$d;
+        fn random(rng: &mut impl Rng) -> Self {
+            rng.random()
+        }
+        fn sum(a: Self, b: Self) -> Self {
+            a.wrapping_add(b)
+        }
+        fn close(got: Self, want: Self, _: usize) -> bool {
+            got == want
+        }
+    })*};
 }
-
-impl Elem for i64 {
-    const DTYPE: DType = DType::I64;
-    fn random(rng: &mut impl Rng) -> Self {
-        rng.random()
-    }
-    fn sum(a: Self, b: Self) -> Self {
-        a.wrapping_add(b)
-    }
-    fn close(got: Self, want: Self, _: usize) -> bool {
-        got == want
-    }
-}
+int_elem!(u32 => U32, i64 => I64);
 
 impl Elem for f32 {
     const DTYPE: DType = DType::F32;
