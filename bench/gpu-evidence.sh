@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU evidence the open issues ask for, in phases, for a device call
-# with a staged bundle (../shared/gpu/bundle; carry .gpu.tgz and unpack
-# first). Each phase writes under $OUT/<phase>/ and prints one summary
-# line; everything is packed into $OUT/evidence.tgz at the end (the device
-# returns only a few files).
+# with a staged bundle (../shared/gpu/bundle and bench/pack-gpu.sh; carry
+# .gpu.txz and unpack first). Each phase writes under $OUT/<phase>/, prints
+# one summary line, and is packed into $OUT/<phase>.tgz as soon as it ends
+# (the device returns only a few files, and a call cut short still returns
+# the phases that finished).
 #
-#   BUNDLE_PACK=1 ../shared/gpu/bundle && bench/pack-gpu.sh     (here; then carry .gpu.tgz)
-#   tar xzf .gpu.tgz && bash bench/gpu-evidence.sh tests alone fault soak sanitizer mp
-#   OLD=/path/to/old/cuda-peer-bench bash bench/gpu-evidence.sh oldnew
+#   BUNDLE_PACK=1 ../shared/gpu/bundle && OLD_BENCH=... bench/pack-gpu.sh   (here; then carry .gpu.txz)
+#   python3 -c "import tarfile; tarfile.open('.gpu.txz').extractall()" && bash bench/gpu-evidence.sh tests alone fault
+#   bash bench/gpu-evidence.sh soak sanitizer mp oldnew   (OLD defaults to .gpu/old/cuda-peer-bench)
 #
 # Phases (about how long each takes on 2x H200):
 #   tests      every test binary, sharded (bench/gpu-tests-parallel.sh), ~3 min
@@ -30,6 +31,7 @@ phase() {  # name, seconds, command...
   OUT="$OUT/$name" timeout -k 10 "$limit" "$@" > "$OUT/$name/output.txt" 2>&1
   local rc=$?
   line "$name: rc=$rc in $((SECONDS - start)) s ($(date -u +%T))"
+  (cd "$OUT" && tar czf "$name.tgz" "$name" && rm -rf "$name")
   [ "$rc" -eq 0 ] || status=1
 }
 line "gpu-evidence: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), $(date -u +%FT%TZ)"
@@ -41,10 +43,9 @@ for p in "$@"; do
     soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
     sanitizer) SANITIZER_TIMEOUT=50 phase sanitizer 400 tests/sanitizer.sh ;;
     mp) phase mp 300 .gpu/bin/cuda-peer-run -n 2 -- .gpu/bin/cuda-peer-bench mp-allreduce --machine h200x2 --out "$OUT/mp" ;;
-    oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:?set OLD to the old cuda-peer-bench}" .gpu/bin/cuda-peer-bench 2 ;;
+    oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:-.gpu/old/cuda-peer-bench}" .gpu/bin/cuda-peer-bench 2 ;;
     *) line "unknown phase $p"; status=1 ;;
   esac
 done
-(cd "$OUT" && tar czf evidence.tgz --exclude=evidence.tgz ./* && find . -mindepth 1 -maxdepth 1 ! -name evidence.tgz ! -name evidence-summary.txt -exec rm -rf {} +)
 cat "$OUT/evidence-summary.txt"
 exit $status

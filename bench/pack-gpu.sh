@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# Repacks .gpu.tgz (from BUNDLE_PACK=1 ../shared/gpu/bundle) smaller, for
-# the 64 MiB a device call carries: every binary fully stripped, and the
-# test binaries that need no GPU (cli, sys, run, bench: CI runs them) left
-# out. Prints the sizes before and after.
+# Repacks .gpu.tgz (from BUNDLE_PACK=1 ../shared/gpu/bundle) into .gpu.txz,
+# small enough for the 64 MiB a device call carries: every binary fully
+# stripped, the test binaries that need no GPU (cli, sys, run, bench: CI
+# runs them) left out, and xz with a 64 MiB dictionary, which stores the
+# kernel images every binary embeds once instead of once per binary
+# (59 MB gzip -> about 6 MB). With OLD_BENCH=path, that cuda-peer-bench
+# travels too, as .gpu/old/cuda-peer-bench (bench/oldnew.sh's old build).
 #   BUNDLE_PACK=1 ../shared/gpu/bundle && bench/pack-gpu.sh
+#   carry [".gpu.txz"]; unpack there with
+#   python3 -c 'import tarfile; tarfile.open(".gpu.txz").extractall()'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu.tgz ] || { echo "pack-gpu.sh: no .gpu.tgz (run BUNDLE_PACK=1 ../shared/gpu/bundle first)" >&2; exit 1; }
 before=$(stat -c %s .gpu.tgz)
 tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
 tar xzf .gpu.tgz -C "$tmp"
 rm -f "$tmp"/.gpu/tests/cli-* "$tmp"/.gpu/tests/sys-* "$tmp"/.gpu/tests/run-* "$tmp"/.gpu/tests/bench-*
-strip "$tmp"/.gpu/tests/* "$tmp"/.gpu/examples/* "$tmp"/.gpu/bin/* 2>/dev/null || true
-tar czf .gpu.tgz -C "$tmp" .gpu
-rm -rf "$tmp"
-echo "pack-gpu.sh: .gpu.tgz $before -> $(stat -c %s .gpu.tgz) bytes; tracked tree $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes (limit 67108864 together)"
+if [ -n "${OLD_BENCH:-}" ]; then
+  mkdir -p "$tmp/.gpu/old"
+  cp "$OLD_BENCH" "$tmp/.gpu/old/cuda-peer-bench"
+fi
+strip "$tmp"/.gpu/tests/* "$tmp"/.gpu/examples/* "$tmp"/.gpu/bin/* "$tmp"/.gpu/old/* 2>/dev/null || true
+XZ_OPT="-9 -T0" tar cJf .gpu.txz -C "$tmp" .gpu
+echo "pack-gpu.sh: .gpu.tgz $before -> .gpu.txz $(stat -c %s .gpu.txz) bytes; tracked tree $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes (limit 67108864 together)"

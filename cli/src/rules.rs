@@ -457,9 +457,21 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
         let (l, p, s) = staged_or_none(format!("the driver claims P2P but {what}"));
         return (l, p, s + &suspects(findings));
     }
+    // The driver said yes (above), so a check that could not even open P2P
+    // is the driver's claim failing, not a pass.
+    if let Outcome::Skipped(why) = &checks.copy_engine {
+        let what = format!("the driver reports peer access, but P2P could not be opened ({why})");
+        findings.push(finding(
+            Severity::Problem,
+            what.clone(),
+            Some("the driver's peer-access report is wrong on this system (look at the findings below); cuda-peer's Auto links fall back to staged copies by themselves".into()),
+        ));
+        let (l, p, s) = staged_or_none(what);
+        return (l, p, s + &suspects(findings));
+    }
     let sm: Vec<String> = [("mesh (SM peer loads and stores)", &checks.mesh), ("one-shot (SM peer stores, system-scope flags)", &checks.oneshot)]
         .iter()
-        .filter(|(_, o)| o.failed())
+        .filter(|(_, o)| *o != &Outcome::Pass)
         .map(|(n, o)| {
             format!(
                 "{n}: {}",
@@ -467,7 +479,8 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
                     Outcome::WrongData(d) => format!("wrong data, {d}"),
                     Outcome::Timeout => "timed out".into(),
                     Outcome::Error(e) => e.clone(),
-                    _ => String::new(),
+                    Outcome::Skipped(why) => format!("not run ({why})"),
+                    Outcome::Pass => String::new(),
                 }
             )
         })
@@ -477,7 +490,7 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
         findings.push(finding(
             Severity::Problem,
             what.clone(),
-            Some("cuda-peer's link verification uses the copy engine and would pass: open links and groups on this pair with PathPolicy::StagedOnly (GroupOptions::with_policy) until the cause is fixed".into()),
+            Some("cuda-peer checks its fused kernels when a group is created and runs the copy-engine ring where they fail; with this verdict cached it stages the pair. Other libraries' custom all-reduce kernels (SM peer stores) can hang or return wrong data on this pair until the cause is fixed".into()),
         ));
         let (l, p, s) = staged_or_none(what);
         return (l, p, s + &suspects(findings));

@@ -242,7 +242,7 @@ fn sm_peer_stores_lost_while_copy_engine_passes() {
     assert_eq!(v.use_path, UsePath::Staged);
     assert!(v.summary.contains("SM peer access fails"), "{}", v.summary);
     assert!(v.summary.contains("one-shot (SM peer stores, system-scope flags): timed out"));
-    assert!(v.findings[0].fix.as_deref().unwrap().contains("PathPolicy::StagedOnly"));
+    assert!(v.findings[0].fix.as_deref().unwrap().contains("runs the copy-engine ring"), "{:?}", v.findings[0].fix);
     // And when staging fails too, nothing is usable.
     let dead = Checks { copy_engine: Outcome::Timeout, staged: Outcome::Error("cuMemcpyDtoH failed".into()), ..all_pass() };
     let v = rules::judge(&f, &input(&f, 141 * G, p2p_driver(true), dead, Speeds::default()));
@@ -250,6 +250,28 @@ fn sm_peer_stores_lost_while_copy_engine_passes() {
     assert_eq!(rules::exit_code(&[v], true), 2);
     assert_eq!(rules::exit_code(&[], false), 2);
     assert_eq!(rules::exit_code(&[], true), 0, "one GPU: no pairs, nothing degraded");
+}
+
+/// The driver says yes but P2P cannot be opened (enabling peer access
+/// fails, as under tests/fakecuda's peer-unavailable mode): skipped checks
+/// are the claim failing, never "P2P verified".
+#[test]
+fn a_peer_access_claim_that_cannot_be_opened_is_degraded() {
+    let Some(f) = facts("h200-nvlink") else {
+        return;
+    };
+    let no = || Outcome::Skipped("the driver reports no peer access".into());
+    let checks = Checks { copy_engine: no(), mesh: no(), oneshot: no(), staged: Outcome::Pass };
+    let sp = Speeds { staged_gbs: Some(52.0), ..Default::default() };
+    let v = rules::judge(&f, &input(&f, 141 * G, p2p_driver(true), checks, sp));
+    assert_eq!((v.level, v.use_path), (Level::Degraded, UsePath::Staged), "{}", v.summary);
+    assert!(v.summary.contains("P2P could not be opened"), "{}", v.summary);
+    assert_eq!(rules::exit_code(&[v], true), 1);
+    // Copy engine passes but the fused checks were not run: not verified either.
+    let checks = Checks { mesh: no(), ..all_pass() };
+    let v = rules::judge(&f, &input(&f, 141 * G, p2p_driver(true), checks, speeds(370.0, 40.0)));
+    assert_eq!((v.level, v.use_path), (Level::Degraded, UsePath::Staged), "{}", v.summary);
+    assert!(v.summary.contains("mesh (SM peer loads and stores): not run"), "{}", v.summary);
 }
 
 #[test]

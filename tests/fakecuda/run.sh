@@ -68,7 +68,7 @@ if [ -x "$doctor" ]; then
     rc=$?
     verdicts=$(python3 -c 'import json, sys
 d = json.load(open(sys.argv[1]))
-print(" ".join(f"{p['from']}->{p['to']}:{p['level']}/{p['use_path']}" for p in d["pairs"]))' "$results/$name.json" 2>/dev/null)
+print(" ".join("%s->%s:%s/%s" % (p["from"], p["to"], p["level"], p["use_path"]) for p in d["pairs"]))' "$results/$name.json" 2>"$results/$name.parse.err")
     ok=1
     [ "$rc" -eq 1 ] || [ "$rc" -eq 2 ] || ok=0
     [ -n "$verdicts" ] || ok=0
