@@ -17,7 +17,8 @@
 #   soak       10,000 randomized collectives (examples/soak), ~2 min
 #   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh), ~3 min
 #   mp         cuda-peer-bench mp-allreduce under cuda-peer-run -n 2, ~3 min
-#   oldnew     bench/oldnew.sh $OLD against .gpu/bin/cuda-peer-bench, ~2 min
+#   oldnew     bench/oldnew.sh $OLD against .gpu/bin/cuda-peer-bench, 8 rounds, ~1 min
+#   sweep      cuda-peer-bench all-reduce sweep against NCCL, 4 B-1 GiB (the README's table), ~2 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT (the device sets it)}"
@@ -43,7 +44,8 @@ for p in "$@"; do
     soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
     sanitizer) SANITIZER_TIMEOUT=50 phase sanitizer 400 tests/sanitizer.sh ;;
     mp) phase mp 300 .gpu/bin/cuda-peer-run -n 2 -- .gpu/bin/cuda-peer-bench mp-allreduce --machine h200x2 --out "$OUT/mp" ;;
-    oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:-.gpu/old/cuda-peer-bench}" .gpu/bin/cuda-peer-bench 2 ;;
+    oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:-.gpu/old/cuda-peer-bench}" .gpu/bin/cuda-peer-bench 8 ;;
+    sweep) phase sweep 300 .gpu/bin/cuda-peer-bench --machine h200x2 --ops all_reduce --out "$OUT/sweep" ;;
     *) line "unknown phase $p"; status=1 ;;
   esac
 done

@@ -9,14 +9,15 @@
 # (`git worktree add /tmp/old REV && cargo build --release -p cuda-peer-bench`
 # there), NEW_BENCH this tree's (`.gpu/bin/cuda-peer-bench` after
 # ../shared/gpu/bundle). Runs old, new, old, new, ... (ROUNDS of each,
-# default 2), all_reduce only, `--impls cuda-peer-p2p` unless extra args
+# default 8: a --quick run takes a few seconds, and small calls vary by
+# 10-20% between processes, so two runs of each cannot tell a change), all_reduce only, `--impls cuda-peer-p2p` unless extra args
 # say otherwise; writes each run's CSV and output under $OUT, then, per
 # point, the old runs' spread and the new median against the old median.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLD=${1:?old cuda-peer-bench}
 NEW=${2:?new cuda-peer-bench}
-ROUNDS=${3:-2}
+ROUNDS=${3:-8}
 shift $(( $# >= 3 ? 3 : $# ))
 [ "${1:-}" = "--" ] && shift
 extra=("$@")
@@ -44,7 +45,7 @@ for which in ("old", "new"):
                 key = (row["impl"], row["collective"], row["dtype"], int(row["bytes"]))
                 runs.setdefault(key, {}).setdefault(which, []).append(float(row["time_us"]))
 worst = 0.0
-print(f"{'impl':>14} {'dtype':>5} {'bytes':>11} | {'old us (runs)':>26} | {'new us (runs)':>26} | {'spread':>6} {'change':>7}")
+print(f"{'impl':>14} {'dtype':>5} {'bytes':>11} | {'old us: median (range, runs)':>30} | {'new us: median (range, runs)':>30} | {'spread':>6} {'change':>7}")
 for key in sorted(runs):
     t = runs[key]
     if len(t.get("old", [])) < 1 or len(t.get("new", [])) < 1:
@@ -56,7 +57,7 @@ for key in sorted(runs):
     beyond = change - spread
     worst = max(worst, beyond)
     flag = "  <-- slower beyond the spread by more than 3%" if beyond > 0.03 else ""
-    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)
-    print(f"{key[0]:>14} {key[2]:>5} {key[3]:>11} | {fmt(o):>26} | {fmt(n):>26} | {spread:6.1%} {change:+7.1%}{flag}")
+    fmt = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f}, {len(xs)})"
+    print(f"{key[0]:>14} {key[2]:>5} {key[3]:>11} | {fmt(o):>30} | {fmt(n):>30} | {spread:6.1%} {change:+7.1%}{flag}")
 print(f"# largest slowdown beyond the old build's own spread: {worst:+.1%} (the check: no point above +3%)")
 PY

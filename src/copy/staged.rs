@@ -232,14 +232,22 @@ impl Drop for Staging {
         if let Err(e) = self.d2h.synchronize() {
             log::warn!("staging stream sync on drop: {e:?}");
         }
-        for e in &self.h2d_done {
-            // An event last recorded under a CUDA graph capture cannot be
-            // waited on (a graph replaying this transfer may still run):
-            // wait for the whole destination context instead.
-            let r = e.synchronize().or_else(|err| match err.0 {
-                cudarc::driver::sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => e.context().synchronize(),
-                _ => Err(err),
-            });
+        // An event last recorded under a CUDA graph capture cannot be
+        // waited on (the driver refuses; a graph replaying this transfer may
+        // still run): wait for the whole destination context instead, once.
+        // Buffers never used have nothing to wait for.
+        let last = self.rotation.get_mut().unwrap_or_else(PoisonError::into_inner).last.clone();
+        let mut context_synced = false;
+        for (e, last) in self.h2d_done.iter().zip(last) {
+            let r = match last {
+                LastUse::Never => Ok(()),
+                LastUse::Eager => e.synchronize(),
+                LastUse::Captured if context_synced => Ok(()),
+                LastUse::Captured => {
+                    context_synced = true;
+                    e.context().synchronize()
+                }
+            };
             if let Err(err) = r {
                 log::warn!("staging event sync on drop: {err:?}");
             }
