@@ -371,7 +371,7 @@ fn child_copy(from: usize, to: usize, bytes: usize) -> R<()> {
     emit(&ChildLine::Speeds(speeds.clone()));
     let p2p = match Link::open(&a, &b, &LinkOptions::with_policy(PathPolicy::P2pOnly)) {
         Ok(mut link) => as_outcome(measure(&mut Via::Link(&mut link), &a, &b, bytes, &mut rng)),
-        Err(Error::PeerUnsupported { .. }) => (Outcome::Skipped("the driver reports no peer access".into()), None),
+        Err(e @ Error::PeerUnsupported { .. }) => (Outcome::Skipped(format!("peer access could not be enabled: {e}")), None),
         Err(Error::P2pUnavailable { reason, .. }) if reason.contains("wrong") => (Outcome::WrongData(reason), None),
         Err(e) => (Outcome::Error(e.to_string()), None),
     };
@@ -391,7 +391,7 @@ fn child_allreduce(from: usize, to: usize, algorithm: Algorithm) -> Outcome {
     let opts = GroupOptions::with_policy(PathPolicy::P2pOnly).algorithm(algorithm);
     let group = match Group::from_devices(&[from, to], &opts) {
         Ok(g) => g,
-        Err(Error::PeerUnsupported { .. }) => return Outcome::Skipped("the driver reports no peer access".into()),
+        Err(e @ Error::PeerUnsupported { .. }) => return Outcome::Skipped(format!("peer access could not be enabled: {e}")),
         Err(e) => return Outcome::Error(e.to_string()),
     };
     let run = || -> R<Outcome> {

@@ -404,7 +404,8 @@ fn empty_gpu(bdf: &str) -> GpuPci {
 }
 
 fn suspects(findings: &[Finding]) -> String {
-    let s: Vec<&str> = findings.iter().filter(|f| f.severity >= Severity::Warn).map(|f| f.what.as_str()).collect();
+    // The system's warnings; the problems are the verdict itself.
+    let s: Vec<&str> = findings.iter().filter(|f| f.severity == Severity::Warn).map(|f| f.what.as_str()).collect();
     if s.is_empty() {
         String::new()
     } else {

@@ -241,7 +241,9 @@ impl Drop for Staging {
         for (e, last) in self.h2d_done.iter().zip(last) {
             let r = match last {
                 LastUse::Never => Ok(()),
-                LastUse::Eager => e.synchronize(),
+                // A transfer that failed part way may have left an older
+                // (captured) record in the event: then the context.
+                LastUse::Eager => e.synchronize().or_else(|_| e.context().synchronize()),
                 LastUse::Captured if context_synced => Ok(()),
                 LastUse::Captured => {
                     context_synced = true;
