@@ -12,6 +12,8 @@
 //! Each line: algorithm, type, reduction, elements, the FNV-1a 64 digest of
 //! rank 0's result, and whether every rank's result is identical to it.
 
+mod common;
+
 use clap::Parser;
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
 use cuda_peer::{driver, Algorithm, DType, Element, Group, GroupOptions, ReduceOp};
@@ -90,17 +92,7 @@ fn digest_of(dtype: DType, group: &Group, streams: &[Arc<CudaStream>], op: Reduc
 
 fn main() {
     let args = Args::parse();
-    let gpus = match driver::device_count() {
-        Ok(0) => Err(cuda_peer::Error::NoDevice),
-        other => other,
-    };
-    let gpus = match gpus {
-        Ok(n) => n,
-        Err(e) => {
-            eprintln!("kernel_digest: no usable CUDA device: {e}");
-            std::process::exit(2);
-        }
-    };
+    let gpus = common::gpus_or_exit("kernel_digest");
     let result = (|| -> cuda_peer::Result<bool> {
         let ranks = args.ranks.unwrap_or(gpus);
         let ctx = driver::all_contexts()?;

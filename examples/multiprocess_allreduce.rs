@@ -9,8 +9,10 @@
 //! when the ranks span hosts (`CUDA_PEER_HOST_ID` simulates that). Exits 0 when every rank's results were right, 1 otherwise, and 2 with one
 //! line when there is no GPU or no launcher.
 
+mod common;
+
 use cuda_peer::ipc::{comm::seeded, CommOptions, WorldComm};
-use cuda_peer::{driver, ReduceOp};
+use cuda_peer::ReduceOp;
 use std::time::Instant;
 
 /// Rank `r`'s input for a message of `count` elements: small integers, so
@@ -121,13 +123,7 @@ fn run(comm: &WorldComm) -> Result<bool, cuda_peer::Error> {
 }
 
 fn main() {
-    match driver::device_count() {
-        Ok(0) | Err(_) => {
-            eprintln!("multiprocess_allreduce: no usable CUDA device");
-            std::process::exit(2);
-        }
-        Ok(_) => {}
-    }
+    common::gpus_or_exit("multiprocess_allreduce");
     if std::env::var_os("RANK").is_none() {
         eprintln!("multiprocess_allreduce: run it under a launcher: cuda-peer-run -n 2 -- multiprocess_allreduce");
         std::process::exit(2);

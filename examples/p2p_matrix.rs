@@ -6,6 +6,8 @@
 
 #![allow(clippy::needless_range_loop)] // matrices indexed by device pairs
 
+mod common;
+
 use clap::Parser;
 use cuda_peer::copy::{Link, LinkOptions, PathPolicy};
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
@@ -236,10 +238,7 @@ fn cuda_peer_example_pattern(n: usize) -> Vec<u8> {
 
 fn main() {
     let args = Args::parse();
-    if let Err(e) = driver::device_count().and_then(|n| if n == 0 { Err(cuda_peer::Error::NoDevice) } else { Ok(n) }) {
-        eprintln!("p2p_matrix: no usable CUDA device: {e}");
-        std::process::exit(2);
-    }
+    common::gpus_or_exit("p2p_matrix");
     if let Err(e) = run(&args) {
         eprintln!("p2p_matrix: {e}");
         std::process::exit(1);

@@ -13,6 +13,8 @@
 //! repeat of it and an ordinary call; `--lazy-kernels` creates the group
 //! with `GroupOptions::lazy_kernels` (modules loaded on first use).
 
+mod common;
+
 use clap::Parser;
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
 use cuda_peer::{driver, Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
@@ -242,17 +244,7 @@ fn main() {
     if args.timings && log::set_logger(&StderrLog).is_ok() {
         log::set_max_level(log::LevelFilter::Debug);
     }
-    let gpus = match driver::device_count() {
-        Ok(0) => Err(cuda_peer::Error::NoDevice),
-        other => other,
-    };
-    let gpus = match gpus {
-        Ok(n) => n,
-        Err(e) => {
-            eprintln!("ring_allreduce: no usable CUDA device: {e}");
-            std::process::exit(2);
-        }
-    };
+    let gpus = common::gpus_or_exit("ring_allreduce");
     let result = (|| -> cuda_peer::Result<()> {
         let ranks = args.ranks.unwrap_or(gpus);
         let t = Instant::now();

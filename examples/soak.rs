@@ -34,6 +34,8 @@
 //! Prints the groups, a line per 1000 iterations and a summary; exits 0
 //! only if every check passed, 1 otherwise, 2 (one line) without a GPU.
 
+mod common;
+
 use clap::Parser;
 use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
@@ -458,24 +460,10 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> Vec<Soak> {
 
 fn main() {
     let args = Args::parse();
-    let gpus = match driver::device_count() {
-        Ok(0) => Err("no CUDA device found".to_string()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
-    };
-    let gpus = match gpus {
-        Ok(n) => n,
-        Err(e) => {
-            println!("soak: no usable CUDA device: {e}");
-            std::process::exit(2);
-        }
-    };
+    let gpus = common::gpus_or_exit("soak");
     let ctxs: Vec<Arc<CudaContext>> = match (0..gpus).map(driver::context).collect() {
         Ok(c) => c,
-        Err(e) => {
-            println!("soak: no usable CUDA device: {e}");
-            std::process::exit(2);
-        }
+        Err(e) => common::no_device("soak", &e),
     };
     for c in &ctxs {
         // SAFETY: the soak's own contexts: every buffer is made after this,
