@@ -413,6 +413,19 @@ fn suspects(findings: &[Finding]) -> String {
     }
 }
 
+/// A problem that takes a pair off P2P: its finding (`what`, `fix`), and the
+/// verdict, summarised from `why`: staged, or nothing usable where the
+/// staged path failed too.
+fn off_p2p(findings: &mut Vec<Finding>, staged_ok: bool, what: String, why: String, fix: &str) -> (Level, UsePath, String) {
+    findings.push(finding(Severity::Problem, what, Some(fix.into())));
+    let (level, path, summary) = if staged_ok {
+        (Level::Degraded, UsePath::Staged, format!("{why}: staged through host memory is used"))
+    } else {
+        (Level::Unusable, UsePath::None, format!("{why}, and the staged path failed too"))
+    };
+    (level, path, summary + &suspects(findings))
+}
+
 fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, String) {
     let Some(drv) = &input.driver else {
         return (Level::Untested, UsePath::Unknown, "not tested: no usable CUDA driver or GPU".into());
@@ -421,13 +434,6 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
         findings.push(finding(Severity::Info, format!("NVML P2P status: {n}"), None));
     }
     let staged_ok = input.checks.as_ref().is_none_or(|c| !c.staged.failed());
-    let staged_or_none = |why: String| {
-        if staged_ok {
-            (Level::Degraded, UsePath::Staged, format!("{why}: staged through host memory is used"))
-        } else {
-            (Level::Unusable, UsePath::None, format!("{why}, and the staged path failed too"))
-        }
-    };
     if !(drv.can_access_peer && drv.can_access_peer_back) {
         let why = "the driver reports no peer access between these GPUs".to_string();
         let reasons = drv.nvml_p2p.iter().filter(|(k, v)| k == "read" && v != "Ok").map(|(_, v)| v.clone()).next();
@@ -436,9 +442,7 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
             Some("GpuNotSupported") | Some("DisabledByRegkey") => "the driver disables P2P for this GPU model: on GeForce cards, the open kernel modules with the P2P patch turn it on (with Resizable BAR on and the IOMMU off or in passthrough)",
             _ => "check the findings below; on GeForce cards the stock driver disables P2P",
         };
-        findings.push(finding(Severity::Problem, why.clone(), Some(fix.into())));
-        let (l, p, s) = staged_or_none(why);
-        return (l, p, s + &suspects(findings));
+        return off_p2p(findings, staged_ok, why.clone(), why, fix);
     }
     let Some(checks) = &input.checks else {
         return (Level::Untested, UsePath::Unknown, "the driver reports peer access; functional checks not run".into());
@@ -450,25 +454,21 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
             Outcome::Error(e) => format!("copy-engine peer copies fail: {e}"),
             _ => String::new(),
         };
-        findings.push(finding(
-            Severity::Problem,
-            what.clone(),
-            Some("fix the causes listed; until then cuda-peer's Auto links fall back to staged copies by themselves".into()),
-        ));
-        let (l, p, s) = staged_or_none(format!("the driver claims P2P but {what}"));
-        return (l, p, s + &suspects(findings));
+        let why = format!("the driver claims P2P but {what}");
+        return off_p2p(
+            findings,
+            staged_ok,
+            what,
+            why,
+            "fix the causes listed; until then cuda-peer's Auto links fall back to staged copies by themselves",
+        );
     }
     // The driver said yes (above), so a check that could not even open P2P
     // is the driver's claim failing, not a pass.
     if let Outcome::Skipped(why) = &checks.copy_engine {
         let what = format!("the driver reports peer access, but P2P could not be opened ({why})");
-        findings.push(finding(
-            Severity::Problem,
-            what.clone(),
-            Some("the driver's peer-access report is wrong on this system (look at the findings below); cuda-peer's Auto links fall back to staged copies by themselves".into()),
-        ));
-        let (l, p, s) = staged_or_none(what);
-        return (l, p, s + &suspects(findings));
+        let fix = "the driver's peer-access report is wrong on this system (look at the findings below); cuda-peer's Auto links fall back to staged copies by themselves";
+        return off_p2p(findings, staged_ok, what.clone(), what, fix);
     }
     let sm: Vec<String> = [("mesh (SM peer loads and stores)", &checks.mesh), ("one-shot (SM peer stores, system-scope flags)", &checks.oneshot)]
         .iter()
@@ -488,13 +488,8 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
         .collect();
     if !sm.is_empty() {
         let what = format!("copy-engine P2P passes but SM peer access fails ({})", sm.join("; "));
-        findings.push(finding(
-            Severity::Problem,
-            what.clone(),
-            Some("cuda-peer checks its fused kernels when a group is created and runs the copy-engine ring where they fail; with this verdict cached it stages the pair. Other libraries' custom all-reduce kernels (SM peer stores) can hang or return wrong data on this pair until the cause is fixed".into()),
-        ));
-        let (l, p, s) = staged_or_none(what);
-        return (l, p, s + &suspects(findings));
+        let fix = "cuda-peer checks its fused kernels when a group is created and runs the copy-engine ring where they fail; with this verdict cached it stages the pair. Other libraries' custom all-reduce kernels (SM peer stores) can hang or return wrong data on this pair until the cause is fixed";
+        return off_p2p(findings, staged_ok, what.clone(), what, fix);
     }
     if let Some(sp) = &input.speeds {
         if let Some(sample) = crate::cache::speed_sample(sp) {
