@@ -18,6 +18,7 @@
 #   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh), ~3 min
 #   mp         cuda-peer-bench mp-allreduce under cuda-peer-run -n 2, ~3 min
 #   oldnew     bench/oldnew.sh $OLD against .gpu/bin/cuda-peer-bench, 8 rounds, ~1 min
+#   mpab       bench/mpab.sh $PREV against .gpu/bin/cuda-peer-bench, mp-allreduce, 3 rounds, ~1-2 min
 #   sweep      cuda-peer-bench all-reduce sweep against NCCL, 4 B-1 GiB (the README's table), ~2 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,7 @@ for p in "$@"; do
     sanitizer) SANITIZER_TIMEOUT=50 phase sanitizer 400 tests/sanitizer.sh ;;
     mp) phase mp 300 .gpu/bin/cuda-peer-run -n 2 -- .gpu/bin/cuda-peer-bench mp-allreduce --machine h200x2 --out "$OUT/mp" ;;
     oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:-.gpu/old/cuda-peer-bench}" .gpu/bin/cuda-peer-bench 8 ;;
+    mpab) phase mpab 300 bench/mpab.sh "${PREV:-.gpu/prev/cuda-peer-bench}" .gpu/bin/cuda-peer-bench "${MPAB_ROUNDS:-3}" ;;
     sweep) phase sweep 300 .gpu/bin/cuda-peer-bench --machine h200x2 --ops all_reduce --out "$OUT/sweep" ;;
     *) line "unknown phase $p"; status=1 ;;
   esac

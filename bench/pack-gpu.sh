@@ -5,7 +5,9 @@
 # runs them) left out, and xz with a 64 MiB dictionary, which stores the
 # kernel images every binary embeds once instead of once per binary
 # (59 MB gzip -> about 6 MB). With OLD_BENCH=path, that cuda-peer-bench
-# travels too, as .gpu/old/cuda-peer-bench (bench/oldnew.sh's old build).
+# travels too, as .gpu/old/cuda-peer-bench (bench/oldnew.sh's old build);
+# with PREV_BENCH=path, as .gpu/prev/cuda-peer-bench (bench/mpab.sh's);
+# with EXTRA_BENCHES="name=path ...", each as .gpu/name/cuda-peer-bench.
 #   BUNDLE_PACK=1 ../shared/gpu/bundle && bench/pack-gpu.sh
 #   carry [".gpu.txz"]; unpack there with
 #   python3 -c 'import tarfile; tarfile.open(".gpu.txz").extractall()'
@@ -21,6 +23,14 @@ if [ -n "${OLD_BENCH:-}" ]; then
   mkdir -p "$tmp/.gpu/old"
   cp "$OLD_BENCH" "$tmp/.gpu/old/cuda-peer-bench"
 fi
-strip "$tmp"/.gpu/tests/* "$tmp"/.gpu/examples/* "$tmp"/.gpu/bin/* "$tmp"/.gpu/old/* 2>/dev/null || true
+if [ -n "${PREV_BENCH:-}" ]; then
+  mkdir -p "$tmp/.gpu/prev"
+  cp "$PREV_BENCH" "$tmp/.gpu/prev/cuda-peer-bench"
+fi
+for extra in ${EXTRA_BENCHES:-}; do
+  mkdir -p "$tmp/.gpu/${extra%%=*}"
+  cp "${extra#*=}" "$tmp/.gpu/${extra%%=*}/cuda-peer-bench"
+done
+strip "$tmp"/.gpu/tests/* "$tmp"/.gpu/examples/* "$tmp"/.gpu/bin/* "$tmp"/.gpu/*/cuda-peer-bench 2>/dev/null || true
 XZ_OPT="-9 -T0" tar cJf .gpu.txz -C "$tmp" .gpu
 echo "pack-gpu.sh: .gpu.tgz $before -> .gpu.txz $(stat -c %s .gpu.txz) bytes; tracked tree $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes (limit 67108864 together)"

@@ -567,18 +567,28 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 // ranks (no P2P: rank r stores once, every rank reads from host memory).
 //
 // A region is ONESHOT_FLAG_BYTES of flags, u32 [source rank][block], then
-// the data: [parity 2][source rank nranks][cap bytes]. Messages longer than
-// cap bytes run in rounds of cap bytes; round k of a call uses the slots of
-// parity (v & 1), v being the block's round counter. Data is handled in
+// the data: [set ONESHOT_SETS][source rank nranks][cap bytes]. Messages
+// longer than cap bytes run in rounds of cap bytes; a round uses slot set
+// (v mod ONESHOT_SETS), v being the block's round counter. Data is handled in
 // 16-byte units; unit j of a round always belongs to thread j % stride of
-// the grid, and the grid is the same on every launch for a group, so block b
-// of every rank always writes and reads the same units: a block that has
-// seen a peer's flag for round v knows that peer has finished round v - 1,
-// hence reading the slots of parity (v + 1) & 1, which it may now refill.
+// the grid, and the grid is the same on every launch of a lane, so block b
+// of every rank always writes and reads the same units. A block raises its
+// flag v once it has pushed round v (and reduced round v - 1).
+//   Not ahead: per round, push v, raise flag v, wait for the peers' flags
+//   v, reduce v. Pushing v overwrites the set of round v - ONESHOT_SETS,
+//   which every peer has reduced: its flag v - 1, already seen, was raised
+//   after it reduced round v - 2.
+//   Ahead: push round v + 1 right after raising flag v, so that those
+//   stores cross the link while the block waits for round v and reduces
+//   it. Pushing v + 1 overwrites the set of round v + 1 - ONESHOT_SETS,
+//   which every peer has reduced by the same argument (it needs three sets;
+//   four, a power of two, keep the set index continuous where the u32
+//   counter wraps). Every rank must pass the same `ahead` on every launch
+//   of a lane.
 //
 //   cp_oneshot_OP_TY(PtrArray push, int npush, const void* pull,
 //                    const T* in, T* out, unsigned* counters,
-//                    int nranks, int rank, u64 n, u64 cap,
+//                    int nranks, int rank, u64 n, u64 cap, int ahead,
 //                    unsigned* ctl, u64 timeout_ns)
 //     push:  the regions this rank stores its slot and flags into (npush);
 //     pull:  the region this rank reads slots and polls flags from;
@@ -586,7 +596,8 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //            and stores where both are 16-byte aligned;
 //     counters: this rank's own block counters (ONESHOT_MAX_BLOCKS words,
 //            zeroed at creation);
-//     cap:   slot bytes, a multiple of 16.
+//     cap:   slot bytes, a multiple of 16;
+//     ahead: nonzero to push each round ahead (see above).
 //   Launch: the same grid on every rank and for every call of the group, at
 //   most ONESHOT_MAX_BLOCKS blocks, all resident at once; 1-D blocks of at
 //   least nranks threads. ctl, timeout_ns: as for the mesh.
@@ -594,6 +605,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 #define ONESHOT_MAX_BLOCKS 64
 #define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)
 #define ONESHOT_UNROLL 4
+#define ONESHOT_SETS 4
 
 
 // The last, partial 16-byte unit of a round (elements [j*E, len)), as a
@@ -636,11 +648,94 @@ static __device__ __forceinline__ void store_unit(T* dst, u64 j, V16 v, bool vec
     for (int e = 0; e < (int)E; ++e) dst[j * E + e] = x.e[e];
 }
 
+// Stores this rank's units of one round (len elements of src) into slot
+// `slot` of every push region; unit j is thread (j % stride)'s of the
+// threads doing this (tid: this thread's index among them).
+template <class T>
+static __device__ __forceinline__ void oneshot_push(char* const* spush, int npush, const T* src, u64 len,
+                                                    u64 slot, u64 cap, bool vec, u64 tid, u64 stride) {
+    const u64 E = 16 / sizeof(T);
+    const u64 full = len / E;
+    const u64 units = (len + E - 1) / E;
+    for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
+        V16 x[ONESHOT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+            const u64 j = j0 + (u64)u * stride;
+            if (j < full) x[u] = load_unit<T>(src, j, vec);
+        }
+        for (int k = 0; k < npush; ++k) {
+            V16* to = (V16*)(spush[k] + ONESHOT_FLAG_BYTES + slot * cap);
+#pragma unroll
+            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                const u64 j = j0 + (u64)u * stride;
+                if (j < full) to[j] = x[u];
+            }
+        }
+    }
+    if (full < units && tid == full % stride) {
+        const V16 x = load_partial<T>(src, full, len);
+        for (int k = 0; k < npush; ++k) ((V16*)(spush[k] + ONESHOT_FLAG_BYTES + slot * cap))[full] = x;
+    }
+}
+
+// Reduces one round: every rank's slot `slot0 + k` of pdata (this rank's own
+// units read from src instead), in rank order, into dst; units as for
+// oneshot_push.
+template <class Op>
+static __device__ __forceinline__ void oneshot_reduce(const char* pdata, const typename Op::T* src,
+                                                      typename Op::T* dst, u64 len, u64 slot0, u64 cap,
+                                                      int nranks, int rank, bool vec, u64 tid, u64 stride) {
+    typedef typename Op::T T;
+    const u64 E = 16 / sizeof(T);
+    const u64 full = len / E;
+    const u64 units = (len + E - 1) / E;
+    for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
+        VecView<T> acc[ONESHOT_UNROLL];
+#pragma unroll 1
+        for (int k = 0; k < MESH_MAX_RANKS; ++k) {
+            if (k < nranks) {
+                const V16* from = (const V16*)(pdata + (slot0 + (u64)k) * cap);
+                VecView<T> x[ONESHOT_UNROLL];
+#pragma unroll
+                for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                    const u64 j = j0 + (u64)u * stride;
+                    if (j < full) x[u].v = k == rank ? load_unit<T>(src, j, vec) : from[j];
+                }
+#pragma unroll
+                for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                    if (k == 0) {
+                        acc[u].v = x[u].v;
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < (int)E; ++e) acc[u].e[e] = Op::apply(acc[u].e[e], x[u].e[e]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+            const u64 j = j0 + (u64)u * stride;
+            if (j < full) store_unit<T>(dst, j, acc[u].v, vec);
+        }
+    }
+    if (full < units && tid == full % stride) {
+        for (u64 i = full * E; i < len; ++i) {
+            T acc = src[i];
+            for (int k = 0; k < nranks; ++k) {
+                const T x = k == rank ? src[i] : ((const T*)(pdata + (slot0 + (u64)k) * cap))[i];
+                acc = k == 0 ? x : Op::apply(acc, x);
+            }
+            dst[i] = acc;
+        }
+    }
+}
+
 template <class Op>
 static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int npush, const void* pull,
                                     const typename Op::T* in, typename Op::T* out,
                                     unsigned int* counters, int nranks, int rank, u64 n, u64 cap,
-                                    unsigned int* ctl, u64 timeout_ns) {
+                                    int ahead, unsigned int* ctl, u64 timeout_ns) {
     typedef typename Op::T T;
     if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
     if (npush < 0 || npush > MESH_MAX_RANKS || cap < 16 || (cap & 15u) != 0) return;
@@ -653,7 +748,6 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
         base_v = counters[blockIdx.x];
     }
     __syncthreads();
-    const u64 E = 16 / sizeof(T);
     // in/out need only be element-aligned: 16-byte vectors where both are.
     const bool vec = (((u64)in | (u64)out) & 15u) == 0;
     const u64 per_round = cap / sizeof(T);
@@ -664,87 +758,36 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     const unsigned int* pflags = (const unsigned int*)pull;
     for (u64 round = 0; round < rounds; ++round) {
         const unsigned int v = base_v + (unsigned int)round + 1u;
-        const u64 slot0 = (u64)(v & 1u) * (u64)nranks;
         const u64 off = round * per_round;
-        const u64 len = n - off < per_round ? n - off : per_round;
-        const u64 full = len / E;
-        const u64 units = (len + E - 1) / E;
-        const T* src = in + off;
-        T* dst = out + off;
-        // Push this rank's units into its slot of every region.
-        for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
-            V16 x[ONESHOT_UNROLL];
-#pragma unroll
-            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                const u64 j = j0 + (u64)u * stride;
-                if (j < full) x[u] = load_unit<T>(src, j, vec);
-            }
-            for (int k = 0; k < npush; ++k) {
-                V16* slot = (V16*)(spush[k] + ONESHOT_FLAG_BYTES + (slot0 + (u64)rank) * cap);
-#pragma unroll
-                for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                    const u64 j = j0 + (u64)u * stride;
-                    if (j < full) slot[j] = x[u];
-                }
-            }
+        // Push round v, unless it was pushed ahead last round.
+        if (ahead == 0 || round == 0) {
+            const u64 len = n - off < per_round ? n - off : per_round;
+            oneshot_push<T>(spush, npush, in + off, len, (u64)(v & (ONESHOT_SETS - 1u)) * (u64)nranks + (u64)rank,
+                            cap, vec, tid, stride);
         }
-        if (full < units && tid == full % stride) {
-            const V16 x = load_partial<T>(src, full, len);
-            for (int k = 0; k < npush; ++k) {
-                ((V16*)(spush[k] + ONESHOT_FLAG_BYTES + (slot0 + (u64)rank) * cap))[full] = x;
-            }
-        }
+        // Flag v: this block has pushed round v (and reduced round v - 1).
         __syncthreads();
         if ((int)threadIdx.x < npush) {
             unsigned int* f = (unsigned int*)spush[threadIdx.x] + rank * ONESHOT_MAX_BLOCKS + blockIdx.x;
             // Cumulative release after __syncthreads: see mesh_barrier.
             st_release_sys(f, v);
         }
+        // Ahead: push round v + 1 now, so that its stores cross the link
+        // while this block waits for round v and reduces it.
+        if (ahead != 0 && round + 1 < rounds) {
+            const u64 next = off + per_round;
+            const u64 len = n - next < per_round ? n - next : per_round;
+            oneshot_push<T>(spush, npush, in + next, len,
+                            (u64)((v + 1u) & (ONESHOT_SETS - 1u)) * (u64)nranks + (u64)rank, cap, vec, tid, stride);
+        }
         int ok = 1;
         if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank) {
             ok = wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v, ctl, timeout_ns, rank);
         }
         if (!__syncthreads_and(ok)) return;
-        // Reduce every rank's units in rank order.
-        for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
-            VecView<T> acc[ONESHOT_UNROLL];
-#pragma unroll 1
-            for (int k = 0; k < MESH_MAX_RANKS; ++k) {
-                if (k < nranks) {
-                    const V16* from = (const V16*)(pdata + (slot0 + (u64)k) * cap);
-                    VecView<T> x[ONESHOT_UNROLL];
-#pragma unroll
-                    for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                        const u64 j = j0 + (u64)u * stride;
-                        if (j < full) x[u].v = k == rank ? load_unit<T>(src, j, vec) : from[j];
-                    }
-#pragma unroll
-                    for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                        if (k == 0) {
-                            acc[u].v = x[u].v;
-                        } else {
-#pragma unroll
-                            for (int e = 0; e < (int)E; ++e) acc[u].e[e] = Op::apply(acc[u].e[e], x[u].e[e]);
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                const u64 j = j0 + (u64)u * stride;
-                if (j < full) store_unit<T>(dst, j, acc[u].v, vec);
-            }
-        }
-        if (full < units && tid == full % stride) {
-            for (u64 i = full * E; i < len; ++i) {
-                T acc = src[i];
-                for (int k = 0; k < nranks; ++k) {
-                    const T x = k == rank ? src[i] : ((const T*)(pdata + (slot0 + (u64)k) * cap))[i];
-                    acc = k == 0 ? x : Op::apply(acc, x);
-                }
-                dst[i] = acc;
-            }
-        }
+        const u64 len = n - off < per_round ? n - off : per_round;
+        oneshot_reduce<Op>(pdata, in + off, out + off, len, (u64)(v & (ONESHOT_SETS - 1u)) * (u64)nranks, cap,
+                           nranks, rank, vec, tid, stride);
     }
     __syncthreads();
     if (threadIdx.x == 0) counters[blockIdx.x] = base_v + (unsigned int)rounds;
@@ -760,9 +803,10 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     extern "C" __global__ void cp_oneshot_##OP##_##TY(                          \
         PtrArray push, int npush, const void* pull, const Ty_##TY::T* in,       \
         Ty_##TY::T* out, unsigned int* counters, int nranks, int rank, u64 n,   \
-        u64 cap, unsigned int* ctl, u64 timeout_ns) {                           \
+        u64 cap, int ahead, unsigned int* ctl, u64 timeout_ns) {                \
         oneshot_body<Op_##OP<Ty_##TY> >(push, npush, pull, in, out, counters,   \
-                                        nranks, rank, n, cap, ctl, timeout_ns); \
+                                        nranks, rank, n, cap, ahead, ctl,       \
+                                        timeout_ns);                            \
     }
 
 #define CP_MESH_ALL_OPS(TY)                                                     \

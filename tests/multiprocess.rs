@@ -84,7 +84,8 @@ fn reference(op: ReduceOp, ins: &[Vec<f64>], i: usize) -> f64 {
 /// over several rounds of the large lane.
 fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
     let n = comm.size();
-    let big = (16usize << 20) / (2 * n) / T::DTYPE.size() * 2 + 7; // two rounds and a bit
+    // Two rounds and a bit of the large lane's slots (32 MiB: four sets of one slot per rank).
+    let big = (32usize << 20) / (4 * n) / T::DTYPE.size() * 2 + 7;
     for op in ReduceOp::ALL {
         if op.check(T::DTYPE).is_err() {
             continue;

@@ -213,9 +213,29 @@ fn raw_all_reduce_back_to_back_on_the_callers_streams() {
         return;
     };
     let s = setup(&gpus[..2], 2, &GroupOptions::default());
-    // 24 in-place sums without host synchronisation in between: after the
-    // first both ranks hold a + b, and every later call doubles it (wrapping u32).
-    let count = 1024;
+    back_to_back(&s, 1024, 24);
+}
+
+#[test]
+fn raw_oneshot_over_many_rounds_back_to_back() {
+    let Some(gpus) = common::gpus("raw_oneshot_over_many_rounds_back_to_back", 2) else {
+        return;
+    };
+    // 23 MiB + 12 B per rank: six rounds of the large lane's 4 MiB slots
+    // (ONESHOT_SCRATCH_BYTES, 32 MiB: four sets of one slot per rank), so
+    // the slot sets wrap within one call, and each round is pushed while the
+    // one before is reduced; then calls back to back, so they wrap across calls.
+    let s = setup(&gpus[..2], 2, &GroupOptions::default().algorithm(Algorithm::OneShot));
+    let bytes = (23 << 20) + 12;
+    assert_eq!(s.group.all_reduce_algorithm(bytes), Algorithm::OneShot);
+    sizes_and_types(&s, "one-shot rounds", &[bytes]);
+    back_to_back(&s, bytes / 4, 5);
+}
+
+/// `calls` in-place u32 sums of `count` elements on the callers' streams,
+/// without host synchronisation in between: after the first both ranks hold
+/// a + b, and every later call doubles it (wrapping).
+fn back_to_back(s: &Setup, count: usize, calls: u32) {
     let bufs: Vec<DeviceAlloc> = s.ctxs.iter().map(|c| DeviceAlloc::new(c, count * 4)).collect();
     let streams: Vec<RawStream> = s.callers.iter().map(|c| RawStream::of(c)).collect();
     let mut rng = rand::rng();
@@ -226,7 +246,6 @@ fn raw_all_reduce_back_to_back_on_the_callers_streams() {
         unsafe { result::memcpy_htod_async(bufs[r].ptr, &start[r], streams[r].0) }.expect("upload");
     }
     let raw: Vec<RawBuffer> = bufs.iter().map(DeviceAlloc::buf).collect();
-    let calls = 24u32;
     for _ in 0..calls {
         // SAFETY: as in `run`: live allocations used only here until the sync below.
         unsafe { s.group.all_reduce_raw(&raw, count, DType::U32, ReduceOp::Sum, &streams) }.expect("all_reduce_raw");

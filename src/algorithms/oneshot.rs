@@ -14,11 +14,13 @@
 //! flags to raise and poll), many for large ones.
 //!
 //! Memory, for the large-message lane: [`ONESHOT_SCRATCH_BYTES`] per rank
-//! of device memory (P2P), or two [`HOST_ROUND_BYTES`] slots per rank in
-//! the group's pinned host buffer (no P2P). Plus the small lanes' slots (two
-//! parities of one slot per rank: 128 KiB times the ranks with P2P, 544 KiB
-//! times the ranks without) and a few KiB of flags and counters. Longer
-//! messages run in rounds of one slot each.
+//! of device memory (P2P), or four [`HOST_ROUND_BYTES`] slots per rank in
+//! the group's pinned host buffer (no P2P). Plus the small lanes' slots
+//! (four sets of one slot per rank: 256 KiB times the ranks with P2P,
+//! 1088 KiB times the ranks without) and a few KiB of flags and counters.
+//! Longer messages run in rounds of one slot each, and a block pushes the
+//! next round while it waits for and reduces the current one, so the link
+//! keeps carrying data while the SMs reduce.
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
@@ -33,8 +35,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use std::sync::Mutex;
 
 /// Bytes of slots per rank in device memory (P2P) of the large-message
-/// lane: two parities of one slot per rank.
-pub const ONESHOT_SCRATCH_BYTES: usize = 16 << 20;
+/// lane: four sets of one slot per rank (4 MiB slots for 2 ranks; 2 MiB
+/// slots were 13-15% slower from 64 MiB up, `bench/NOTES.md`).
+pub const ONESHOT_SCRATCH_BYTES: usize = 32 << 20;
 
 /// Slot bytes of the large-message lane through host memory (no P2P): a
 /// message runs in rounds of this many bytes, so that while some blocks
@@ -44,15 +47,17 @@ pub const ONESHOT_SCRATCH_BYTES: usize = 16 << 20;
 pub const HOST_ROUND_BYTES: usize = 1 << 20;
 
 /// The lanes of a one-shot with slots in device memory (P2P), as (largest
-/// message in bytes per rank, blocks): each lane has its own slots, flags
-/// and counters and one grid, so a small message does not pay for dozens of
-/// blocks raising and polling flags (`bench/NOTES.md`).
-const DEVICE_LANES: [(usize, u32); 2] = [(64 << 10, 4), (usize::MAX, kernels::ONESHOT_DEVICE_BLOCKS)];
+/// message in bytes per rank, blocks, ahead): each lane has its own slots,
+/// flags and counters and one grid, so a small message does not pay for
+/// dozens of blocks raising and polling flags; the large lane pushes each
+/// round ahead (`bench/NOTES.md`).
+const DEVICE_LANES: [(usize, u32, bool); 2] = [(64 << 10, 4, false), (usize::MAX, kernels::ONESHOT_DEVICE_BLOCKS, true)];
 
 /// The lanes of a one-shot with slots in host memory (no P2P), as for
 /// [`DEVICE_LANES`]: polling host memory over PCIe costs more per block, so
-/// small messages take fewer blocks still (`bench/NOTES.md`).
-const HOST_LANES: [(usize, u32); 3] = [(16 << 10, 2), (256 << 10, 4), (usize::MAX, kernels::ONESHOT_HOST_BLOCKS)];
+/// small messages take fewer blocks still, and no lane pushes ahead
+/// (slower through host memory: `bench/NOTES.md`).
+const HOST_LANES: [(usize, u32, bool); 3] = [(16 << 10, 2, false), (256 << 10, 4, false), (usize::MAX, kernels::ONESHOT_HOST_BLOCKS, false)];
 
 /// One lane's place in a one-shot region (shared by the single-process
 /// group and the multi-process [`crate::ipc::Comm`]).
@@ -64,6 +69,9 @@ pub(crate) struct LaneLayout {
     pub(crate) blocks: u32,
     /// Slot bytes (a multiple of 256).
     pub(crate) cap: usize,
+    /// Whether a block pushes each round ahead, while it reduces the one
+    /// before (the kernel's `ahead`).
+    pub(crate) ahead: bool,
     /// Byte offset of the lane in a region: its flags, then its slots.
     pub(crate) offset: usize,
 }
@@ -71,14 +79,14 @@ pub(crate) struct LaneLayout {
 /// The lanes of a one-shot among `n` ranks, with slots in device memory
 /// (`p2p`) or in host memory, and the bytes of one region holding them all.
 pub(crate) fn layout(n: usize, p2p: bool) -> (Vec<LaneLayout>, usize) {
-    let spec: &[(usize, u32)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
-    let last_cap = if p2p { (ONESHOT_SCRATCH_BYTES / (2 * n.max(1))) & !255 } else { HOST_ROUND_BYTES };
+    let spec: &[(usize, u32, bool)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
+    let last_cap = if p2p { (ONESHOT_SCRATCH_BYTES / (kernels::ONESHOT_SETS * n.max(1))) & !255 } else { HOST_ROUND_BYTES };
     let mut lanes = Vec::with_capacity(spec.len());
     let mut bytes = 0;
-    for &(max_bytes, blocks) in spec {
+    for &(max_bytes, blocks, ahead) in spec {
         let cap = if max_bytes == usize::MAX { last_cap } else { max_bytes.div_ceil(256) * 256 };
-        lanes.push(LaneLayout { max_bytes, blocks, cap, offset: bytes });
-        bytes += kernels::ONESHOT_FLAG_BYTES + 2 * n * cap;
+        lanes.push(LaneLayout { max_bytes, blocks, cap, ahead, offset: bytes });
+        bytes += kernels::ONESHOT_FLAG_BYTES + kernels::ONESHOT_SETS * n * cap;
     }
     (lanes, bytes)
 }
@@ -113,6 +121,8 @@ struct Lane {
     /// Slot bytes (a multiple of 256).
     cap: usize,
     blocks: u32,
+    /// The kernel's `ahead` (nonzero: push each round ahead).
+    ahead: i32,
 }
 
 /// A group's one-shot state: slots, flags, counters and kernels.
@@ -183,6 +193,7 @@ impl OneShot {
                     counters: counter_ptrs.iter().map(|c| c + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64).collect(),
                     cap: lane.cap,
                     blocks: lane.blocks,
+                    ahead: i32::from(lane.ahead),
                 }
             })
             .collect();
@@ -313,19 +324,20 @@ impl OneShot {
             .arg(&rank)
             .arg(&cnt)
             .arg(&cap)
+            .arg(&lane.ahead)
             .arg(&ctl)
             .arg(&timeout_ns);
         // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
-        // u32*, i32, i32, u64, u64, u32*, u64); `ctl` is the group's mapped
+        // u32*, i32, i32, u64, u64, i32, u32*, u64); `ctl` is the group's mapped
         // control block (1 + 2 * ranks words). `input`/`output` hold `count` elements
         // of `dtype` on rank r's device (element-aligned: the kernel checks
         // for 16 bytes itself); the lane's push regions and pull region hold
-        // ONESHOT_FLAG_BYTES + 2 * n * cap bytes and are reachable from rank
+        // ONESHOT_FLAG_BYTES + ONESHOT_SETS * n * cap bytes and are reachable from rank
         // r's device (peer access enabled and verified for every pair, or
         // mapped portable host memory); the counters hold ONESHOT_MAX_BLOCKS
         // words of rank r. Every rank runs the lane's grid on every call of
-        // the lane (callers launch every rank), as the kernel's slot-reuse
-        // rule requires, and each rank is on its own device, so all ranks'
+        // the lane (callers launch every rank), with the lane's one `ahead`,
+        // as the kernel's slot-reuse rule requires, and each rank is on its own device, so all ranks'
         // blocks can be resident.
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         Ok(())
@@ -374,7 +386,7 @@ mod tests {
         for spec in [&DEVICE_LANES[..], &HOST_LANES[..]] {
             assert!(spec.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1), "{spec:?}");
             assert_eq!(spec.last().map(|l| l.0), Some(usize::MAX));
-            assert!(spec.iter().all(|&(_, b)| b >= 1 && b as usize <= kernels::ONESHOT_MAX_BLOCKS));
+            assert!(spec.iter().all(|&(_, b, _)| b >= 1 && b as usize <= kernels::ONESHOT_MAX_BLOCKS));
         }
     }
 
@@ -387,13 +399,13 @@ mod tests {
                 for l in &lanes {
                     assert_eq!(l.offset, end);
                     assert_eq!(l.cap % 256, 0);
-                    end += kernels::ONESHOT_FLAG_BYTES + 2 * n * l.cap;
+                    end += kernels::ONESHOT_FLAG_BYTES + kernels::ONESHOT_SETS * n * l.cap;
                 }
                 assert_eq!(end, bytes);
             }
         }
         let (lanes, _) = layout(2, true);
-        assert_eq!(lanes.last().map(|l| l.cap), Some(ONESHOT_SCRATCH_BYTES / 4));
+        assert_eq!(lanes.last().map(|l| l.cap), Some(ONESHOT_SCRATCH_BYTES / (2 * kernels::ONESHOT_SETS)));
         let maxes = || lanes.iter().map(|l| l.max_bytes);
         assert_eq!(lane_index(maxes(), 4096, lanes.len()), 0);
         assert_eq!(lane_index(maxes(), 1 << 30, lanes.len()), lanes.len() - 1);

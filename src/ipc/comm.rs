@@ -734,6 +734,7 @@ impl Comm {
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
         let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
+        let ahead = i32::from(lane.layout.ahead);
         let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
         let f = self.funcs.get(kernel, || function(&self.ctx, kernel))?;
         let mut launch = self.stream.launch_builder(f);
@@ -748,18 +749,19 @@ impl Comm {
             .arg(&rank)
             .arg(&cnt)
             .arg(&cap)
+            .arg(&ahead)
             .arg(&self.ctl.addrs[0])
             .arg(&self.ctl.timeout_ns);
         // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
-        // u32*, i32, i32, u64, u64, u32*, u64); the control block holds
+        // u32*, i32, i32, u64, u64, i32, u32*, u64); the control block holds
         // 1 + 2 * size words, mapped for this device. `input`/`output` hold
         // `count` elements of `dtype` on this rank's device (checked by the callers); the
         // lane's push regions (the peers' regions, imported and mapped with
         // read-write access for this device, P2P checked) and its pull
-        // region (this rank's own) hold ONESHOT_FLAG_BYTES + 2 * n * cap
+        // region (this rank's own) hold ONESHOT_FLAG_BYTES + ONESHOT_SETS * n * cap
         // bytes from the lane's offset (one `layout` on every rank); the
         // counters hold ONESHOT_MAX_BLOCKS words of this rank. Every rank
-        // runs the lane's grid on each call of the lane (the callers' contract,
+        // runs the lane's grid and `ahead` on each call of the lane (the callers' contract,
         // checked per call with `check_calls`). Each rank has its own device,
         // or (`share_devices`) shares one with ranks of other processes, whose
         // contexts the driver time-slices: every rank's kernel gets to run,

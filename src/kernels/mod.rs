@@ -320,6 +320,11 @@ pub(crate) const MESH_MAX_RANKS: usize = 8;
 /// and source rank).
 pub(crate) const ONESHOT_MAX_BLOCKS: usize = 64;
 
+/// Slot sets of a one-shot region: at least three, so that a block may push
+/// one round ahead while it reduces the current one (`kernels/reduce.cu`);
+/// a power of two.
+pub(crate) const ONESHOT_SETS: usize = 4;
+
 /// Bytes of flags at the start of a one-shot region: `u32 [rank][block]`.
 pub(crate) const ONESHOT_FLAG_BYTES: usize = MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4;
 
@@ -435,6 +440,8 @@ mod tests {
         assert!(src.contains("#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)"));
         assert!(src.contains(&format!("#define ONESHOT_MAX_BLOCKS {ONESHOT_MAX_BLOCKS}\n")));
         assert!(src.contains("#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)"));
+        assert!(src.contains(&format!("#define ONESHOT_SETS {ONESHOT_SETS}\n")));
+        assert!(ONESHOT_SETS.is_power_of_two() && ONESHOT_SETS >= 3);
         assert!(ONESHOT_DEVICE_BLOCKS as usize <= ONESHOT_MAX_BLOCKS && ONESHOT_HOST_BLOCKS as usize <= ONESHOT_MAX_BLOCKS);
     }
 
