@@ -11,7 +11,7 @@
 #   bash bench/gpu-evidence.sh soak sanitizer mp oldnew   (OLD defaults to .gpu/old/cuda-peer-bench)
 #
 # Phases (about how long each takes on 2x H200):
-#   tests      every test binary, sharded (bench/gpu-tests-parallel.sh), ~3 min
+#   tests      every test binary, sharded (bench/gpu-tests-parallel.sh), ~3.5 min (sixteen_million_elements alone ~190-200 s)
 #   alone      raw and copy tests alone (their memory and timing checks), ~1 min
 #   fault      tests/fakecuda/run.sh: every lying-driver mode and the doctor under it, ~3-5 min
 #   soak       10,000 randomized collectives (examples/soak), ~2 min
@@ -39,7 +39,7 @@ phase() {  # name, seconds, command...
 line "gpu-evidence: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), $(date -u +%FT%TZ)"
 for p in "$@"; do
   case "$p" in
-    tests) SHARDS=8 SHARD_TIMEOUT=200 phase tests 260 bash bench/gpu-tests-parallel.sh ;;
+    tests) SHARDS=8 SHARD_TIMEOUT=260 phase tests 300 bash bench/gpu-tests-parallel.sh ;;
     alone) CUDA_PEER_REQUIRE_GPU=1 phase alone 200 bash -c 'for t in .gpu/tests/main-raw-test .gpu/tests/main-copy-test; do echo "== $t"; "$t" --test-threads=1 || exit 1; done' ;;
     fault) FAKECUDA_TIMEOUT=70 phase fault 420 tests/fakecuda/run.sh ;;
     soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
