@@ -18,9 +18,9 @@
 //! the group's pinned host buffer (no P2P). Plus the small lanes' slots
 //! (four sets of one slot per rank: 256 KiB times the ranks with P2P,
 //! 1088 KiB times the ranks without) and a few KiB of flags and counters.
-//! Longer messages run in rounds of one slot each, and a block pushes the
-//! next round while it waits for and reduces the current one, so the link
-//! keeps carrying data while the SMs reduce.
+//! Longer messages run in rounds of one slot each; on the large P2P lane a
+//! block pushes the next round while it waits for and reduces the current
+//! one, so the link keeps carrying data while the SMs reduce.
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
@@ -35,8 +35,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use std::sync::Mutex;
 
 /// Bytes of slots per rank in device memory (P2P) of the large-message
-/// lane: four sets of one slot per rank (4 MiB slots for 2 ranks; 2 MiB
-/// slots were 13-15% slower from 64 MiB up, `bench/NOTES.md`).
+/// lane: four sets of one slot per rank (4 MiB slots for 2 ranks; with
+/// 2 MiB slots an all-reduce between processes took 1.12-1.17x the time
+/// from 64 MiB up, with 8 MiB slots 1.07-1.14x: `bench/NOTES.md`).
 pub const ONESHOT_SCRATCH_BYTES: usize = 32 << 20;
 
 /// Slot bytes of the large-message lane through host memory (no P2P): a
@@ -332,13 +333,13 @@ impl OneShot {
         // control block (1 + 2 * ranks words). `input`/`output` hold `count` elements
         // of `dtype` on rank r's device (element-aligned: the kernel checks
         // for 16 bytes itself); the lane's push regions and pull region hold
-        // ONESHOT_FLAG_BYTES + ONESHOT_SETS * n * cap bytes and are reachable from rank
-        // r's device (peer access enabled and verified for every pair, or
+        // ONESHOT_FLAG_BYTES + ONESHOT_SETS * n * cap bytes and are reachable
+        // from rank r's device (peer access enabled and verified for every pair, or
         // mapped portable host memory); the counters hold ONESHOT_MAX_BLOCKS
         // words of rank r. Every rank runs the lane's grid on every call of
         // the lane (callers launch every rank), with the lane's one `ahead`,
-        // as the kernel's slot-reuse rule requires, and each rank is on its own device, so all ranks'
-        // blocks can be resident.
+        // as the kernel's slot-reuse rule requires, and each rank is on its
+        // own device, so all ranks' blocks can be resident.
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
         Ok(())
     }

@@ -758,11 +758,11 @@ impl Comm {
         // `count` elements of `dtype` on this rank's device (checked by the callers); the
         // lane's push regions (the peers' regions, imported and mapped with
         // read-write access for this device, P2P checked) and its pull
-        // region (this rank's own) hold ONESHOT_FLAG_BYTES + ONESHOT_SETS * n * cap
-        // bytes from the lane's offset (one `layout` on every rank); the
-        // counters hold ONESHOT_MAX_BLOCKS words of this rank. Every rank
-        // runs the lane's grid and `ahead` on each call of the lane (the callers' contract,
-        // checked per call with `check_calls`). Each rank has its own device,
+        // region (this rank's own) hold ONESHOT_FLAG_BYTES + ONESHOT_SETS *
+        // n * cap bytes from the lane's offset (one `layout` on every rank);
+        // the counters hold ONESHOT_MAX_BLOCKS words of this rank. Every
+        // rank runs the lane's grid and `ahead` on each call of the lane (the
+        // callers' contract, checked per call with `check_calls`). Each rank has its own device,
         // or (`share_devices`) shares one with ranks of other processes, whose
         // contexts the driver time-slices: every rank's kernel gets to run,
         // and a barrier that waits too long gives up (the control block).
