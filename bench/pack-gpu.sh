@@ -19,15 +19,10 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 tar xzf .gpu.tgz -C "$tmp"
 rm -f "$tmp"/.gpu/tests/cli-* "$tmp"/.gpu/tests/sys-* "$tmp"/.gpu/tests/run-* "$tmp"/.gpu/tests/bench-*
-if [ -n "${OLD_BENCH:-}" ]; then
-  mkdir -p "$tmp/.gpu/old"
-  cp "$OLD_BENCH" "$tmp/.gpu/old/cuda-peer-bench"
-fi
-if [ -n "${PREV_BENCH:-}" ]; then
-  mkdir -p "$tmp/.gpu/prev"
-  cp "$PREV_BENCH" "$tmp/.gpu/prev/cuda-peer-bench"
-fi
-for extra in ${EXTRA_BENCHES:-}; do
+extras="${EXTRA_BENCHES:-}"
+[ -z "${OLD_BENCH:-}" ] || extras="$extras old=$OLD_BENCH"
+[ -z "${PREV_BENCH:-}" ] || extras="$extras prev=$PREV_BENCH"
+for extra in $extras; do
   mkdir -p "$tmp/.gpu/${extra%%=*}"
   cp "${extra#*=}" "$tmp/.gpu/${extra%%=*}/cuda-peer-bench"
 done
