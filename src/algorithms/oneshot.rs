@@ -409,7 +409,7 @@ mod tests {
         assert_eq!(lanes.last().map(|l| l.cap), Some(ONESHOT_SCRATCH_BYTES / (2 * kernels::ONESHOT_SETS)));
         // Between 2 ranks, the largest message Auto gives the one-shot is one
         // round (two rounds of half the size took 1.10x the time: bench/NOTES.md).
-        assert!(lanes.last().is_some_and(|l| l.cap >= super::super::ONESHOT_AUTO_MAX_BYTES));
+        assert!(lanes.last().is_some_and(|l| l.cap >= crate::algorithms::ONESHOT_AUTO_MAX_BYTES));
         let maxes = || lanes.iter().map(|l| l.max_bytes);
         assert_eq!(lane_index(maxes(), 4096, lanes.len()), 0);
         assert_eq!(lane_index(maxes(), 1 << 30, lanes.len()), lanes.len() - 1);
