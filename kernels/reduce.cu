@@ -573,18 +573,30 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 // 16-byte units; unit j of a round always belongs to thread j % stride of
 // the grid, and the grid is the same on every launch of a lane, so block b
 // of every rank always writes and reads the same units. A block raises its
-// flag v once it has pushed round v (and reduced round v - 1).
-//   Not ahead: per round, push v, raise flag v, wait for the peers' flags
-//   v, reduce v. Pushing v overwrites the set of round v - ONESHOT_SETS,
-//   which every peer has reduced: its flag v - 1, already seen, was raised
-//   after it reduced round v - 2.
-//   Ahead: push round v + 1 right after raising flag v, so that those
-//   stores cross the link while the block waits for round v and reduces
-//   it. Pushing v + 1 overwrites the set of round v + 1 - ONESHOT_SETS,
-//   which every peer has reduced by the same argument (it needs three sets;
-//   four, a power of two, keep the set index continuous where the u32
-//   counter wraps). Every rank must pass the same `ahead` on every launch
-//   of a lane.
+// flag v once it has pushed round v. Modes (`ahead`, the same on every
+// rank for every launch of a lane):
+//   ONESHOT_PLAIN: per round, push v, raise flag v, wait for the peers'
+//   flags v, reduce v. Flag v also says the block reduced round v - 1.
+//   Pushing v overwrites the set of round v - ONESHOT_SETS, which every
+//   peer has reduced: its flag v - 1, already seen, was raised after it
+//   reduced round v - 2.
+//   ONESHOT_AHEAD: push round v + 1 right after raising flag v, so that
+//   those stores cross the link while the block waits for round v and
+//   reduces it. Flag v + 1 is raised after the reduction of v, as above.
+//   Pushing v + 1 overwrites the set of round v + 1 - ONESHOT_SETS, which
+//   every peer has reduced by the same argument (three sets would do).
+//   ONESHOT_DEEP: push rounds 0 and 1 (raising their flags), then for each
+//   round v: wait for the peers' flags v, then reduce v and push v + 2 in
+//   one pass, group by group, and raise flag v + 2. Flag v + 2 says the
+//   block reduced round v. Pushing v + 2 overwrites the set of round v - 2,
+//   which every peer reduced before raising its flag v, just seen; a peer
+//   pushes into the set this block reduces (v + 4) only after this block's
+//   flag v + 2. This needs all four sets.
+//   Four sets, a power of two, keep the set index continuous where the u32
+//   counter wraps. A call's first pushes rely on its previous call on the
+//   lane: its last wait saw every peer's flag of the last round, raised
+//   after every earlier round was reduced (by that kernel or, in stream
+//   order, by one before it).
 //
 //   cp_oneshot_OP_TY(PtrArray push, int npush, const void* pull,
 //                    const T* in, T* out, unsigned* counters,
@@ -597,15 +609,18 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //     counters: this rank's own block counters (ONESHOT_MAX_BLOCKS words,
 //            zeroed at creation);
 //     cap:   slot bytes, a multiple of 16;
-//     ahead: nonzero to push each round ahead (see above).
+//     ahead: ONESHOT_PLAIN, ONESHOT_AHEAD or ONESHOT_DEEP (see above).
 //   Launch: the same grid on every rank and for every call of the group, at
 //   most ONESHOT_MAX_BLOCKS blocks, all resident at once; 1-D blocks of at
 //   least nranks threads. ctl, timeout_ns: as for the mesh.
 // ---------------------------------------------------------------------------
-#define ONESHOT_MAX_BLOCKS 64
+#define ONESHOT_MAX_BLOCKS 128
 #define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)
 #define ONESHOT_UNROLL 4
 #define ONESHOT_SETS 4
+#define ONESHOT_PLAIN 0
+#define ONESHOT_AHEAD 1
+#define ONESHOT_DEEP 2
 
 
 // The last, partial 16-byte unit of a round (elements [j*E, len)), as a
@@ -648,78 +663,97 @@ static __device__ __forceinline__ void store_unit(T* dst, u64 j, V16 v, bool vec
     for (int e = 0; e < (int)E; ++e) dst[j * E + e] = x.e[e];
 }
 
-// Stores this rank's units of one round (len elements of src) into slot
-// `slot` of every push region; unit j is thread (j % stride)'s of the
-// threads doing this (tid: this thread's index among them).
+// The elements of round `round` of n in rounds of per_round.
+static __device__ __forceinline__ u64 round_len(u64 n, u64 round, u64 per_round) {
+    const u64 off = round * per_round;
+    return n - off < per_round ? n - off : per_round;
+}
+
+// The first slot of round value v's set: slot_of(v, nranks) + k is rank k's.
+static __device__ __forceinline__ u64 slot_of(unsigned int v, int nranks) {
+    return (u64)(v & (ONESHOT_SETS - 1u)) * (u64)nranks;
+}
+
+// Pushes this thread's group of ONESHOT_UNROLL units j0, j0 + stride, ...
+// (those below `full`) of src into slot `slot` of every push region.
 template <class T>
-static __device__ __forceinline__ void oneshot_push(char* const* spush, int npush, const T* src, u64 len,
-                                                    u64 slot, u64 cap, bool vec, u64 tid, u64 stride) {
-    const u64 E = 16 / sizeof(T);
-    const u64 full = len / E;
-    const u64 units = (len + E - 1) / E;
-    for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
-        V16 x[ONESHOT_UNROLL];
+static __device__ __forceinline__ void push_group(char* const* spush, int npush, const T* src, u64 full, u64 slot,
+                                                  u64 cap, bool vec, u64 j0, u64 stride) {
+    V16 x[ONESHOT_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+        const u64 j = j0 + (u64)u * stride;
+        if (j < full) x[u] = load_unit<T>(src, j, vec);
+    }
+    for (int k = 0; k < npush; ++k) {
+        V16* to = (V16*)(spush[k] + ONESHOT_FLAG_BYTES + slot * cap);
 #pragma unroll
         for (int u = 0; u < ONESHOT_UNROLL; ++u) {
             const u64 j = j0 + (u64)u * stride;
-            if (j < full) x[u] = load_unit<T>(src, j, vec);
-        }
-        for (int k = 0; k < npush; ++k) {
-            V16* to = (V16*)(spush[k] + ONESHOT_FLAG_BYTES + slot * cap);
-#pragma unroll
-            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                const u64 j = j0 + (u64)u * stride;
-                if (j < full) to[j] = x[u];
-            }
+            if (j < full) to[j] = x[u];
         }
     }
-    if (full < units && tid == full % stride) {
+}
+
+// The last, partial unit of a pushed round (len elements), by its thread.
+template <class T>
+static __device__ __forceinline__ void push_tail(char* const* spush, int npush, const T* src, u64 len, u64 slot,
+                                                 u64 cap, u64 tid, u64 stride) {
+    const u64 E = 16 / sizeof(T);
+    const u64 full = len / E;
+    if (full * E < len && tid == full % stride) {
         const V16 x = load_partial<T>(src, full, len);
         for (int k = 0; k < npush; ++k) ((V16*)(spush[k] + ONESHOT_FLAG_BYTES + slot * cap))[full] = x;
     }
 }
 
-// Reduces one round: every rank's slot `slot0 + k` of pdata (this rank's own
-// units read from src instead), in rank order, into dst; units as for
-// oneshot_push.
+// Reduces this thread's group of units j0, j0 + stride, ... (those below
+// `full`): every rank's slot `slot0 + k` of pdata (this rank's own units
+// read from src instead), in rank order, into dst.
 template <class Op>
-static __device__ __forceinline__ void oneshot_reduce(const char* pdata, const typename Op::T* src,
-                                                      typename Op::T* dst, u64 len, u64 slot0, u64 cap,
-                                                      int nranks, int rank, bool vec, u64 tid, u64 stride) {
+static __device__ __forceinline__ void reduce_group(const char* pdata, const typename Op::T* src,
+                                                    typename Op::T* dst, u64 full, u64 slot0, u64 cap,
+                                                    int nranks, int rank, bool vec, u64 j0, u64 stride) {
     typedef typename Op::T T;
     const u64 E = 16 / sizeof(T);
-    const u64 full = len / E;
-    const u64 units = (len + E - 1) / E;
-    for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
-        VecView<T> acc[ONESHOT_UNROLL];
+    VecView<T> acc[ONESHOT_UNROLL];
 #pragma unroll 1
-        for (int k = 0; k < MESH_MAX_RANKS; ++k) {
-            if (k < nranks) {
-                const V16* from = (const V16*)(pdata + (slot0 + (u64)k) * cap);
-                VecView<T> x[ONESHOT_UNROLL];
+    for (int k = 0; k < MESH_MAX_RANKS; ++k) {
+        if (k < nranks) {
+            const V16* from = (const V16*)(pdata + (slot0 + (u64)k) * cap);
+            VecView<T> x[ONESHOT_UNROLL];
 #pragma unroll
-                for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                    const u64 j = j0 + (u64)u * stride;
-                    if (j < full) x[u].v = k == rank ? load_unit<T>(src, j, vec) : from[j];
-                }
+            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                const u64 j = j0 + (u64)u * stride;
+                if (j < full) x[u].v = k == rank ? load_unit<T>(src, j, vec) : from[j];
+            }
 #pragma unroll
-                for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-                    if (k == 0) {
-                        acc[u].v = x[u].v;
-                    } else {
+            for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+                if (k == 0) {
+                    acc[u].v = x[u].v;
+                } else {
 #pragma unroll
-                        for (int e = 0; e < (int)E; ++e) acc[u].e[e] = Op::apply(acc[u].e[e], x[u].e[e]);
-                    }
+                    for (int e = 0; e < (int)E; ++e) acc[u].e[e] = Op::apply(acc[u].e[e], x[u].e[e]);
                 }
             }
         }
-#pragma unroll
-        for (int u = 0; u < ONESHOT_UNROLL; ++u) {
-            const u64 j = j0 + (u64)u * stride;
-            if (j < full) store_unit<T>(dst, j, acc[u].v, vec);
-        }
     }
-    if (full < units && tid == full % stride) {
+#pragma unroll
+    for (int u = 0; u < ONESHOT_UNROLL; ++u) {
+        const u64 j = j0 + (u64)u * stride;
+        if (j < full) store_unit<T>(dst, j, acc[u].v, vec);
+    }
+}
+
+// The last, partial unit of a reduced round (len elements), by its thread.
+template <class Op>
+static __device__ __forceinline__ void reduce_tail(const char* pdata, const typename Op::T* src,
+                                                   typename Op::T* dst, u64 len, u64 slot0, u64 cap,
+                                                   int nranks, int rank, u64 tid, u64 stride) {
+    typedef typename Op::T T;
+    const u64 E = 16 / sizeof(T);
+    const u64 full = len / E;
+    if (full * E < len && tid == full % stride) {
         for (u64 i = full * E; i < len; ++i) {
             T acc = src[i];
             for (int k = 0; k < nranks; ++k) {
@@ -731,6 +765,74 @@ static __device__ __forceinline__ void oneshot_reduce(const char* pdata, const t
     }
 }
 
+// Stores this rank's units of one round (len elements of src) into slot
+// `slot` of every push region; unit j is thread (j % stride)'s of the
+// threads doing this (tid: this thread's index among them).
+template <class T>
+static __device__ __forceinline__ void oneshot_push(char* const* spush, int npush, const T* src, u64 len,
+                                                    u64 slot, u64 cap, bool vec, u64 tid, u64 stride) {
+    const u64 full = len / (16 / sizeof(T));
+    for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) push_group<T>(spush, npush, src, full, slot, cap, vec, j0, stride);
+    push_tail<T>(spush, npush, src, len, slot, cap, tid, stride);
+}
+
+// Reduces one round: every rank's slot `slot0 + k` of pdata (this rank's own
+// units read from src instead), in rank order, into dst; units as for
+// oneshot_push.
+template <class Op>
+static __device__ __forceinline__ void oneshot_reduce(const char* pdata, const typename Op::T* src,
+                                                      typename Op::T* dst, u64 len, u64 slot0, u64 cap,
+                                                      int nranks, int rank, bool vec, u64 tid, u64 stride) {
+    const u64 full = len / (16 / sizeof(typename Op::T));
+    for (u64 j0 = tid; j0 < full; j0 += stride * ONESHOT_UNROLL) {
+        reduce_group<Op>(pdata, src, dst, full, slot0, cap, nranks, rank, vec, j0, stride);
+    }
+    reduce_tail<Op>(pdata, src, dst, len, slot0, cap, nranks, rank, tid, stride);
+}
+
+// One pass that pushes a round (plen elements of psrc into slot pslot) and
+// reduces another (as oneshot_reduce), group by group, so that each warp
+// has stores crossing the link while it loads and stores locally.
+template <class Op>
+static __device__ __forceinline__ void oneshot_fused(char* const* spush, int npush, const typename Op::T* psrc,
+                                                     u64 plen, u64 pslot, const char* pdata,
+                                                     const typename Op::T* src, typename Op::T* dst, u64 len,
+                                                     u64 slot0, u64 cap, int nranks, int rank, bool vec, u64 tid,
+                                                     u64 stride) {
+    typedef typename Op::T T;
+    const u64 E = 16 / sizeof(T);
+    const u64 pfull = plen / E;
+    const u64 full = len / E;
+    const u64 most = pfull > full ? pfull : full;
+    for (u64 j0 = tid; j0 < most; j0 += stride * ONESHOT_UNROLL) {
+        push_group<T>(spush, npush, psrc, pfull, pslot, cap, vec, j0, stride);
+        reduce_group<Op>(pdata, src, dst, full, slot0, cap, nranks, rank, vec, j0, stride);
+    }
+    push_tail<T>(spush, npush, psrc, plen, pslot, cap, tid, stride);
+    reduce_tail<Op>(pdata, src, dst, len, slot0, cap, nranks, rank, tid, stride);
+}
+
+// Flag v of this block in every push region: everything the block stored
+// (and read) before it is done.
+static __device__ __forceinline__ void oneshot_flag(char* const* spush, int npush, int rank, unsigned int v) {
+    __syncthreads();
+    if ((int)threadIdx.x < npush) {
+        unsigned int* f = (unsigned int*)spush[threadIdx.x] + rank * ONESHOT_MAX_BLOCKS + blockIdx.x;
+        // Cumulative release after __syncthreads: see mesh_barrier.
+        st_release_sys(f, v);
+    }
+}
+
+// Waits for every peer's flag v of this block; false if a wait gave up.
+static __device__ __forceinline__ bool oneshot_wait(const unsigned int* pflags, int nranks, int rank, unsigned int v,
+                                                    unsigned int* ctl, u64 timeout_ns) {
+    int ok = 1;
+    if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank) {
+        ok = wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v, ctl, timeout_ns, rank);
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
 template <class Op>
 static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int npush, const void* pull,
                                     const typename Op::T* in, typename Op::T* out,
@@ -740,6 +842,7 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
     if (npush < 0 || npush > MESH_MAX_RANKS || cap < 16 || (cap & 15u) != 0) return;
     if (gridDim.x > ONESHOT_MAX_BLOCKS || (int)blockDim.x < nranks || (int)blockDim.x < npush) return;
+    if (ahead < ONESHOT_PLAIN || ahead > ONESHOT_DEEP) return;
     __shared__ unsigned int base_v;
     __shared__ char* spush[MESH_MAX_RANKS];
     if (threadIdx.x == 0) {
@@ -756,38 +859,51 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     const u64 stride = global_stride();
     const char* pdata = (const char*)pull + ONESHOT_FLAG_BYTES;
     const unsigned int* pflags = (const unsigned int*)pull;
-    for (u64 round = 0; round < rounds; ++round) {
-        const unsigned int v = base_v + (unsigned int)round + 1u;
-        const u64 off = round * per_round;
-        // Push round v, unless it was pushed ahead last round.
-        if (ahead == 0 || round == 0) {
-            const u64 len = n - off < per_round ? n - off : per_round;
-            oneshot_push<T>(spush, npush, in + off, len, (u64)(v & (ONESHOT_SETS - 1u)) * (u64)nranks + (u64)rank,
-                            cap, vec, tid, stride);
+    if (ahead == ONESHOT_DEEP) {
+        // Rounds 0 and 1 pushed before any wait, then round r reduced in one
+        // pass with round r + 2's push.
+        for (u64 round = 0; round < rounds && round < 2; ++round) {
+            const unsigned int v = base_v + (unsigned int)round + 1u;
+            oneshot_push<T>(spush, npush, in + round * per_round, round_len(n, round, per_round),
+                            slot_of(v, nranks) + (u64)rank, cap, vec, tid, stride);
+            oneshot_flag(spush, npush, rank, v);
         }
-        // Flag v: this block has pushed round v (and reduced round v - 1).
-        __syncthreads();
-        if ((int)threadIdx.x < npush) {
-            unsigned int* f = (unsigned int*)spush[threadIdx.x] + rank * ONESHOT_MAX_BLOCKS + blockIdx.x;
-            // Cumulative release after __syncthreads: see mesh_barrier.
-            st_release_sys(f, v);
+        for (u64 round = 0; round < rounds; ++round) {
+            const unsigned int v = base_v + (unsigned int)round + 1u;
+            const u64 off = round * per_round;
+            if (!oneshot_wait(pflags, nranks, rank, v, ctl, timeout_ns)) return;
+            if (round + 2 < rounds) {
+                oneshot_fused<Op>(spush, npush, in + off + 2 * per_round, round_len(n, round + 2, per_round),
+                                  slot_of(v + 2u, nranks) + (u64)rank, pdata, in + off, out + off,
+                                  round_len(n, round, per_round), slot_of(v, nranks), cap, nranks, rank, vec, tid,
+                                  stride);
+                oneshot_flag(spush, npush, rank, v + 2u);
+            } else {
+                oneshot_reduce<Op>(pdata, in + off, out + off, round_len(n, round, per_round), slot_of(v, nranks),
+                                   cap, nranks, rank, vec, tid, stride);
+            }
         }
-        // Ahead: push round v + 1 now, so that its stores cross the link
-        // while this block waits for round v and reduces it.
-        if (ahead != 0 && round + 1 < rounds) {
-            const u64 next = off + per_round;
-            const u64 len = n - next < per_round ? n - next : per_round;
-            oneshot_push<T>(spush, npush, in + next, len,
-                            (u64)((v + 1u) & (ONESHOT_SETS - 1u)) * (u64)nranks + (u64)rank, cap, vec, tid, stride);
+    } else {
+        for (u64 round = 0; round < rounds; ++round) {
+            const unsigned int v = base_v + (unsigned int)round + 1u;
+            const u64 off = round * per_round;
+            // Push round v, unless it was pushed ahead last round.
+            if (ahead == ONESHOT_PLAIN || round == 0) {
+                oneshot_push<T>(spush, npush, in + off, round_len(n, round, per_round),
+                                slot_of(v, nranks) + (u64)rank, cap, vec, tid, stride);
+            }
+            // Flag v: this block has pushed round v (and reduced round v - 1).
+            oneshot_flag(spush, npush, rank, v);
+            // Ahead: push round v + 1 now, so that its stores cross the link
+            // while this block waits for round v and reduces it.
+            if (ahead == ONESHOT_AHEAD && round + 1 < rounds) {
+                oneshot_push<T>(spush, npush, in + off + per_round, round_len(n, round + 1, per_round),
+                                slot_of(v + 1u, nranks) + (u64)rank, cap, vec, tid, stride);
+            }
+            if (!oneshot_wait(pflags, nranks, rank, v, ctl, timeout_ns)) return;
+            oneshot_reduce<Op>(pdata, in + off, out + off, round_len(n, round, per_round), slot_of(v, nranks), cap,
+                               nranks, rank, vec, tid, stride);
         }
-        int ok = 1;
-        if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank) {
-            ok = wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v, ctl, timeout_ns, rank);
-        }
-        if (!__syncthreads_and(ok)) return;
-        const u64 len = n - off < per_round ? n - off : per_round;
-        oneshot_reduce<Op>(pdata, in + off, out + off, len, (u64)(v & (ONESHOT_SETS - 1u)) * (u64)nranks, cap,
-                           nranks, rank, vec, tid, stride);
     }
     __syncthreads();
     if (threadIdx.x == 0) counters[blockIdx.x] = base_v + (unsigned int)rounds;

@@ -39,6 +39,8 @@ pub(crate) struct Rank {
     /// Orders callers' buffers with this rank's work (`crate::sync`).
     pub(crate) order: Orderer,
     pub(crate) max_blocks: u32,
+    /// The device's multiprocessors.
+    pub(crate) sms: u32,
 }
 
 impl Rank {
@@ -54,6 +56,7 @@ impl Rank {
             funcs: FnTable::default(),
             order: Orderer::default(),
             max_blocks: (sms.max(1) as u32) * 4,
+            sms: sms.max(1) as u32,
             ctx,
             stream,
         })

@@ -139,12 +139,13 @@ fn untracked(test: &str, min: usize) -> Option<Vec<Arc<CudaContext>>> {
 }
 
 /// Counts (u32): under Auto with P2P, 1024 to 1 << 19 (4 KiB to 2 MiB) take
-/// the one-shot and 1 << 21 (8 MiB) the mesh; 4093 ends in a partial 16-byte
-/// unit. They span every one-shot lane: over P2P 4-64 KiB take the small
-/// lane and 2 MiB the large one; through host memory 4 and 16 KiB take the
-/// smallest lane, 64 KiB the middle one, 2 and 8 MiB the large one (in
+/// the one-shot and (1 << 21) + 5 (8 MiB + 20 B) the mesh; 4093 ends in a
+/// partial 16-byte unit. They span every one-shot lane: over P2P 4-64 KiB
+/// take the small lane, 256 KiB the middle one and 2 MiB the large one;
+/// through host memory 4 and 16 KiB take the smallest lane, 64 and 256 KiB
+/// the next, 2 MiB the one up to 8 MiB and 8 MiB + 20 B the largest (in
 /// 1 MiB rounds). The ring takes them all in the ring test.
-const COUNTS: [usize; 5] = [1024, 4093, 1 << 14, 1 << 19, 1 << 21];
+const COUNTS: [usize; 6] = [1024, 4093, 1 << 14, 1 << 16, 1 << 19, (1 << 21) + 5];
 
 #[test]
 fn fused_all_reduces_replay_from_a_graph() {

@@ -80,8 +80,8 @@ fn reference(op: ReduceOp, ins: &[Vec<f64>], i: usize) -> f64 {
     }
 }
 
-/// Every op on `T`, in place and out of place, at sizes on both lanes and
-/// over several rounds of the large lane.
+/// Every op on `T`, in place and out of place, at sizes on the small, the
+/// middle and the large lane, and over several rounds of the large lane.
 fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
     let n = comm.size();
     // Two rounds and a bit of the large lane's slots (32 MiB: four sets of one slot per rank).

@@ -15,12 +15,14 @@
 //!
 //! Memory, for the large-message lane: [`ONESHOT_SCRATCH_BYTES`] per rank
 //! of device memory (P2P), or four [`HOST_ROUND_BYTES`] slots per rank in
-//! the group's pinned host buffer (no P2P). Plus the small lanes' slots
-//! (four sets of one slot per rank: 256 KiB times the ranks with P2P,
-//! 1088 KiB times the ranks without) and a few KiB of flags and counters.
+//! the group's pinned host buffer (no P2P). Plus the other lanes' slots
+//! (four sets of one slot per rank: 4352 KiB times the ranks with P2P,
+//! 5184 KiB times the ranks without) and a few KiB of flags and counters.
 //! Longer messages run in rounds of one slot each; on the large P2P lane a
 //! block pushes the next round while it waits for and reduces the current
-//! one, so the link keeps carrying data while the SMs reduce.
+//! one, so the link keeps carrying data while the SMs reduce, and on the
+//! large host lane a block reduces each round in one pass with its push of
+//! the round after next.
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
@@ -30,7 +32,7 @@ use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::kernels::load::{FnTable, PtrArray};
-use crate::kernels::{self, Kernel, KernelOp};
+use crate::kernels::{self, Kernel, KernelOp, OneShotPipeline};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
@@ -48,45 +50,62 @@ pub const ONESHOT_SCRATCH_BYTES: usize = 32 << 20;
 pub const HOST_ROUND_BYTES: usize = 1 << 20;
 
 /// The lanes of a one-shot with slots in device memory (P2P), as (largest
-/// message in bytes per rank, blocks, ahead): each lane has its own slots,
-/// flags and counters and one grid, so a small message does not pay for
-/// dozens of blocks raising and polling flags; the large lane pushes each
-/// round ahead (`bench/NOTES.md`).
-const DEVICE_LANES: [(usize, u32, bool); 2] = [(64 << 10, 4, false), (usize::MAX, kernels::ONESHOT_DEVICE_BLOCKS, true)];
+/// message in bytes per rank, blocks, pipeline): each lane has its own
+/// slots, flags and counters and one grid, so a small message does not pay
+/// for dozens of blocks raising and polling flags, and the large lane has a
+/// block on nearly every multiprocessor (128 blocks took 0.82-0.93x the
+/// time of 64 in bf16 from 2 MiB up between processes, 0.86-0.98x in f32,
+/// but 1.02x at 128 KiB-1 MiB: `bench/NOTES.md`). The large lane pushes
+/// each round ahead.
+const DEVICE_LANES: [(usize, u32, OneShotPipeline); 3] = [
+    (64 << 10, 4, OneShotPipeline::Plain),
+    (1 << 20, 64, OneShotPipeline::Plain),
+    (usize::MAX, kernels::ONESHOT_MAX_BLOCKS as u32, OneShotPipeline::Ahead),
+];
 
 /// The lanes of a one-shot with slots in host memory (no P2P), as for
 /// [`DEVICE_LANES`]: polling host memory over PCIe costs more per block, so
-/// small messages take fewer blocks still, and no lane pushes ahead
-/// (slower through host memory: `bench/NOTES.md`).
-const HOST_LANES: [(usize, u32, bool); 3] = [(16 << 10, 2, false), (256 << 10, 4, false), (usize::MAX, kernels::ONESHOT_HOST_BLOCKS, false)];
+/// small messages take fewer blocks still. Pushing ahead is slower through
+/// host memory, but from 16 MiB up, reducing each round in one pass with
+/// the push of the round after next ([`OneShotPipeline::Deep`]) took
+/// 0.96-0.98x the time (and 1.04-1.09x at 2-4 MiB: `bench/NOTES.md`).
+const HOST_LANES: [(usize, u32, OneShotPipeline); 4] = [
+    (16 << 10, 2, OneShotPipeline::Plain),
+    (256 << 10, 4, OneShotPipeline::Plain),
+    (8 << 20, kernels::ONESHOT_HOST_BLOCKS, OneShotPipeline::Plain),
+    (usize::MAX, kernels::ONESHOT_HOST_BLOCKS, OneShotPipeline::Deep),
+];
 
 /// One lane's place in a one-shot region (shared by the single-process
 /// group and the multi-process [`crate::ipc::Comm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LaneLayout {
-    /// Largest message in bytes per rank (one round of `cap`, or any for the last lane).
+    /// Largest message in bytes per rank (any for the last lane).
     pub(crate) max_bytes: usize,
     /// The lane's grid.
     pub(crate) blocks: u32,
     /// Slot bytes (a multiple of 256).
     pub(crate) cap: usize,
-    /// Whether a block pushes each round ahead, while it reduces the one
-    /// before (the kernel's `ahead`).
-    pub(crate) ahead: bool,
+    /// How the lane overlaps its rounds (the kernel's `ahead`).
+    pub(crate) pipeline: OneShotPipeline,
     /// Byte offset of the lane in a region: its flags, then its slots.
     pub(crate) offset: usize,
 }
 
 /// The lanes of a one-shot among `n` ranks, with slots in device memory
 /// (`p2p`) or in host memory, and the bytes of one region holding them all.
-pub(crate) fn layout(n: usize, p2p: bool) -> (Vec<LaneLayout>, usize) {
-    let spec: &[(usize, u32, bool)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
+/// No lane's grid exceeds `sms`, the fewest multiprocessors of the ranks'
+/// devices, so that every block can be resident (a block waits only for the
+/// blocks of the same index on the other ranks, so this is for speed, not
+/// progress).
+pub(crate) fn layout(n: usize, p2p: bool, sms: u32) -> (Vec<LaneLayout>, usize) {
+    let spec: &[(usize, u32, OneShotPipeline)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
     let last_cap = if p2p { (ONESHOT_SCRATCH_BYTES / (kernels::ONESHOT_SETS * n.max(1))) & !255 } else { HOST_ROUND_BYTES };
     let mut lanes = Vec::with_capacity(spec.len());
     let mut bytes = 0;
-    for &(max_bytes, blocks, ahead) in spec {
-        let cap = if max_bytes == usize::MAX { last_cap } else { max_bytes.div_ceil(256) * 256 };
-        lanes.push(LaneLayout { max_bytes, blocks, cap, ahead, offset: bytes });
+    for &(max_bytes, blocks, pipeline) in spec {
+        let cap = if max_bytes == usize::MAX { last_cap } else { (max_bytes.div_ceil(256) * 256).min(last_cap) };
+        lanes.push(LaneLayout { max_bytes, blocks: blocks.min(sms).max(1), cap, pipeline, offset: bytes });
         bytes += kernels::ONESHOT_FLAG_BYTES + kernels::ONESHOT_SETS * n * cap;
     }
     (lanes, bytes)
@@ -111,7 +130,7 @@ pub(crate) enum Medium {
 /// one grid for all its launches. The kernel's slot-reuse rule holds per
 /// lane, so consecutive calls may take different lanes.
 struct Lane {
-    /// Largest message in bytes per rank (one round of `cap`, or any for the last lane).
+    /// Largest message in bytes per rank (any for the last lane).
     max_bytes: usize,
     /// Per rank: the regions it stores into.
     push: Vec<PtrArray>,
@@ -122,7 +141,7 @@ struct Lane {
     /// Slot bytes (a multiple of 256).
     cap: usize,
     blocks: u32,
-    /// The kernel's `ahead` (nonzero: push each round ahead).
+    /// The kernel's `ahead` (the lane's [`OneShotPipeline`]).
     ahead: i32,
 }
 
@@ -154,7 +173,8 @@ impl OneShot {
     fn new(comm: &Communicator, p2p: bool) -> Result<OneShot> {
         let ranks = &comm.ranks;
         let n = ranks.len();
-        let (layout, bytes) = layout(n, p2p);
+        let sms = ranks.iter().map(|r| r.sms).min().unwrap_or(1);
+        let (layout, bytes) = layout(n, p2p, sms);
         let mut counters = Vec::with_capacity(n);
         let mut counter_ptrs = Vec::with_capacity(n);
         for rank in ranks {
@@ -194,7 +214,7 @@ impl OneShot {
                     counters: counter_ptrs.iter().map(|c| c + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64).collect(),
                     cap: lane.cap,
                     blocks: lane.blocks,
-                    ahead: i32::from(lane.ahead),
+                    ahead: lane.pipeline.arg(),
                 }
             })
             .collect();
@@ -395,7 +415,7 @@ mod tests {
     fn layout_packs_lanes_back_to_back() {
         for n in 2..=8 {
             for p2p in [true, false] {
-                let (lanes, bytes) = layout(n, p2p);
+                let (lanes, bytes) = layout(n, p2p, 132);
                 let mut end = 0;
                 for l in &lanes {
                     assert_eq!(l.offset, end);
@@ -405,7 +425,7 @@ mod tests {
                 assert_eq!(end, bytes);
             }
         }
-        let (lanes, _) = layout(2, true);
+        let (lanes, _) = layout(2, true, 132);
         assert_eq!(lanes.last().map(|l| l.cap), Some(ONESHOT_SCRATCH_BYTES / (2 * kernels::ONESHOT_SETS)));
         // Between 2 ranks, the largest message Auto gives the one-shot is one
         // round (two rounds of half the size took 1.10x the time: bench/NOTES.md).
@@ -413,5 +433,32 @@ mod tests {
         let maxes = || lanes.iter().map(|l| l.max_bytes);
         assert_eq!(lane_index(maxes(), 4096, lanes.len()), 0);
         assert_eq!(lane_index(maxes(), 1 << 30, lanes.len()), lanes.len() - 1);
+    }
+
+    #[test]
+    fn rounds_never_exceed_the_last_lanes_and_grids_fit_the_devices() {
+        for n in 2..=8 {
+            for p2p in [true, false] {
+                let (lanes, _) = layout(n, p2p, 132);
+                let last = lanes.last().map(|l| l.cap).unwrap_or(0);
+                // A lane below the last runs in rounds no longer than the last's
+                // (the host lanes' 1 MiB rounds were measured best).
+                assert!(lanes.iter().all(|l| l.cap <= last && l.cap >= 256), "{n} {p2p} {lanes:?}");
+                assert!(lanes.iter().all(|l| l.blocks as usize <= kernels::ONESHOT_MAX_BLOCKS));
+                // A device with fewer multiprocessors than a lane's grid gets a
+                // grid of one block per multiprocessor; the slots stay in place.
+                let (small, bytes_small) = layout(n, p2p, 58);
+                assert_eq!(bytes_small, layout(n, p2p, 132).1);
+                for (a, b) in small.iter().zip(&lanes) {
+                    assert_eq!(a.blocks, b.blocks.min(58));
+                    assert_eq!((a.cap, a.offset, a.max_bytes, a.pipeline), (b.cap, b.offset, b.max_bytes, b.pipeline));
+                }
+                assert!(layout(n, p2p, 0).0.iter().all(|l| l.blocks == 1));
+            }
+        }
+        let (host, _) = layout(2, false, 132);
+        assert!(host.iter().filter(|l| l.max_bytes > 256 << 10).all(|l| l.cap == HOST_ROUND_BYTES));
+        let (device, _) = layout(2, true, 132);
+        assert_eq!(device.last().map(|l| l.blocks), Some(kernels::ONESHOT_MAX_BLOCKS as u32));
     }
 }

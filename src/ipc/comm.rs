@@ -267,17 +267,19 @@ struct RankInfo {
     host: String,
     bus: String,
     region: usize,
+    /// The device's multiprocessors (every rank's lanes take the fewest).
+    sms: u32,
 }
 
 impl RankInfo {
     fn encode(&self) -> String {
-        format!("{}\n{}\n{}", self.host, self.bus, self.region)
+        format!("{}\n{}\n{}\n{}", self.host, self.bus, self.region, self.sms)
     }
 
     fn decode(s: &str) -> Option<RankInfo> {
         let mut it = s.split('\n');
-        let (host, bus, region) = (it.next()?, it.next()?, it.next()?.parse().ok()?);
-        Some(RankInfo { host: host.into(), bus: bus.into(), region })
+        let (host, bus, region, sms) = (it.next()?, it.next()?, it.next()?.parse().ok()?, it.next()?.parse().ok()?);
+        Some(RankInfo { host: host.into(), bus: bus.into(), region, sms })
     }
 }
 
@@ -364,7 +366,10 @@ impl Comm {
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
-            let info = RankInfo { host: super::host_identity(), bus, region: staging };
+            let sms = ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(cudarc_err("cuDeviceGetAttribute (multiprocessors)"))?;
+            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms: sms.max(1) as u32 };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
             Ok((ctx, stream, info, board))
@@ -407,7 +412,8 @@ impl Comm {
         let listener = listened?.1;
         // One rank without P2P to a peer (or asking for it) stages every rank.
         let staged = verdicts.iter().any(|v| v == "staged");
-        let (lanes, bytes) = layout(size, !staged);
+        let sms = infos.iter().map(|i| i.sms).min().unwrap_or(1);
+        let (lanes, bytes) = layout(size, !staged, sms);
 
         // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
@@ -734,7 +740,7 @@ impl Comm {
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
         let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
-        let ahead = i32::from(lane.layout.ahead);
+        let ahead = lane.layout.pipeline.arg();
         let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
         let f = self.funcs.get(kernel, || function(&self.ctx, kernel))?;
         let mut launch = self.stream.launch_builder(f);
@@ -822,7 +828,7 @@ mod tests {
     use super::*;
 
     fn info(host: &str, bus: &str) -> RankInfo {
-        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20 }
+        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20, sms: 132 }
     }
 
     #[test]

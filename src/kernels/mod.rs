@@ -318,19 +318,35 @@ pub(crate) const MESH_MAX_RANKS: usize = 8;
 
 /// Largest grid of a one-shot kernel (its flag area has a slot per block
 /// and source rank).
-pub(crate) const ONESHOT_MAX_BLOCKS: usize = 64;
+pub(crate) const ONESHOT_MAX_BLOCKS: usize = 128;
 
-/// Slot sets of a one-shot region: at least three, so that a block may push
-/// one round ahead while it reduces the current one (`kernels/reduce.cu`);
-/// a power of two.
+/// Slot sets of a one-shot region: four, so that a block may push two
+/// rounds ahead of the one it reduces ([`OneShotPipeline::Deep`],
+/// `kernels/reduce.cu`); a power of two.
 pub(crate) const ONESHOT_SETS: usize = 4;
+
+/// How a one-shot lane overlaps its rounds (the kernel's `ahead`; every
+/// rank passes the same one on every launch of a lane).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OneShotPipeline {
+    /// Per round: push, flag, wait, reduce.
+    Plain = 0,
+    /// Round v + 1 pushed right after flag v, before round v is reduced.
+    Ahead = 1,
+    /// Rounds 0 and 1 pushed first, then round v reduced in one pass with
+    /// round v + 2's push.
+    Deep = 2,
+}
+
+impl OneShotPipeline {
+    /// The kernel argument.
+    pub(crate) fn arg(self) -> i32 {
+        self as i32
+    }
+}
 
 /// Bytes of flags at the start of a one-shot region: `u32 [rank][block]`.
 pub(crate) const ONESHOT_FLAG_BYTES: usize = MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4;
-
-/// The one-shot grid with slots in device memory (P2P): enough stores in
-/// flight to fill NVLink.
-pub(crate) const ONESHOT_DEVICE_BLOCKS: u32 = 64;
 
 /// The one-shot grid with slots in host memory: enough loads in flight to
 /// cover PCIe latency.
@@ -441,8 +457,11 @@ mod tests {
         assert!(src.contains(&format!("#define ONESHOT_MAX_BLOCKS {ONESHOT_MAX_BLOCKS}\n")));
         assert!(src.contains("#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)"));
         assert!(src.contains(&format!("#define ONESHOT_SETS {ONESHOT_SETS}\n")));
-        assert!(ONESHOT_SETS.is_power_of_two() && ONESHOT_SETS >= 3);
-        assert!(ONESHOT_DEVICE_BLOCKS as usize <= ONESHOT_MAX_BLOCKS && ONESHOT_HOST_BLOCKS as usize <= ONESHOT_MAX_BLOCKS);
+        assert!(ONESHOT_SETS.is_power_of_two() && ONESHOT_SETS >= 4);
+        for (name, mode) in [("PLAIN", OneShotPipeline::Plain), ("AHEAD", OneShotPipeline::Ahead), ("DEEP", OneShotPipeline::Deep)] {
+            assert!(src.contains(&format!("#define ONESHOT_{name} {}\n", mode.arg())), "{name}");
+        }
+        assert!(ONESHOT_HOST_BLOCKS as usize <= ONESHOT_MAX_BLOCKS);
     }
 
     #[test]
