@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# Two builds of cuda-peer-bench's mp-allreduce side by side in one device
-# call: ROUNDS alternating runs of each (prev, new, prev, new, ...), two
-# processes under cuda-peer-run each time, cuda-peer's own impls only
+# Builds of cuda-peer-bench's mp-allreduce side by side in one device call:
+# ROUNDS alternating runs of each (prev, new, [more...], prev, new, ...),
+# two processes under cuda-peer-run each time, cuda-peer's own impls only
 # (IMPLS), so that a kernel change is judged against the build before it
-# on the same machine, in the same minutes. One CSV per run under
-# $OUT/prev-K and $OUT/new-K; bench/mpab.py prints the medians.
-#   bench/mpab.sh PREV_BENCH NEW_BENCH [ROUNDS]
+# on the same machine, in the same minutes. MORE="name=path ..." adds
+# builds to the rotation. One CSV per run under $OUT/<name>-K (its
+# output beside it, <name>-K.txt);
+# bench/mpab.py prints the medians, every build against prev.
+#   [MORE="name=path ..."] bench/mpab.sh PREV_BENCH NEW_BENCH [ROUNDS]
 set -euo pipefail
 prev=$1 new=$2 rounds=${3:-3}
 impls=${IMPLS:-cuda-peer-ipc,cuda-peer-ipc-staged}
+extra=()
+[ -n "${MIN_BYTES:-}" ] && extra+=(--min-bytes "$MIN_BYTES")
 run=.gpu/bin/cuda-peer-run
+builds=("prev=$prev" "new=$new")
+for b in ${MORE:-}; do builds+=("$b"); done
 for k in $(seq 1 "$rounds"); do
-  for side in prev new; do
-    bin=$prev; [ "$side" = new ] && bin=$new
+  for b in "${builds[@]}"; do
+    side=${b%%=*} bin=${b#*=}
     echo "== $side round $k ($(date -u +%T))"
-    "$run" -n 2 -- "$bin" mp-allreduce --impls "$impls" --machine ab --out "$OUT/$side-$k" | tail -3
+    "$run" -n 2 -- "$bin" mp-allreduce --impls "$impls" --machine ab "${extra[@]}" --out "$OUT/$side-$k" > "$OUT/$side-$k.txt"
+    tail -1 "$OUT/$side-$k.txt"
   done
 done
 python3 "$(dirname "$0")/mpab.py" "$OUT"

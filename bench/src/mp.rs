@@ -80,6 +80,15 @@ pub(crate) struct Args {
     /// NCCL library to use when `libnccl.so` is not on the loader path (e.g. /usr/lib/x86_64-linux-gnu/libnccl.so.2).
     #[arg(long)]
     nccl_lib: Option<PathBuf>,
+    /// Host-cost probe: cuda-peer's communicators without the per-call
+    /// check that every rank makes the same call (`CommOptions::check_calls`).
+    #[arg(long)]
+    no_check_calls: bool,
+    /// Host-cost probe: cudarc's event tracking off for the buffers
+    /// cuda-peer's communicators reduce (each buffer is used on the
+    /// communicator's stream only), so no event waits or records per call.
+    #[arg(long)]
+    no_event_tracking: bool,
     /// Internal: run as this rank's NCCL child for this impl.
     #[arg(long, hide = true)]
     child: Option<MpImpl>,
@@ -210,13 +219,25 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
                 } else {
                     (CommOptions::default().path(PathPolicy::StagedOnly), "ipc::Comm on the staged path: shared pinned host memory, no P2P")
                 };
+                let opts = opts.check_calls(!args.no_check_calls);
                 let made = with_port(boot, port).and_then(|b| Ok(Comm::new(Box::new(b.connect()?), boot.local_rank, &opts)?));
                 match made {
                     Ok(comm) => {
+                        if args.no_event_tracking {
+                            // SAFETY: the buffers allocated after this are used
+                            // on the communicator's stream only, in stream order.
+                            unsafe { comm.context().disable_event_tracking() };
+                        }
                         let rank_ = MpRank { ex: &ex, stream: comm.stream().clone(), imp, engine: Engine::Peer(&comm) };
                         if rank == 0 {
                             println!("#");
                             println!("# {}: {n} processes ({what})", imp.name());
+                            if args.no_check_calls || args.no_event_tracking {
+                                println!(
+                                    "# host-cost probe: check_calls {}, cudarc event tracking {}",
+                                    !args.no_check_calls, !args.no_event_tracking
+                                );
+                            }
                         }
                         rank_.sweep(args, &mut progress)?;
                     }
@@ -426,15 +447,20 @@ impl MpRank<'_> {
             }
             .map_err(|e| format!("rank {rank}: {} all_reduce {} {} bytes: {e}", self.imp.name(), dt.name(), shape.bytes))?;
             if let Some(csv) = &mut csv {
+                let (row, host_us) = row;
                 row.print();
+                // Host time per call, enqueue only (the slowest rank's):
+                // above the device time, the calls are host-bound.
+                println!("#   host enqueue {host_us:.2} us per call");
                 csv.line(&row.csv())?;
             }
         }
         Ok(())
     }
 
-    /// Checks, then times, one point on every rank.
-    fn measure<T: BenchElem>(&self, args: &Args, dt: Dt, shape: Shape) -> Res<Row> {
+    /// Checks, then times, one point on every rank: the row, and the
+    /// slowest rank's host time per call spent enqueueing.
+    fn measure<T: BenchElem>(&self, args: &Args, dt: Dt, shape: Shape) -> Res<(Row, f64)> {
         let (rank, n) = (self.ex.rank(), self.ex.size());
         // One seed for every rank: rank 0's.
         let seed = if rank == 0 { rand::rng().random::<u64>().to_le_bytes().to_vec() } else { Vec::new() };
@@ -464,23 +490,28 @@ impl MpRank<'_> {
             self.call(&mut buf)?;
         }
         start.record(&self.stream)?;
+        let host = std::time::Instant::now();
         for _ in 0..iters {
             self.call(&mut buf)?;
         }
+        let host_us = host.elapsed().as_secs_f64() * 1e6 / iters as f64;
         end.record(&self.stream)?;
         let ms = start.elapsed_ms(&end)?;
         self.synchronize()?;
         let us = ms as f64 * 1e3 / iters as f64;
         // The slowest rank's time, every rank's wrong elements.
-        let mine = [us.to_le_bytes(), wrong.to_le_bytes()].concat();
+        let mine = [us.to_le_bytes(), wrong.to_le_bytes(), host_us.to_le_bytes()].concat();
         let all = self.ex.all_gather(&mine)?;
-        let (mut time_us, mut wrong_all) = (0f64, 0u64);
+        let (mut time_us, mut wrong_all, mut host_all) = (0f64, 0u64, 0f64);
         for b in &all {
-            let (t, w) = b.split_at_checked(8).ok_or("a rank sent a short report")?;
+            let (t, rest) = b.split_at_checked(8).ok_or("a rank sent a short report")?;
+            let (w, h) = rest.split_at_checked(8).ok_or("a rank sent a short report")?;
             time_us = time_us.max(f64::from_le_bytes(t.try_into()?));
             wrong_all += u64::from_le_bytes(w.try_into()?);
+            host_all = host_all.max(f64::from_le_bytes(h.try_into()?));
         }
-        Ok(Row { imp: self.imp.name(), op: Op::AllReduce, dt, ranks: n, shape, time_us, wrong: wrong_all, sampled })
+        let row = Row { imp: self.imp.name(), op: Op::AllReduce, dt, ranks: n, shape, time_us, wrong: wrong_all, sampled };
+        Ok((row, host_all))
     }
 }
 
