@@ -666,11 +666,12 @@ impl Comm {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
-            return Ok(());
+            return self.confirm(&call);
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
+        self.confirm(&call)?;
         let launched = self.launch::<T>(op, ptr, ptr, count);
         launched.and(held.finish())
     }
@@ -686,12 +687,13 @@ impl Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
-            return Ok(());
+            return self.confirm(&call);
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
+        self.confirm(&call)?;
         let launched = self.launch::<T>(op, src, dst, count);
         launched.and(read.finish()).and(write.finish())
     }
@@ -700,38 +702,49 @@ impl Comm {
     /// stream (`src` and `dst`: `count` elements, the same or disjoint),
     /// for the collectives built on this one ([`super::tiered`]).
     pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        self.confirm(&call)?;
         if count == 0 {
             return Ok(());
         }
         self.launch::<T>(op, src, dst, count)
     }
 
-    /// Takes the call lock and, with [`CommOptions::check_calls`], checks
-    /// that every rank makes the same call (see [`CallBoard::agree`]). A
-    /// mismatch leaves the communicator usable; a peer that does not make
-    /// the call in time fails it.
-    fn enter(&self, desc: CallDesc) -> Result<std::sync::MutexGuard<'_, u64>> {
+    /// Takes the call lock (held until the returned call is dropped) and,
+    /// with [`CommOptions::check_calls`], posts this rank's descriptor of
+    /// the call; [`Self::confirm`] then checks the peers'. In between, the
+    /// caller does its own host work (the buffers' event waits), while the
+    /// peers post theirs.
+    fn enter(&self, desc: CallDesc) -> Result<Entered<'_>> {
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.ctl.check()?;
         let call = *calls;
         if self.check_calls {
-            match self.board.agree(self.rank, call, &desc, self.barrier_timeout) {
-                Ok(()) => {}
-                Err(e @ Error::Mismatch { .. }) => {
-                    // Every rank saw the same descriptors and refuses the
-                    // call: they stay in step.
-                    *calls += 1;
-                    return Err(e);
-                }
-                Err(e) => {
-                    self.ctl.fail(e.clone());
-                    return Err(e);
-                }
+            self.board.post(self.rank, call, &desc);
+        }
+        // The call's slot is used whatever the check finds: a mismatch
+        // leaves every rank at the same next call.
+        *calls += 1;
+        Ok(Entered { _lock: calls, call, desc })
+    }
+
+    /// With [`CommOptions::check_calls`], checks that every rank makes the
+    /// call `entered` (see [`CallBoard::check`]), before anything of it is
+    /// launched. A mismatch leaves the communicator usable (every rank saw
+    /// the same descriptors and refuses the call); a peer that does not
+    /// make the call in time fails it.
+    fn confirm(&self, entered: &Entered<'_>) -> Result<()> {
+        if !self.check_calls {
+            return Ok(());
+        }
+        match self.board.check(self.rank, entered.call, &entered.desc, self.barrier_timeout) {
+            Ok(()) => Ok(()),
+            Err(e @ Error::Mismatch { .. }) => Err(e),
+            Err(e) => {
+                self.ctl.fail(e.clone());
+                Err(e)
             }
         }
-        *calls += 1;
-        Ok(calls)
     }
 
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
@@ -795,6 +808,13 @@ impl Drop for Comm {
             log::warn!("cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}", self.rank);
         }
     }
+}
+
+/// A call entered on a communicator: its lock, number and descriptor.
+struct Entered<'a> {
+    _lock: std::sync::MutexGuard<'a, u64>,
+    call: u64,
+    desc: CallDesc,
 }
 
 /// The descriptor of a call.
