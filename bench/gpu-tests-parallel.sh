@@ -3,11 +3,14 @@
 # SHARDS shards run at the same time (one process per shard, one test at a
 # time inside it), to fit a small device budget:
 #   tar xzf .gpu.tgz && SHARDS=8 bash bench/gpu-tests-parallel.sh
-# Writes $OUT/summary.txt and $OUT/results.tgz (every shard's log).
-# Tests that read device-wide free memory (tests/copy.rs's
-# thousand_copy_cycles_return_device_memory) can fail here because other
-# shards allocate at the same time: rerun those alone (.gpu/run NAME).
+# Writes $OUT/summary.txt and $OUT/results.tgz (every shard's log); exits
+# nonzero where a shard failed or was cut off (SHARD_TIMEOUT).
+# Tests that read device-wide free memory (ALONE, by default tests/copy.rs's
+# thousand_copy_cycles_return_device_memory) would fail here because other
+# shards allocate at the same time: they are left out, for a run alone
+# (bench/gpu-evidence.sh's phase `alone`, or .gpu/run NAME).
 set -u
+ALONE=${ALONE:-thousand_copy_cycles_return_device_memory}
 export CUDA_PEER_REQUIRE_GPU=1 RUST_BACKTRACE=1 CUDA_PEER_NO_DOCTOR_CACHE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/logs"
@@ -19,7 +22,7 @@ names=()
 for t in .gpu/tests/*; do
   b=$(basename "$t")
   case "$b" in cuda-peer-cli-*|cuda-peer-bench-*|cuda-peer-run-*|cuda-peer-sys-*) continue ;; esac
-  mapfile -t tests < <("$t" --list 2>/dev/null | sed -n 's/: test$//p')
+  mapfile -t tests < <("$t" --list 2>/dev/null | sed -n 's/: test$//p' | grep -vxF -e "${ALONE// /$'\n'}" || true)
   [ "${#tests[@]}" -eq 0 ] && continue
   n=$SHARDS
   [ "${#tests[@]}" -lt 8 ] && n=1
@@ -42,4 +45,10 @@ end=$(date +%s)
 } > "$OUT/summary.txt"
 grep -h "^test .* FAILED\|panicked" "$OUT"/logs/*.log | head -40 >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
+# Exit nonzero where any shard failed or was cut off (its last line is its rc).
+status=0
+for n in "${names[@]}"; do
+  [ "$(tail -1 "$OUT/logs/$n.log")" = "rc=0" ] || status=1
+done
 cd "$OUT" && tar czf results.tgz logs summary.txt && rm -rf logs
+exit $status

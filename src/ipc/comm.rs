@@ -666,7 +666,7 @@ impl Comm {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
-        let call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let call = self.post(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return self.confirm(&call);
         }
@@ -687,7 +687,7 @@ impl Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
-        let call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let call = self.post(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return self.confirm(&call);
         }
@@ -702,8 +702,7 @@ impl Comm {
     /// stream (`src` and `dst`: `count` elements, the same or disjoint),
     /// for the collectives built on this one ([`super::tiered`]).
     pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
-        let call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
-        self.confirm(&call)?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
@@ -711,11 +710,21 @@ impl Comm {
     }
 
     /// Takes the call lock (held until the returned call is dropped) and,
-    /// with [`CommOptions::check_calls`], posts this rank's descriptor of
-    /// the call; [`Self::confirm`] then checks the peers'. In between, the
-    /// caller does its own host work (the buffers' event waits), while the
-    /// peers post theirs.
+    /// with [`CommOptions::check_calls`], checks that every rank makes the
+    /// same call: [`Self::post`], then [`Self::confirm`].
     fn enter(&self, desc: CallDesc) -> Result<Entered<'_>> {
+        let entered = self.post(desc)?;
+        self.confirm(&entered)?;
+        Ok(entered)
+    }
+
+    /// Takes the call lock (held until the returned call is dropped) and,
+    /// with [`CommOptions::check_calls`], posts this rank's descriptor of
+    /// the call, which [`Self::confirm`] must then check against the peers'
+    /// before anything of the call is launched. In between, the caller may
+    /// do its own host work (the buffers' event waits) while the peers post
+    /// theirs.
+    fn post(&self, desc: CallDesc) -> Result<Entered<'_>> {
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.ctl.check()?;
         let call = *calls;
