@@ -666,12 +666,11 @@ impl Comm {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
-        let call = self.post(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
-            return self.confirm(&call);
+            return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
-        self.confirm(&call)?;
         let launched = self.launch::<T>(op, ptr, ptr, count);
         launched.and(held.finish())
     }
@@ -687,13 +686,12 @@ impl Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
-        let call = self.post(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
-            return self.confirm(&call);
+            return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        self.confirm(&call)?;
         let launched = self.launch::<T>(op, src, dst, count);
         launched.and(read.finish()).and(write.finish())
     }
@@ -709,51 +707,31 @@ impl Comm {
         self.launch::<T>(op, src, dst, count)
     }
 
-    /// Takes the call lock (held until the returned call is dropped) and,
-    /// with [`CommOptions::check_calls`], checks that every rank makes the
-    /// same call: [`Self::post`], then [`Self::confirm`].
-    fn enter(&self, desc: CallDesc) -> Result<Entered<'_>> {
-        let entered = self.post(desc)?;
-        self.confirm(&entered)?;
-        Ok(entered)
-    }
-
-    /// Takes the call lock (held until the returned call is dropped) and,
-    /// with [`CommOptions::check_calls`], posts this rank's descriptor of
-    /// the call, which [`Self::confirm`] must then check against the peers'
-    /// before anything of the call is launched. In between, the caller may
-    /// do its own host work (the buffers' event waits) while the peers post
-    /// theirs.
-    fn post(&self, desc: CallDesc) -> Result<Entered<'_>> {
+    /// Takes the call lock and, with [`CommOptions::check_calls`], checks
+    /// that every rank makes the same call (see [`CallBoard::agree`]). A
+    /// mismatch leaves the communicator usable; a peer that does not make
+    /// the call in time fails it.
+    fn enter(&self, desc: CallDesc) -> Result<std::sync::MutexGuard<'_, u64>> {
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.ctl.check()?;
         let call = *calls;
         if self.check_calls {
-            self.board.post(self.rank, call, &desc);
-        }
-        // The call's slot is used whatever the check finds: a mismatch
-        // leaves every rank at the same next call.
-        *calls += 1;
-        Ok(Entered { _lock: calls, call, desc })
-    }
-
-    /// With [`CommOptions::check_calls`], checks that every rank makes the
-    /// call `entered` (see [`CallBoard::check`]), before anything of it is
-    /// launched. A mismatch leaves the communicator usable (every rank saw
-    /// the same descriptors and refuses the call); a peer that does not
-    /// make the call in time fails it.
-    fn confirm(&self, entered: &Entered<'_>) -> Result<()> {
-        if !self.check_calls {
-            return Ok(());
-        }
-        match self.board.check(self.rank, entered.call, &entered.desc, self.barrier_timeout) {
-            Ok(()) => Ok(()),
-            Err(e @ Error::Mismatch { .. }) => Err(e),
-            Err(e) => {
-                self.ctl.fail(e.clone());
-                Err(e)
+            match self.board.agree(self.rank, call, &desc, self.barrier_timeout) {
+                Ok(()) => {}
+                Err(e @ Error::Mismatch { .. }) => {
+                    // Every rank saw the same descriptors and refuses the
+                    // call: they stay in step.
+                    *calls += 1;
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.ctl.fail(e.clone());
+                    return Err(e);
+                }
             }
         }
+        *calls += 1;
+        Ok(calls)
     }
 
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
@@ -817,13 +795,6 @@ impl Drop for Comm {
             log::warn!("cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}", self.rank);
         }
     }
-}
-
-/// A call entered on a communicator: its lock, number and descriptor.
-struct Entered<'a> {
-    _lock: std::sync::MutexGuard<'a, u64>,
-    call: u64,
-    desc: CallDesc,
 }
 
 /// The descriptor of a call.

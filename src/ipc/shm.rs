@@ -251,28 +251,15 @@ impl CallBoard {
 
     /// Publishes `desc` as this rank's call number `call`, waits (at most
     /// `timeout`) until every rank has published its call `call`, and
-    /// compares: [`Self::post`], then [`Self::check`].
-    #[cfg(test)]
+    /// compares: `Ok` where every rank calls the same, else
+    /// [`Error::Mismatch`] (the same verdict on every rank, which all
+    /// compare the same descriptors) or [`Error::Timeout`] (a rank that
+    /// does not reach the call: dead, or stopped calling).
     pub(crate) fn agree(&self, rank: usize, call: u64, desc: &CallDesc, timeout: Duration) -> Result<()> {
-        self.post(rank, call, desc);
-        self.check(rank, call, desc, timeout)
-    }
-
-    /// Publishes `desc` as this rank's call number `call`.
-    pub(crate) fn post(&self, rank: usize, call: u64, desc: &CallDesc) {
         let [seq, packed, count] = self.slot(rank, call);
         packed.store(desc.pack(), Ordering::Relaxed);
         count.store(desc.count, Ordering::Relaxed);
         seq.store(call + 1, Ordering::Release);
-    }
-
-    /// Waits (at most `timeout`) until every other rank has published its
-    /// call `call`, and compares it with `desc` (this rank's, posted):
-    /// `Ok` where every rank calls the same, else [`Error::Mismatch`] (the
-    /// same verdict on every rank, which all compare the same descriptors)
-    /// or [`Error::Timeout`] (a rank that does not reach the call: dead, or
-    /// stopped calling).
-    pub(crate) fn check(&self, rank: usize, call: u64, desc: &CallDesc, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let mut spins = 0u32;
         for k in 0..self.size {
