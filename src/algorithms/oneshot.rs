@@ -68,7 +68,7 @@ const DEVICE_LANES: [(usize, u32, OneShotPipeline); 3] = [
 /// small messages take fewer blocks still. Pushing ahead is slower through
 /// host memory, but from 16 MiB up, reducing each round in one pass with
 /// the push of the round after next ([`OneShotPipeline::Deep`]) took
-/// 0.96-0.98x the time (and 1.04-1.09x at 2-4 MiB: `bench/NOTES.md`).
+/// 0.95-0.99x the time (and 1.04-1.09x at 2-4 MiB: `bench/NOTES.md`).
 const HOST_LANES: [(usize, u32, OneShotPipeline); 4] = [
     (16 << 10, 2, OneShotPipeline::Plain),
     (256 << 10, 4, OneShotPipeline::Plain),
