@@ -38,25 +38,27 @@ pub(crate) struct Rank {
     pub(crate) done: CudaEvent,
     /// Orders callers' buffers with this rank's work (`crate::sync`).
     pub(crate) order: Orderer,
-    pub(crate) max_blocks: u32,
     /// The device's multiprocessors.
     pub(crate) sms: u32,
 }
 
 impl Rank {
+    /// The largest grid of this rank's elementwise kernels: four blocks per
+    /// multiprocessor.
+    pub(crate) fn max_blocks(&self) -> u32 {
+        self.sms.saturating_mul(4)
+    }
+
     /// A rank on `stream` (of its context), with the reduction module loaded.
     fn new(stream: Arc<CudaStream>) -> Result<Rank> {
         let ctx = stream.context().clone();
-        let sms = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(cudarc_err("cuDeviceGetAttribute"))?;
+        let sms = crate::driver::multiprocessors(&ctx)?;
         Ok(Rank {
             module: load_module(&ctx, Module::Reduce)?,
             done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
             funcs: FnTable::default(),
             order: Orderer::default(),
-            max_blocks: (sms.max(1) as u32) * 4,
-            sms: sms.max(1) as u32,
+            sms,
             ctx,
             stream,
         })
@@ -290,7 +292,7 @@ impl Communicator {
 
     fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
         let per_block = (kernels::BLOCK_SIZE as usize) * (16 / dtype.size());
-        let blocks = count.div_ceil(per_block).clamp(1, self.ranks[r].max_blocks as usize) as u32;
+        let blocks = count.div_ceil(per_block).clamp(1, self.ranks[r].max_blocks() as usize) as u32;
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 }
     }
 

@@ -90,6 +90,14 @@ pub fn mem_info(ctx: &CudaContext) -> Result<(usize, usize)> {
     ctx.mem_get_info().map_err(cudarc_err("cuMemGetInfo"))
 }
 
+/// The multiprocessors of `ctx`'s device (at least 1).
+pub(crate) fn multiprocessors(ctx: &CudaContext) -> Result<u32> {
+    let sms = ctx
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(crate::error::cudarc_err("cuDeviceGetAttribute (multiprocessors)"))?;
+    Ok(sms.max(1) as u32)
+}
+
 /// Makes `ctx` current on this thread.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(cudarc_err("cuCtxSetCurrent"))

@@ -366,10 +366,8 @@ impl Comm {
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
-            let sms = ctx
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(cudarc_err("cuDeviceGetAttribute (multiprocessors)"))?;
-            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms: sms.max(1) as u32 };
+            let sms = crate::driver::multiprocessors(&ctx)?;
+            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
             Ok((ctx, stream, info, board))
