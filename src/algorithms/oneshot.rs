@@ -130,19 +130,14 @@ pub(crate) enum Medium {
 /// one grid for all its launches. The kernel's slot-reuse rule holds per
 /// lane, so consecutive calls may take different lanes.
 struct Lane {
-    /// Largest message in bytes per rank (any for the last lane).
-    max_bytes: usize,
+    /// Its size range, grid, slot bytes and pipeline.
+    layout: LaneLayout,
     /// Per rank: the regions it stores into.
     push: Vec<PtrArray>,
     /// Per rank: the region it reads from.
     pull: Vec<u64>,
     /// Per rank: its block counters (ONESHOT_MAX_BLOCKS words).
     counters: Vec<u64>,
-    /// Slot bytes (a multiple of 256).
-    cap: usize,
-    blocks: u32,
-    /// The kernel's `ahead` (the lane's [`OneShotPipeline`]).
-    ahead: i32,
 }
 
 /// A group's one-shot state: slots, flags, counters and kernels.
@@ -205,16 +200,13 @@ impl OneShot {
         let lanes = layout
             .iter()
             .enumerate()
-            .map(|(l, lane)| {
+            .map(|(l, &lane)| {
                 let off = lane.offset as u64;
                 Lane {
-                    max_bytes: lane.max_bytes,
+                    layout: lane,
                     push: push.iter().map(|p| PtrArray::from_slice(&p.iter().map(|a| a + off).collect::<Vec<_>>())).collect(),
                     pull: pull.iter().map(|a| a + off).collect(),
                     counters: counter_ptrs.iter().map(|c| c + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64).collect(),
-                    cap: lane.cap,
-                    blocks: lane.blocks,
-                    ahead: lane.pipeline.arg(),
                 }
             })
             .collect();
@@ -232,7 +224,7 @@ impl OneShot {
 
     /// The lane for a message of `bytes` per rank.
     fn lane(&self, bytes: usize) -> &Lane {
-        &self.lanes[lane_index(self.lanes.iter().map(|l| l.max_bytes), bytes, self.lanes.len())]
+        &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), bytes, self.lanes.len())]
     }
 }
 
@@ -325,8 +317,9 @@ impl OneShot {
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
     fn launch_rank(&self, comm: &Communicator, op: KernelOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
         let lane = self.lane(count * dtype.size());
-        let cfg = LaunchConfig { grid_dim: (lane.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (nranks, rank, cnt, cap) = (comm.size() as i32, r as i32, count as u64, lane.cap as u64);
+        let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+        let (nranks, rank, cnt, cap) = (comm.size() as i32, r as i32, count as u64, lane.layout.cap as u64);
+        let ahead = lane.layout.pipeline.arg();
         let kernel = Kernel::OneShot(op, dtype);
         let f = self.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
         let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
@@ -345,7 +338,7 @@ impl OneShot {
             .arg(&rank)
             .arg(&cnt)
             .arg(&cap)
-            .arg(&lane.ahead)
+            .arg(&ahead)
             .arg(&ctl)
             .arg(&timeout_ns);
         // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
