@@ -563,3 +563,174 @@ fn the_exchange_serves_the_caller() {
     }
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
 }
+
+/// Bytes per rank from which an all-reduce takes the copy-engine lane (the
+/// crate's `COPY_MIN_BYTES`; a smaller value here would only test the SM
+/// lanes twice).
+const COPY_LANE_BYTES: usize = 64 << 20;
+
+/// The copy-engine lane: `T`'s ops at a size that takes it (several rounds
+/// and a partial one), out of place (output poisoned) and in place, against
+/// a CPU reference; then the same size on a communicator without the lane.
+fn check_copy_lane<T: Num>(comm: &Comm, ops: &[ReduceOp], seed: &mut u64) {
+    let (me, n, s) = (comm.rank(), comm.size(), comm.stream());
+    let count = COPY_LANE_BYTES / T::DTYPE.size() + 4093;
+    for &op in ops {
+        *seed += 1;
+        let ins = inputs(*seed, n, count);
+        let host: Vec<T> = ins[me].iter().map(|&x| T::from_f64(x)).collect();
+        let send = s.clone_htod(&host).unwrap();
+        let mut recv = upload::<T>(s, &vec![POISON; count]);
+        comm.all_reduce(&send, &mut recv, op).unwrap();
+        let mut inplace = s.clone_htod(&host).unwrap();
+        comm.all_reduce_in_place(&mut inplace, op).unwrap();
+        let tol = if op == ReduceOp::Avg { 1e-2 } else { 0.0 };
+        assert_close(&format!("copy lane {op:?} out of place, {count}"), &s.clone_dtoh(&recv).unwrap(), |i| reference(op, &ins, i), tol);
+        assert_close(&format!("copy lane {op:?} in place, {count}"), &s.clone_dtoh(&inplace).unwrap(), |i| reference(op, &ins, i), tol);
+        // The input of the out-of-place call is unchanged.
+        assert_eq!(s.clone_dtoh(&send).unwrap().iter().map(|x| x.to_f64()).collect::<Vec<_>>(), host.iter().map(|x| x.to_f64()).collect::<Vec<_>>());
+    }
+}
+
+/// A child's body of the copy-lane tests.
+fn copy_lane_child() {
+    let comm = child_comm(&child_opts());
+    let mut seed = 5000;
+    check_copy_lane::<f32>(&comm, &ReduceOp::ALL, &mut seed);
+    check_copy_lane::<bf16>(&comm, &[ReduceOp::Sum, ReduceOp::Max], &mut seed);
+    check_copy_lane::<u8>(&comm, &[ReduceOp::Min], &mut seed);
+    comm.synchronize().unwrap();
+    println!("rank {}: the copy-engine lane right", comm.rank());
+}
+
+#[test]
+fn two_processes_copy_engine_lane() {
+    if child() {
+        return copy_lane_child();
+    }
+    let name = "two_processes_copy_engine_lane";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| vec![]));
+}
+
+/// With `copy_engine` off on one rank, no rank has the lane: the same
+/// sizes take the SM lanes on both.
+#[test]
+fn two_processes_without_the_copy_engine_lane() {
+    if child() {
+        let comm = child_comm(&child_opts().copy_engine(rank() == 0));
+        let mut seed = 7000;
+        check_copy_lane::<f32>(&comm, &[ReduceOp::Sum], &mut seed);
+        comm.synchronize().unwrap();
+        println!("rank {}: copy-lane sizes right on the SM lanes", comm.rank());
+        return;
+    }
+    let name = "two_processes_without_the_copy_engine_lane";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| vec![]));
+}
+
+#[test]
+fn three_processes_copy_engine_lane() {
+    if child() {
+        let comm = child_comm(&child_opts());
+        let mut seed = 6000;
+        check_copy_lane::<f32>(&comm, &[ReduceOp::Sum, ReduceOp::Min], &mut seed);
+        comm.synchronize().unwrap();
+        println!("rank {}: the copy-engine lane right among three", comm.rank());
+        return;
+    }
+    three_processes("three_processes_copy_engine_lane");
+}
+
+/// A size of the copy-engine lane captured into a graph takes the SM lane
+/// (the copies' words carry absolute round numbers), and replays right
+/// between eager calls of the same size on the copy-engine lane.
+#[test]
+fn two_processes_capture_a_copy_lane_size() {
+    use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    if child() {
+        let comm = child_comm(&child_opts());
+        // SAFETY: everything runs on the communicator's stream (see graph_child).
+        unsafe { comm.context().disable_event_tracking() };
+        let (me, n, s) = (comm.rank(), comm.size(), comm.stream().clone());
+        let count = COPY_LANE_BYTES / 4 + 11;
+        let mut x = s.alloc_zeros::<u32>(count).unwrap();
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+        let captured = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+        let graph = s.end_capture(CUgraphInstantiate_flags(0));
+        captured.unwrap();
+        let graph = graph.unwrap().expect("a non-empty graph");
+        for replay in 0..3u64 {
+            let ins: Vec<Vec<u32>> = (0..n).map(|r| seeded(9000 + replay * 16 + r as u64, count)).collect();
+            let want: Vec<u32> = (0..count).map(|i| ins.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
+            s.memcpy_htod(&ins[me], &mut x).unwrap();
+            graph.launch().unwrap();
+            comm.synchronize().unwrap();
+            assert!(s.clone_dtoh(&x).unwrap() == want, "rank {me}: replay {replay}");
+            // An eager call of the same size (the copy-engine lane) in between.
+            s.memcpy_htod(&ins[(me + 1) % n], &mut x).unwrap();
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            comm.synchronize().unwrap();
+            assert!(s.clone_dtoh(&x).unwrap() == want, "rank {me}: eager after replay {replay}");
+        }
+        // One rank capturing while the other calls eagerly is a mismatch on both.
+        let r = if me == 0 {
+            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+            let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+            let _ = s.end_capture(CUgraphInstantiate_flags(0));
+            r
+        } else {
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum)
+        };
+        expect_mismatch("captured and eager", r);
+        comm.synchronize().unwrap();
+        println!("rank {me}: a captured copy-lane size replays right");
+        return;
+    }
+    let name = "two_processes_capture_a_copy_lane_size";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| vec![]));
+}
+
+/// A peer that dies before a copy-engine-lane call (unchecked): the
+/// survivor's kernel gives up at its barrier timeout and releases its copy
+/// stream, so synchronizing reports `PeerTimeout` and dropping the
+/// communicator returns in bounded time.
+#[test]
+fn a_peer_that_exits_before_a_copy_lane_call_fails_it_and_drop_returns() {
+    if child() {
+        let opts = CommOptions::default().timeout(Duration::from_secs(30)).barrier_timeout(Duration::from_millis(500)).check_calls(false);
+        let comm = Comm::from_env(&opts).unwrap();
+        comm.exchange().barrier().unwrap();
+        if comm.rank() == 1 {
+            std::process::exit(0);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let start = Instant::now();
+        let mut x = comm.stream().alloc_zeros::<f32>(COPY_LANE_BYTES / 4 * 2).unwrap();
+        let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.synchronize());
+        println!("rank 0: {r:?} after {:?}", start.elapsed());
+        assert!(matches!(r, Err(Error::PeerTimeout { rank: 0, .. })), "expected a timeout of rank 0, got {r:?}");
+        let stream = comm.stream().clone();
+        let start = Instant::now();
+        drop(comm);
+        println!("rank 0: dropped in {:?}", start.elapsed());
+        assert!(start.elapsed() < Duration::from_secs(10), "drop took {:?}", start.elapsed());
+        // The context survived.
+        assert_eq!(stream.clone_dtoh(&x).unwrap().len(), COPY_LANE_BYTES / 4 * 2);
+        return;
+    }
+    let name = "a_peer_that_exits_before_a_copy_lane_call_fails_it_and_drop_returns";
+    if gpu_count(name, 2).is_none() {
+        return;
+    }
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+}
