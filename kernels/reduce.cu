@@ -592,26 +592,6 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //   which every peer reduced before raising its flag v, just seen; a peer
 //   pushes into the set this block reduces (v + 4) only after this block's
 //   flag v + 2. This needs all four sets.
-//   ONESHOT_COPY: the kernel pushes nothing: each rank's copy streams (host
-//   enqueued, one per set, see `src/ipc/comm/copy.rs`) copy round v of its
-//   input into every peer's slot with the copy engines, then write the
-//   peer's word COPY_ARRIVED + (v mod ONESHOT_SETS) of its row to v, and,
-//   once every peer has it, its own word COPY_SENT + (v mod ONESHOT_SETS)
-//   to v. Per round v every block waits for every peer's COPY_ARRIVED and
-//   its own COPY_SENT of the set at v (the input is read by the copies
-//   until then; it may be the output), reduces its units, and the last block
-//   of the grid to finish round v (a counter per set, COPY_COUNT) writes
-//   COPY_FREED + (v mod ONESHOT_SETS) of its row in every peer's region to
-//   v. A copy stream waits (cuStreamWaitValue32) for every peer's
-//   COPY_FREED of the set, at v - ONESHOT_SETS or later, before copying
-//   round v into it. Every word is per set: rounds of different sets
-//   complete in any order (on different streams, in different blocks), and
-//   those of one set in order. A kernel that gives up writes
-//   COPY_DEAD of its row in every peer's region (peers waiting for it give
-//   up too, and one that reduced a round after the mark reports it), then
-//   moves its own COPY_FREED words far ahead, so that its copy stream is
-//   never left waiting for a peer that will not come.
-//   Words are u32 in the lane's flag area, [writer's rank][word].
 //   Four sets, a power of two, keep the set index continuous where the u32
 //   counter wraps. A call's first pushes rely on its previous call on the
 //   lane: its last wait saw every peer's flag of the last round, raised
@@ -629,8 +609,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //     counters: this rank's own block counters (ONESHOT_MAX_BLOCKS words,
 //            zeroed at creation);
 //     cap:   slot bytes, a multiple of 16;
-//     ahead: ONESHOT_PLAIN, ONESHOT_AHEAD, ONESHOT_DEEP or ONESHOT_COPY
-//            (see above; COPY only with slots in device memory).
+//     ahead: ONESHOT_PLAIN, ONESHOT_AHEAD or ONESHOT_DEEP (see above).
 //   Launch: the same grid on every rank and for every call of the group, at
 //   most ONESHOT_MAX_BLOCKS blocks, all resident at once; 1-D blocks of at
 //   least nranks threads. ctl, timeout_ns: as for the mesh.
@@ -642,12 +621,6 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 #define ONESHOT_PLAIN 0
 #define ONESHOT_AHEAD 1
 #define ONESHOT_DEEP 2
-#define ONESHOT_COPY 3
-#define COPY_DEAD 0
-#define COPY_COUNT 4
-#define COPY_FREED 8
-#define COPY_ARRIVED 12
-#define COPY_SENT 16
 
 
 // The last, partial 16-byte unit of a round (elements [j*E, len)), as a
@@ -860,84 +833,6 @@ static __device__ __forceinline__ bool oneshot_wait(const unsigned int* pflags, 
     return __syncthreads_and(ok) != 0;
 }
 
-// ONESHOT_COPY: waits for every peer's COPY_ARRIVED word of v's set and this
-// rank's own COPY_SENT word of it to reach v (thread k for rank k); a peer's
-// COPY_DEAD makes the wait give up as an abort does. False if a wait gave up.
-static __device__ __forceinline__ bool copy_wait(const unsigned int* pflags, int nranks, int rank, unsigned int v,
-                                                 unsigned int* ctl, u64 timeout_ns) {
-    int ok = 1;
-    if ((int)threadIdx.x < nranks) {
-        const int k = threadIdx.x;
-        const unsigned int* row = pflags + k * ONESHOT_MAX_BLOCKS;
-        const unsigned int* word = row + (k == rank ? COPY_SENT : COPY_ARRIVED) + (v & (ONESHOT_SETS - 1u));
-        u64 start = 0;
-        unsigned int spins = 0;
-        while ((int)(ld_acquire_sys(word) - v) < 0) {
-            if ((++spins & 1023u) == 0) {
-                if (ld_relaxed_sys(ctl + CTL_ABORT) != 0u || (k != rank && ld_relaxed_sys(row + COPY_DEAD) != 0u)) {
-                    ctl_fail(ctl, rank, CTL_ABORTED, v);
-                    ok = 0;
-                    break;
-                }
-                const u64 now = global_timer_ns();
-                if (start == 0) {
-                    start = now;
-                } else if ((long long)(now - start) > (long long)timeout_ns) {
-                    ctl_fail(ctl, rank, CTL_TIMEOUT, v);
-                    st_relaxed_sys(ctl + CTL_ABORT, 1u);
-                    ok = 0;
-                    break;
-                }
-            }
-        }
-    }
-    return __syncthreads_and(ok) != 0;
-}
-
-// ONESHOT_COPY, after a block reduced round v: the grid's last block to do
-// so frees the set of v in every peer's region (its row's COPY_FREED word),
-// unless a peer gave up meanwhile (its copies may have overwritten what was
-// read): then the round is reported as aborted.
-static __device__ __forceinline__ void copy_freed(char* const* spush, int npush, unsigned int* own, int nranks,
-                                                  int rank, unsigned int v, unsigned int* ctl) {
-    __shared__ int last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned int seen = atomicInc(own + rank * ONESHOT_MAX_BLOCKS + COPY_COUNT + (v & (ONESHOT_SETS - 1u)),
-                                            gridDim.x - 1u);
-        last = seen == gridDim.x - 1u;
-        __threadfence();
-    }
-    if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank &&
-        ld_acquire_sys(own + threadIdx.x * ONESHOT_MAX_BLOCKS + COPY_DEAD) != 0u) {
-        ctl_fail(ctl, rank, CTL_ABORTED, v);
-    }
-    __syncthreads();
-    if (last && (int)threadIdx.x < npush) {
-        unsigned int* row = (unsigned int*)spush[threadIdx.x] + rank * ONESHOT_MAX_BLOCKS;
-        st_release_sys(row + COPY_FREED + (v & (ONESHOT_SETS - 1u)), v);
-    }
-}
-
-// ONESHOT_COPY, a block that gave up at round v: marks this rank dead in
-// every peer's region, then moves its own COPY_FREED words far ahead so that
-// its copy stream's waits all pass (what it still copies lands in peers that
-// see the mark).
-static __device__ __forceinline__ void copy_give_up(char* const* spush, int npush, unsigned int* own, int nranks,
-                                                    int rank, unsigned int v) {
-    if ((int)threadIdx.x < npush) {
-        unsigned int* row = (unsigned int*)spush[threadIdx.x] + rank * ONESHOT_MAX_BLOCKS;
-        st_release_sys(row + COPY_DEAD, 1u);
-    }
-    __syncthreads();
-    if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank) {
-        __threadfence_system();
-        unsigned int* row = own + threadIdx.x * ONESHOT_MAX_BLOCKS;
-        for (unsigned int s = 0; s < ONESHOT_SETS; ++s) st_release_sys(row + COPY_FREED + s, v + 0x40000000u);
-    }
-}
-
 template <class Op>
 static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int npush, const void* pull,
                                     const typename Op::T* in, typename Op::T* out,
@@ -947,7 +842,7 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
     if (npush < 0 || npush > MESH_MAX_RANKS || cap < 16 || (cap & 15u) != 0) return;
     if (gridDim.x > ONESHOT_MAX_BLOCKS || (int)blockDim.x < nranks || (int)blockDim.x < npush) return;
-    if (ahead < ONESHOT_PLAIN || ahead > ONESHOT_COPY) return;
+    if (ahead < ONESHOT_PLAIN || ahead > ONESHOT_DEEP) return;
     __shared__ unsigned int base_v;
     __shared__ char* spush[MESH_MAX_RANKS];
     if (threadIdx.x == 0) {
@@ -964,21 +859,7 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     const u64 stride = global_stride();
     const char* pdata = (const char*)pull + ONESHOT_FLAG_BYTES;
     const unsigned int* pflags = (const unsigned int*)pull;
-    if (ahead == ONESHOT_COPY) {
-        // The copy streams push; the grid waits, reduces and frees each set.
-        unsigned int* own = (unsigned int*)pull;
-        for (u64 round = 0; round < rounds; ++round) {
-            const unsigned int v = base_v + (unsigned int)round + 1u;
-            const u64 off = round * per_round;
-            if (!copy_wait(pflags, nranks, rank, v, ctl, timeout_ns)) {
-                copy_give_up(spush, npush, own, nranks, rank, v);
-                return;
-            }
-            oneshot_reduce<Op>(pdata, in + off, out + off, round_len(n, round, per_round), slot_of(v, nranks), cap,
-                               nranks, rank, vec, tid, stride);
-            copy_freed(spush, npush, own, nranks, rank, v, ctl);
-        }
-    } else if (ahead == ONESHOT_DEEP) {
+    if (ahead == ONESHOT_DEEP) {
         // Rounds 0 and 1 pushed before any wait, then round r reduced in one
         // pass with round r + 2's push.
         for (u64 round = 0; round < rounds && round < 2; ++round) {

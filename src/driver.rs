@@ -145,51 +145,6 @@ pub(crate) unsafe fn stream_wait_event(op: &'static str, stream: sys::CUstream, 
     check(op, unsafe { api()?.cuStreamWaitEvent(stream, event, 0) })
 }
 
-/// Makes `stream` wait until the 32-bit word at `addr` reaches `value`
-/// (`cuStreamWaitValue32`, `CU_STREAM_WAIT_VALUE_GEQ`: a cyclic comparison,
-/// `(i32)(*addr - value) >= 0`), the error named `op`.
-///
-/// # Safety
-///
-/// `stream` is a live stream of the current context, and `addr` a 4-byte
-/// aligned word of device memory mapped for it that stays mapped until the
-/// wait has passed. The caller sees to it that the word does reach `value`
-/// (or is moved there on failure): the stream waits for it without bound.
-pub(crate) unsafe fn stream_wait_value(op: &'static str, stream: sys::CUstream, addr: u64, value: u32) -> Result<()> {
-    let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ.0;
-    // SAFETY: the caller's contract.
-    check(op, unsafe { api()?.cuStreamWaitValue32_v2(stream, addr, value, geq) })
-}
-
-/// Writes `value` to the 32-bit word at `addr` in `stream`'s order, after a
-/// memory barrier that makes the stream's earlier writes (copies included)
-/// visible first (`cuStreamWriteValue32`, default flags), the error named
-/// `op`.
-///
-/// # Safety
-///
-/// `stream` is a live stream of the current context, and `addr` a 4-byte
-/// aligned word of device memory mapped for it that stays mapped until the
-/// write has run.
-pub(crate) unsafe fn stream_write_value(op: &'static str, stream: sys::CUstream, addr: u64, value: u32) -> Result<()> {
-    let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0;
-    // SAFETY: the caller's contract.
-    check(op, unsafe { api()?.cuStreamWriteValue32_v2(stream, addr, value, flags) })
-}
-
-/// Copies `bytes` from `src` to `dst` on `stream` (`cuMemcpyDtoDAsync`), the
-/// error named `op`.
-///
-/// # Safety
-///
-/// `stream` is a live stream of the current context; both ranges hold
-/// `bytes` bytes of device memory mapped for it, alive until the copy has
-/// run.
-pub(crate) unsafe fn copy_async(op: &'static str, stream: sys::CUstream, dst: u64, src: u64, bytes: usize) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check(op, unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) })
-}
-
 /// The context of `stream` (`cuStreamGetCtx`), the error named `op`.
 ///
 /// # Safety

@@ -89,10 +89,6 @@ pub(crate) struct Args {
     /// communicator's stream only), so no event waits or records per call.
     #[arg(long)]
     no_event_tracking: bool,
-    /// A/B probe: cuda-peer's communicators without the copy-engine lane
-    /// (`CommOptions::copy_engine` off): every size on the SM lanes.
-    #[arg(long)]
-    no_copy_engine: bool,
     /// Internal: run as this rank's NCCL child for this impl.
     #[arg(long, hide = true)]
     child: Option<MpImpl>,
@@ -223,7 +219,7 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
                 } else {
                     (CommOptions::default().path(PathPolicy::StagedOnly), "ipc::Comm on the staged path: shared pinned host memory, no P2P")
                 };
-                let opts = opts.check_calls(!args.no_check_calls).copy_engine(!args.no_copy_engine);
+                let opts = opts.check_calls(!args.no_check_calls);
                 let made = with_port(boot, port).and_then(|b| Ok(Comm::new(Box::new(b.connect()?), boot.local_rank, &opts)?));
                 match made {
                     Ok(comm) => {
@@ -236,10 +232,10 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
                         if rank == 0 {
                             println!("#");
                             println!("# {}: {n} processes ({what})", imp.name());
-                            if args.no_check_calls || args.no_event_tracking || args.no_copy_engine {
+                            if args.no_check_calls || args.no_event_tracking {
                                 println!(
-                                    "# probe: check_calls {}, cudarc event tracking {}, copy-engine lane {}",
-                                    !args.no_check_calls, !args.no_event_tracking, !args.no_copy_engine
+                                    "# host-cost probe: check_calls {}, cudarc event tracking {}",
+                                    !args.no_check_calls, !args.no_event_tracking
                                 );
                             }
                         }

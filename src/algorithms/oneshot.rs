@@ -76,28 +76,6 @@ const HOST_LANES: [(usize, u32, OneShotPipeline); 4] = [
     (usize::MAX, kernels::ONESHOT_HOST_BLOCKS, OneShotPipeline::Deep),
 ];
 
-/// Bytes of slots per rank in device memory of the copy-engine lane of the
-/// all-reduce between processes ([`crate::ipc::Comm`], P2P): four sets of
-/// one slot per rank, so 8 MiB rounds for 2 ranks.
-pub const COPY_SCRATCH_BYTES: usize = 64 << 20;
-
-/// The smallest message (bytes per rank) that takes the copy-engine lane
-/// between processes, where [`crate::ipc::CommOptions::copy_engine`] is on.
-pub(crate) const COPY_MIN_BYTES: usize = 64 << 20;
-
-/// The copy-engine lane among `n` ranks at byte `offset` of each region
-/// (every other lane before it), and its bytes: rounds of one slot, the
-/// grid capped at `sms` as in [`layout`]. Its kernel only reduces (each
-/// rank's copy stream pushes), so it takes any size from
-/// [`COPY_MIN_BYTES`]; the lane chosen by size among [`layout`]'s serves
-/// what it does not (smaller messages, and graph captures).
-pub(crate) fn copy_layout(n: usize, sms: u32, offset: usize) -> (LaneLayout, usize) {
-    let cap = (COPY_SCRATCH_BYTES / (kernels::ONESHOT_SETS * n.max(1))) & !255;
-    let blocks = (kernels::ONESHOT_MAX_BLOCKS as u32).min(sms).max(1);
-    let lane = LaneLayout { max_bytes: usize::MAX, blocks, cap, pipeline: OneShotPipeline::Copy, offset };
-    (lane, kernels::ONESHOT_FLAG_BYTES + kernels::ONESHOT_SETS * n * cap)
-}
-
 /// One lane's place in a one-shot region (shared by the single-process
 /// group and the multi-process [`crate::ipc::Comm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -475,22 +453,5 @@ mod tests {
         assert!(host.iter().filter(|l| l.max_bytes > 256 << 10).all(|l| l.cap == HOST_ROUND_BYTES));
         let (device, _) = layout(2, true, 132);
         assert_eq!(device.last().map(|l| l.blocks), Some(kernels::ONESHOT_MAX_BLOCKS as u32));
-    }
-
-    /// The copy-engine lane: its region fits its four sets of one slot per
-    /// rank within COPY_SCRATCH_BYTES, slots are 256-byte multiples, and its
-    /// grid follows the devices.
-    #[test]
-    fn the_copy_lane_fits_its_scratch() {
-        for n in 2..=8 {
-            let (lane, bytes) = copy_layout(n, 132, 4096);
-            assert_eq!((lane.offset, lane.pipeline, lane.max_bytes), (4096, OneShotPipeline::Copy, usize::MAX));
-            assert!(lane.cap % 256 == 0 && lane.cap >= 1 << 20, "{n} {lane:?}");
-            assert_eq!(bytes, kernels::ONESHOT_FLAG_BYTES + kernels::ONESHOT_SETS * n * lane.cap);
-            assert!(bytes <= kernels::ONESHOT_FLAG_BYTES + COPY_SCRATCH_BYTES);
-            assert_eq!(lane.blocks, kernels::ONESHOT_MAX_BLOCKS as u32);
-            assert_eq!(copy_layout(n, 58, 0).0.blocks, 58);
-        }
-        assert_eq!(copy_layout(2, 132, 0).0.cap, 8 << 20);
     }
 }

@@ -60,7 +60,7 @@ use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener};
 use super::shm::{board_bytes, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
-use crate::algorithms::oneshot::{copy_layout, lane_index, layout, LaneLayout, COPY_MIN_BYTES};
+use crate::algorithms::oneshot::{lane_index, layout, LaneLayout};
 use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -68,17 +68,13 @@ use crate::failure::Ctl;
 use crate::kernels;
 use crate::kernels::load::{function, FnTable, PtrArray};
 use crate::kernels::{Kernel, KernelOp};
-use crate::sync::{is_capturing, wait_bounded, Orderer};
+use crate::sync::{wait_bounded, Orderer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-mod copy;
 mod ops;
-
-use copy::CopyLane;
-use std::sync::atomic::AtomicU32;
 
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
 pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
@@ -139,13 +135,6 @@ pub struct CommOptions {
     /// ends cleanly, the context stays usable, and the communicator reports
     /// [`Error::PeerTimeout`] from then on. See [`crate::failure`].
     pub barrier_timeout: Duration,
-    /// Over P2P, give all-reduces of 64 MiB per rank and more to the copy
-    /// engines: each rank's copy stream pushes its input into the peers'
-    /// slots in rounds while its kernel only reduces (a lane of its own:
-    /// [`crate::algorithms::oneshot::COPY_SCRATCH_BYTES`] more of each
-    /// rank's device memory). Off on any rank, off on every rank. Calls
-    /// being captured into a CUDA graph take the SM lanes either way.
-    pub copy_engine: bool,
 }
 
 impl Default for CommOptions {
@@ -158,7 +147,6 @@ impl Default for CommOptions {
             share_devices: false,
             path: PathPolicy::Auto,
             barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
-            copy_engine: true,
         }
     }
 }
@@ -205,12 +193,6 @@ impl CommOptions {
         self.path = path;
         self
     }
-
-    /// Sets [`Self::copy_engine`].
-    pub fn copy_engine(mut self, copy_engine: bool) -> Self {
-        self.copy_engine = copy_engine;
-        self
-    }
 }
 
 /// One lane of the one-shot, as this rank launches it.
@@ -233,8 +215,6 @@ pub struct Comm {
     stream: Arc<CudaStream>,
     exchange: Box<dyn Exchange>,
     lanes: Vec<Lane>,
-    /// The copy-engine lane, over P2P where every rank asked for it.
-    copy: Option<CopyLane>,
     npush: i32,
     funcs: FnTable,
     div: FnTable,
@@ -289,25 +269,17 @@ struct RankInfo {
     region: usize,
     /// The device's multiprocessors (every rank's lanes take the fewest).
     sms: u32,
-    /// [`CommOptions::copy_engine`] (the copy-engine lane where every rank
-    /// asks for it).
-    copy: bool,
 }
 
 impl RankInfo {
     fn encode(&self) -> String {
-        format!("{}\n{}\n{}\n{}\n{}", self.host, self.bus, self.region, self.sms, self.copy as u8)
+        format!("{}\n{}\n{}\n{}", self.host, self.bus, self.region, self.sms)
     }
 
     fn decode(s: &str) -> Option<RankInfo> {
         let mut it = s.split('\n');
         let (host, bus, region, sms) = (it.next()?, it.next()?, it.next()?.parse().ok()?, it.next()?.parse().ok()?);
-        let copy = match it.next()? {
-            "1" => true,
-            "0" => false,
-            _ => return None,
-        };
-        Some(RankInfo { host: host.into(), bus: bus.into(), region, sms, copy })
+        Some(RankInfo { host: host.into(), bus: bus.into(), region, sms })
     }
 }
 
@@ -395,7 +367,7 @@ impl Comm {
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
             let sms = crate::driver::multiprocessors(&ctx)?;
-            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms, copy: opts.copy_engine };
+            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
             Ok((ctx, stream, info, board))
@@ -439,11 +411,7 @@ impl Comm {
         // One rank without P2P to a peer (or asking for it) stages every rank.
         let staged = verdicts.iter().any(|v| v == "staged");
         let sms = infos.iter().map(|i| i.sms).min().unwrap_or(1);
-        let (lanes, sm_bytes) = layout(size, !staged, sms);
-        // The copy-engine lane after the SM lanes, over P2P where every rank
-        // asks for it.
-        let copy_lane = (!staged && size > 1 && infos.iter().all(|i| i.copy)).then(|| copy_layout(size, sms, sm_bytes));
-        let bytes = sm_bytes + copy_lane.map_or(0, |c| c.1);
+        let (lanes, bytes) = layout(size, !staged, sms);
 
         // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
@@ -546,31 +514,9 @@ impl Comm {
         let bar_ptr = bar.device_ptr(&stream).0;
 
         // Counters, and the lanes as this rank launches them.
-        let counters =
-            stream.alloc_zeros::<u32>((lanes.len() + 1) * kernels::ONESHOT_MAX_BLOCKS).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
+        let counters = stream.alloc_zeros::<u32>(lanes.len() * kernels::ONESHOT_MAX_BLOCKS).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
         stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         let counter_base = counters.device_ptr(&stream).0;
-        let copy = match copy_lane {
-            None => None,
-            Some((layout, _)) => Some(CopyLane {
-                layout,
-                min_bytes: COPY_MIN_BYTES,
-                push: PtrArray::from_slice(
-                    &regions.iter().enumerate().filter(|&(k, _)| k != rank).map(|(_, r)| r.0 + layout.offset as u64).collect::<Vec<_>>(),
-                ),
-                pull: regions[rank].0 + layout.offset as u64,
-                counters: counter_base + (lanes.len() * kernels::ONESHOT_MAX_BLOCKS * 4) as u64,
-                peers: regions.iter().enumerate().filter(|&(k, _)| k != rank).map(|(k, r)| (k, r.0 + layout.offset as u64)).collect(),
-                streams: (0..kernels::ONESHOT_SETS)
-                    .map(|_| ctx.new_stream().map_err(cudarc_err("cuStreamCreate (copy lane)")))
-                    .collect::<Result<_>>()?,
-                start: ctx.new_event(None).map_err(cudarc_err("cuEventCreate (copy lane)"))?,
-                ends: (0..kernels::ONESHOT_SETS)
-                    .map(|_| ctx.new_event(None).map_err(cudarc_err("cuEventCreate (copy lane)")))
-                    .collect::<Result<_>>()?,
-                rounds: AtomicU32::new(0),
-            }),
-        };
         let lanes = lanes
             .into_iter()
             .enumerate()
@@ -591,7 +537,6 @@ impl Comm {
             stream,
             exchange,
             lanes,
-            copy,
             npush: size as i32 - 1,
             funcs: FnTable::default(),
             div: FnTable::default(),
@@ -621,35 +566,22 @@ impl Comm {
 
     /// Step 4: an all-reduce of seeded data per lane, checked on the host.
     fn verify(&self, timeout: Duration) -> Result<()> {
-        // A size that takes each SM lane, and not a multiple of 16 bytes;
-        // then two rounds of the copy-engine lane, the second partial.
-        let mut checks: Vec<(usize, Route)> =
-            self.lanes.iter().map(|lane| ((lane.layout.max_bytes.min(256 << 10) / 4).saturating_sub(3).max(5), Route::Sm)).collect();
-        if let Some(c) = &self.copy {
-            checks.push((c.layout.cap / 4 + 997, Route::Copy));
-        }
-        for (l, &(count, route)) in checks.iter().enumerate() {
+        for (l, lane) in self.lanes.iter().enumerate() {
+            // A size that takes this lane, and not a multiple of 16 bytes.
+            let count = (lane.layout.max_bytes.min(256 << 10) / 4).saturating_sub(3).max(5);
             let inputs: Vec<Vec<u32>> = (0..self.size).map(|r| seeded(0x5eed_0000 + l as u64 * 64 + r as u64, count)).collect();
             let expected: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect();
             let mut buf = self.stream.clone_htod(&inputs[self.rank]).map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
-            {
-                let _call = self.enter(desc(Kind::AllReduce, DType::U32, Some(ReduceOp::Sum), count, None))?;
-                let (ptr, held) = self.order.write(&mut buf, &self.stream)?;
-                self.launch::<u32>(ReduceOp::Sum, ptr, ptr, count, route).and(held.finish())?;
-            }
+            self.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
             let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
             done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
             wait_bounded(&done, "communicator verification (all-reduce)", timeout)?;
-            self.ctl.check()?;
             let got = self.stream.clone_dtoh(&buf).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
             if let Some(i) = (0..count).find(|&i| got[i] != expected[i]) {
                 return Err(Error::P2pUnavailable {
                     from: self.ctx.ordinal(),
                     to: self.ctx.ordinal(),
-                    reason: format!(
-                        "verification all-reduce of {count} u32 (lane {l}, {route:?}) wrong at {i}: {} instead of {}",
-                        got[i], expected[i]
-                    ),
+                    reason: format!("verification all-reduce of {count} u32 (lane {l}) wrong at {i}: {} instead of {}", got[i], expected[i]),
                 });
             }
         }
@@ -732,13 +664,12 @@ impl Comm {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
-        let route = self.route(count * T::DTYPE.size(), &[buf.stream()])?;
-        let _call = self.enter(CallDesc { captured: route == Route::Captured, ..desc(Kind::AllReduce, T::DTYPE, Some(op), count, None) })?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
-        let launched = self.launch::<T>(op, ptr, ptr, count, route);
+        let launched = self.launch::<T>(op, ptr, ptr, count);
         launched.and(held.finish())
     }
 
@@ -753,14 +684,13 @@ impl Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
-        let route = self.route(count * T::DTYPE.size(), &[send.stream(), recv.stream()])?;
-        let _call = self.enter(CallDesc { captured: route == Route::Captured, ..desc(Kind::AllReduce, T::DTYPE, Some(op), count, None) })?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        let launched = self.launch::<T>(op, src, dst, count, route);
+        let launched = self.launch::<T>(op, src, dst, count);
         launched.and(read.finish()).and(write.finish())
     }
 
@@ -768,31 +698,11 @@ impl Comm {
     /// stream (`src` and `dst`: `count` elements, the same or disjoint),
     /// for the collectives built on this one ([`super::tiered`]).
     pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
-        let route = self.route(count * T::DTYPE.size(), &[])?;
-        let _call = self.enter(CallDesc { captured: route == Route::Captured, ..desc(Kind::AllReduce, T::DTYPE, Some(op), count, None) })?;
+        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
-        self.launch::<T>(op, src, dst, count, route)
-    }
-
-    /// How an all-reduce of `bytes` per rank runs: on the copy-engine lane
-    /// from its size up, unless the communicator's stream or one of the
-    /// callers' `streams` is being captured into a graph (then on the SM
-    /// lane for its size, [`Route::Captured`]); on the SM lane for its size
-    /// below it.
-    fn route(&self, bytes: usize, streams: &[&Arc<CudaStream>]) -> Result<Route> {
-        match &self.copy {
-            Some(c) if bytes >= c.min_bytes => {
-                for s in streams.iter().copied().chain([&self.stream]) {
-                    if is_capturing(s)? {
-                        return Ok(Route::Captured);
-                    }
-                }
-                Ok(Route::Copy)
-            }
-            _ => Ok(Route::Sm),
-        }
+        self.launch::<T>(op, src, dst, count)
     }
 
     /// Takes the call lock and, with [`CommOptions::check_calls`], checks
@@ -822,32 +732,23 @@ impl Comm {
         Ok(calls)
     }
 
-    /// This rank's one-shot kernel (and, on the copy-engine lane, its
-    /// copies), then the division of [`ReduceOp::Avg`].
-    fn launch<T: Element>(&self, op: ReduceOp, input: u64, output: u64, count: usize, route: Route) -> Result<()> {
+    /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
+    fn launch<T: Element>(&self, op: ReduceOp, input: u64, output: u64, count: usize) -> Result<()> {
         let dtype = T::DTYPE;
-        let sm = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
-        let copy = self.copy.as_ref().filter(|_| route == Route::Copy);
-        let (layout, push, pull, counters) = match copy {
-            Some(c) => (c.layout, &c.push, c.pull, c.counters),
-            None => (sm.layout, &sm.push, sm.pull, sm.counters),
-        };
-        let cfg = LaunchConfig { grid_dim: (layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, layout.cap as u64);
-        let ahead = layout.pipeline.arg();
+        let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
+        let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+        let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
+        let ahead = lane.layout.pipeline.arg();
         let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
         let f = self.funcs.get(kernel, || function(&self.ctx, kernel))?;
-        if let Some(c) = copy {
-            c.start.record(&self.stream).map_err(cudarc_err("cuEventRecord (copy lane)"))?;
-        }
         let mut launch = self.stream.launch_builder(f);
         launch
-            .arg(push)
+            .arg(&lane.push)
             .arg(&self.npush)
-            .arg(&pull)
+            .arg(&lane.pull)
             .arg(&input)
             .arg(&output)
-            .arg(&counters)
+            .arg(&lane.counters)
             .arg(&nranks)
             .arg(&rank)
             .arg(&cnt)
@@ -865,17 +766,11 @@ impl Comm {
         // n * cap bytes from the lane's offset (one `layout` on every rank);
         // the counters hold ONESHOT_MAX_BLOCKS words of this rank. Every
         // rank runs the lane's grid and `ahead` on each call of the lane (the
-        // callers' contract, checked per call with `check_calls`, which
-        // includes whether a copy-lane-sized call is captured). Each rank has its own device,
+        // callers' contract, checked per call with `check_calls`). Each rank has its own device,
         // or (`share_devices`) shares one with ranks of other processes, whose
         // contexts the driver time-slices: every rank's kernel gets to run,
-        // and a barrier that waits too long gives up (the control block). On
-        // the copy lane the kernel only reads the peers' regions' words and
-        // writes their COPY_DEAD and COPY_FREED words, within the lane.
+        // and a barrier that waits too long gives up (the control block).
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
-        if let Some(c) = copy {
-            self.copy_rounds(c, input, count, dtype.size())?;
-        }
         if op == ReduceOp::Avg && self.size > 1 {
             let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
             let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
@@ -893,29 +788,11 @@ impl Comm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        // The peers' regions must outlive this rank's kernels and copies that
-        // store into them (the copy stream's waits all end: see `copy`).
+        // The peers' regions must outlive this rank's kernels that store into them.
         if let Err(e) = self.stream.synchronize() {
             log::warn!("cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}", self.rank);
         }
-        for s in self.copy.iter().flat_map(|c| &c.streams) {
-            if let Err(e) = s.synchronize() {
-                log::warn!("cuda-peer: communicator rank {}: synchronize of a copy stream on drop failed: {e:?}", self.rank);
-            }
-        }
     }
-}
-
-/// How an all-reduce runs (see [`Comm::route`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Route {
-    /// On the SM lane for its size.
-    Sm,
-    /// On the copy-engine lane.
-    Copy,
-    /// On the SM lane for its size, though the size takes the copy-engine
-    /// lane eagerly: the call is being captured.
-    Captured,
 }
 
 /// The descriptor of a call.
@@ -926,7 +803,6 @@ fn desc(kind: Kind, dtype: DType, op: Option<ReduceOp>, count: usize, root: Opti
         op: op.and_then(|o| ReduceOp::ALL.iter().position(|x| *x == o)).unwrap_or(255) as u8,
         root: root.map(|r| r.min(u32::MAX as usize - 1) as u32).unwrap_or(u32::MAX),
         count: count as u64,
-        captured: false,
     }
 }
 
@@ -950,7 +826,7 @@ mod tests {
     use super::*;
 
     fn info(host: &str, bus: &str) -> RankInfo {
-        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20, sms: 132, copy: true }
+        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20, sms: 132 }
     }
 
     #[test]

@@ -161,10 +161,6 @@ pub(crate) struct CallDesc {
     pub root: u32,
     /// The count, as each collective's docs define it.
     pub count: u64,
-    /// Whether the call is being captured into a CUDA graph, where that
-    /// changes how it runs (an all-reduce that takes the copy-engine lane
-    /// eagerly takes an SM lane under capture); else false.
-    pub captured: bool,
 }
 
 /// The collectives, as published.
@@ -194,12 +190,12 @@ impl Kind {
 
 impl CallDesc {
     fn pack(&self) -> u64 {
-        (self.kind as u64) | (self.dtype as u64) << 8 | (self.op as u64) << 16 | (self.captured as u64) << 24 | (self.root as u64) << 32
+        (self.kind as u64) | (self.dtype as u64) << 8 | (self.op as u64) << 16 | (self.root as u64) << 32
     }
 
     fn unpack(w: u64, count: u64) -> Option<CallDesc> {
         let kind = *KINDS.iter().find(|k| **k as u64 == w & 0xff)?;
-        Some(CallDesc { kind, dtype: (w >> 8) as u8, op: (w >> 16) as u8, root: (w >> 32) as u32, count, captured: (w >> 24) & 1 == 1 })
+        Some(CallDesc { kind, dtype: (w >> 8) as u8, op: (w >> 16) as u8, root: (w >> 32) as u32, count })
     }
 }
 
@@ -212,9 +208,6 @@ impl std::fmt::Display for CallDesc {
         }
         if self.root != u32::MAX {
             write!(f, ", root {}", self.root)?;
-        }
-        if self.captured {
-            write!(f, ", captured")?;
         }
         write!(f, ")")
     }
@@ -319,19 +312,15 @@ mod tests {
     use super::*;
 
     fn desc(count: u64) -> CallDesc {
-        CallDesc { kind: Kind::AllGather, dtype: 0, op: 255, root: u32::MAX, count, captured: false }
+        CallDesc { kind: Kind::AllGather, dtype: 0, op: 255, root: u32::MAX, count }
     }
 
     #[test]
     fn descriptors_round_trip_and_print() {
-        let d = CallDesc { kind: Kind::Reduce, dtype: 3, op: 2, root: 1, count: 77, captured: false };
+        let d = CallDesc { kind: Kind::Reduce, dtype: 3, op: 2, root: 1, count: 77 };
         assert_eq!(CallDesc::unpack(d.pack(), 77), Some(d));
         assert_eq!(d.to_string(), "reduce(77 x bf16, min, root 1)");
         assert_eq!(desc(5).to_string(), "all_gather(5 x f32)");
-        let c = CallDesc { captured: true, ..d };
-        assert_eq!(CallDesc::unpack(c.pack(), 77), Some(c));
-        assert_ne!(c.pack(), d.pack());
-        assert_eq!(c.to_string(), "reduce(77 x bf16, min, root 1, captured)");
     }
 
     /// Two "ranks" (threads) on one region, one imported from the other's

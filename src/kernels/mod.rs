@@ -336,10 +336,6 @@ pub(crate) enum OneShotPipeline {
     /// Rounds 0 and 1 pushed first, then round v reduced in one pass with
     /// round v + 2's push.
     Deep = 2,
-    /// The kernel pushes nothing: each rank's copy stream copies its rounds
-    /// into the peers' slots (copy engine) and raises their words; the grid
-    /// waits, reduces and frees each set (slots in device memory only).
-    Copy = 3,
 }
 
 impl OneShotPipeline {
@@ -348,15 +344,6 @@ impl OneShotPipeline {
         self as i32
     }
 }
-
-/// The words of a [`OneShotPipeline::Copy`] lane's flag area, `u32
-/// [writer's rank][word]`, each the first of [`ONESHOT_SETS`] (one per set;
-/// see `kernels/reduce.cu`): the round whose set a peer has reduced.
-pub(crate) const COPY_FREED: usize = 8;
-/// The round a peer's copy stream has delivered into this region.
-pub(crate) const COPY_ARRIVED: usize = 12;
-/// The round this rank's own copy stream has sent to every peer.
-pub(crate) const COPY_SENT: usize = 16;
 
 /// Bytes of flags at the start of a one-shot region: `u32 [rank][block]`.
 pub(crate) const ONESHOT_FLAG_BYTES: usize = MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4;
@@ -471,18 +458,10 @@ mod tests {
         assert!(src.contains("#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)"));
         assert!(src.contains(&format!("#define ONESHOT_SETS {ONESHOT_SETS}\n")));
         assert!(ONESHOT_SETS.is_power_of_two() && ONESHOT_SETS >= 4);
-        for (name, mode) in
-            [("PLAIN", OneShotPipeline::Plain), ("AHEAD", OneShotPipeline::Ahead), ("DEEP", OneShotPipeline::Deep), ("COPY", OneShotPipeline::Copy)]
-        {
+        for (name, mode) in [("PLAIN", OneShotPipeline::Plain), ("AHEAD", OneShotPipeline::Ahead), ("DEEP", OneShotPipeline::Deep)] {
             assert!(src.contains(&format!("#define ONESHOT_{name} {}\n", mode.arg())), "{name}");
         }
         assert!(ONESHOT_HOST_BLOCKS as usize <= ONESHOT_MAX_BLOCKS);
-        for (name, word) in [("ARRIVED", COPY_ARRIVED), ("SENT", COPY_SENT), ("FREED", COPY_FREED)] {
-            assert!(src.contains(&format!("#define COPY_{name} {word}\n")), "{name}");
-        }
-        assert!(src.contains("#define COPY_DEAD 0\n") && src.contains("#define COPY_COUNT 4\n"));
-        const { assert!(COPY_FREED >= 4 + ONESHOT_SETS && COPY_ARRIVED >= COPY_FREED + ONESHOT_SETS && COPY_SENT >= COPY_ARRIVED + ONESHOT_SETS) };
-        const { assert!(COPY_SENT + ONESHOT_SETS <= ONESHOT_MAX_BLOCKS) };
     }
 
     #[test]

@@ -8,7 +8,6 @@ pub const CU_MEMHOSTALLOC_PORTABLE: u32 = 1;
 pub const CU_MEMHOSTALLOC_DEVICEMAP: u32 = 2;
 pub const CU_MEMHOSTREGISTER_PORTABLE: u32 = 1;
 pub const CU_MEMHOSTREGISTER_DEVICEMAP: u32 = 2;
-pub type cuuint32_t = u32;
 pub type cuuint64_t = u64;
 pub type CUdeviceptr_v2 = ::std::os::raw::c_ulonglong;
 pub type CUdeviceptr = CUdeviceptr_v2;
@@ -82,25 +81,6 @@ impl CUevent_wait_flags_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUevent_wait_flags_enum(pub ::std::os::raw::c_uint);
 pub use self::CUevent_wait_flags_enum as CUevent_wait_flags;
-impl CUstreamWaitValue_flags_enum {
-    pub const CU_STREAM_WAIT_VALUE_GEQ: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(0);
-    pub const CU_STREAM_WAIT_VALUE_EQ: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(1);
-    pub const CU_STREAM_WAIT_VALUE_AND: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(2);
-    pub const CU_STREAM_WAIT_VALUE_NOR: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(3);
-    pub const CU_STREAM_WAIT_VALUE_FLUSH: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(1073741824);
-}
-#[repr(transparent)]
-#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct CUstreamWaitValue_flags_enum(pub ::std::os::raw::c_uint);
-pub use self::CUstreamWaitValue_flags_enum as CUstreamWaitValue_flags;
-impl CUstreamWriteValue_flags_enum {
-    pub const CU_STREAM_WRITE_VALUE_DEFAULT: CUstreamWriteValue_flags_enum = CUstreamWriteValue_flags_enum(0);
-    pub const CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER: CUstreamWriteValue_flags_enum = CUstreamWriteValue_flags_enum(1);
-}
-#[repr(transparent)]
-#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct CUstreamWriteValue_flags_enum(pub ::std::os::raw::c_uint);
-pub use self::CUstreamWriteValue_flags_enum as CUstreamWriteValue_flags;
 impl CUdevice_attribute_enum {
     pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(1);
     pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: CUdevice_attribute_enum = CUdevice_attribute_enum(2);
@@ -615,10 +595,6 @@ pub struct DriverApi {
     pub cuEventSynchronize: unsafe extern "C" fn(hEvent: CUevent) -> CUresult,
     pub cuEventDestroy_v2: unsafe extern "C" fn(hEvent: CUevent) -> CUresult,
     pub cuEventElapsedTime: unsafe extern "C" fn(pMilliseconds: *mut f32, hStart: CUevent, hEnd: CUevent) -> CUresult,
-    pub cuStreamWaitValue32_v2:
-        unsafe extern "C" fn(stream: CUstream, addr: CUdeviceptr, value: cuuint32_t, flags: ::std::os::raw::c_uint) -> CUresult,
-    pub cuStreamWriteValue32_v2:
-        unsafe extern "C" fn(stream: CUstream, addr: CUdeviceptr, value: cuuint32_t, flags: ::std::os::raw::c_uint) -> CUresult,
     pub cuUserObjectCreate: unsafe extern "C" fn(
         object_out: *mut CUuserObject,
         ptr: *mut ::std::os::raw::c_void,
@@ -704,8 +680,6 @@ impl DriverApi {
         let cuEventSynchronize = __library.get(b"cuEventSynchronize\0").map(|sym| *sym)?;
         let cuEventDestroy_v2 = __library.get(b"cuEventDestroy_v2\0").map(|sym| *sym)?;
         let cuEventElapsedTime = __library.get(b"cuEventElapsedTime\0").map(|sym| *sym)?;
-        let cuStreamWaitValue32_v2 = __library.get(b"cuStreamWaitValue32_v2\0").map(|sym| *sym)?;
-        let cuStreamWriteValue32_v2 = __library.get(b"cuStreamWriteValue32_v2\0").map(|sym| *sym)?;
         let cuUserObjectCreate = __library.get(b"cuUserObjectCreate\0").map(|sym| *sym)?;
         let cuUserObjectRelease = __library.get(b"cuUserObjectRelease\0").map(|sym| *sym)?;
         let cuGraphRetainUserObject = __library.get(b"cuGraphRetainUserObject\0").map(|sym| *sym)?;
@@ -771,8 +745,6 @@ impl DriverApi {
             cuEventSynchronize,
             cuEventDestroy_v2,
             cuEventElapsedTime,
-            cuStreamWaitValue32_v2,
-            cuStreamWriteValue32_v2,
             cuUserObjectCreate,
             cuUserObjectRelease,
             cuGraphRetainUserObject,
@@ -1025,12 +997,6 @@ impl DriverApi {
     }
     pub unsafe fn cuEventElapsedTime(&self, pMilliseconds: *mut f32, hStart: CUevent, hEnd: CUevent) -> CUresult {
         (self.cuEventElapsedTime)(pMilliseconds, hStart, hEnd)
-    }
-    pub unsafe fn cuStreamWaitValue32_v2(&self, stream: CUstream, addr: CUdeviceptr, value: cuuint32_t, flags: ::std::os::raw::c_uint) -> CUresult {
-        (self.cuStreamWaitValue32_v2)(stream, addr, value, flags)
-    }
-    pub unsafe fn cuStreamWriteValue32_v2(&self, stream: CUstream, addr: CUdeviceptr, value: cuuint32_t, flags: ::std::os::raw::c_uint) -> CUresult {
-        (self.cuStreamWriteValue32_v2)(stream, addr, value, flags)
     }
     pub unsafe fn cuUserObjectCreate(
         &self,

@@ -264,7 +264,7 @@ impl Comm {
     /// stream has reached it, so each rank's work enqueued before it is
     /// complete and visible. Bounded by the barrier timeout.
     fn barrier(&self) -> Result<()> {
-        self.launch::<u32>(ReduceOp::Sum, self.bar_ptr, self.bar_ptr, 1, super::Route::Sm)
+        self.launch::<u32>(ReduceOp::Sum, self.bar_ptr, self.bar_ptr, 1)
     }
 
     /// `dst = part(0) op part(1) op ... op part(n - 1)`, `len` elements,
