@@ -8,19 +8,34 @@
 //! own key-value store implements [`Exchange`] over it instead and hands
 //! that to [`crate::ipc::Comm::new`].
 //!
-//! Protocol (one TCP connection from each rank to rank 0, kept for the
-//! life of the rendezvous): every message is a little-endian `u32` length
-//! and that many bytes (at most [`MAX_MESSAGE_BYTES`]). A rank first sends
-//! `HELLO` (magic, its rank, the world size); rank 0 answers each with the
-//! job id once every rank has arrived. An all-gather is one message from
-//! each rank to rank 0 and one message back with every rank's blob. Every
-//! read, write, connect and accept is bounded by the bootstrap's timeout.
+//! Only the job's ranks join: every connection to rank 0 runs a mutual
+//! challenge-response over the job's secret ([`super::secret`] says where
+//! the secret comes from; `super::wire` gives the protocol), so a process
+//! without it is dropped before it learns anything or is given a rank, and
+//! a process squatting on `MASTER_PORT` is not taken for rank 0. Rank 0
+//! handles each new connection on its own thread, with a deadline of its
+//! own, so that strangers, stray requests and slow peers do not hold up the
+//! rendezvous; they are dropped and logged. Rank 0 listens only on the
+//! address `MASTER_ADDR` resolves to (or the one
+//! [`Bootstrap::with_bind_addr`] / `CUDA_PEER_BIND_ADDR` gives), never on
+//! every interface in its stead.
+//!
+//! After the handshake an all-gather is one message from each rank to rank
+//! 0 and one message back with every rank's blob, each with a MAC; every
+//! message is bounded in size ([`MAX_MESSAGE_BYTES`]) and must arrive whole
+//! within the bootstrap's timeout.
 
+use super::secret::{self, JobSecret};
+use super::wire::{self, Link, Refusal};
 use crate::error::{Error, Result};
-use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::io::ErrorKind;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::mpsc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+pub(crate) use super::wire::io_err;
 
 /// How long a rendezvous step waits by default (for the other ranks to
 /// arrive, for a message) before it fails with [`Error::Timeout`].
@@ -30,8 +45,16 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// are small).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
-/// The magic at the start of a `HELLO` (protocol version 1).
-const MAGIC: &[u8; 8] = b"CPEER\x00\x01\x00";
+/// The environment variable naming the address rank 0 listens on, where
+/// it is not the one `MASTER_ADDR` resolves to (a service address, NAT).
+pub const BIND_ADDR_ENV: &str = "CUDA_PEER_BIND_ADDR";
+
+/// The longest a new connection may take to prove the secret.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most connections rank 0 authenticates at once: a new one past it
+/// closes the oldest (a flood of silent connections cannot keep the ranks
+/// out until their deadlines pass).
+const MAX_PENDING: usize = 64;
 
 /// One process's place in a job and where its rank 0 listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,7 +74,40 @@ pub struct Bootstrap {
     pub master_port: u16,
     /// Bound on every rendezvous step ([`DEFAULT_TIMEOUT`]).
     pub timeout: Duration,
+    /// The job's secret (see [`super::secret`] for where it comes from when
+    /// `None`).
+    pub secret: Option<JobSecret>,
+    /// Whether ranks on several hosts may meet without a secret (anyone who
+    /// reaches the port may then join).
+    pub insecure: bool,
+    /// The address rank 0 listens on, when not `master_addr`'s.
+    pub bind_addr: Option<String>,
 }
+
+/// How a rank proves it belongs to the job.
+enum Key {
+    /// A secret every rank was given.
+    Given(JobSecret),
+    /// Rank 0 wrote it to this file (a job on one host); joiners read it,
+    /// again at each attempt (a file left by an earlier job on the same
+    /// port is replaced by rank 0).
+    LocalFile(PathBuf),
+}
+
+impl Key {
+    /// The secret now, or why there is none yet (its file is missing, or
+    /// is not one rank 0 wrote: rank 0 replaces it).
+    fn current(&self) -> std::result::Result<JobSecret, String> {
+        match self {
+            Key::Given(s) => Ok(s.clone()),
+            Key::LocalFile(p) => secret::read_private_file(p).map_err(|e| format!("no usable secret file from rank 0 yet ({e})")),
+        }
+    }
+}
+
+/// The key that lets anyone join: used only when [`Bootstrap::insecure`]
+/// is set and no secret is given.
+const INSECURE_KEY: &str = "cuda-peer: no job secret (insecure)";
 
 impl Bootstrap {
     /// Checks and takes the given places (for frameworks that know them
@@ -69,13 +125,26 @@ impl Bootstrap {
         if master_addr.is_empty() {
             return Err(Error::InvalidArgument("empty master address".into()));
         }
-        Ok(Bootstrap { rank, world_size, local_rank, local_world_size, master_addr: master_addr.to_string(), master_port, timeout: DEFAULT_TIMEOUT })
+        Ok(Bootstrap {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr: master_addr.to_string(),
+            master_port,
+            timeout: DEFAULT_TIMEOUT,
+            secret: None,
+            insecure: false,
+            bind_addr: None,
+        })
     }
 
     /// Reads torchrun's variables from the environment: `RANK`,
     /// `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (required),
     /// `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (default: `RANK` and
-    /// `WORLD_SIZE`, a one-host job).
+    /// `WORLD_SIZE`, a one-host job); and cuda-peer's: the job's secret
+    /// (`CUDA_PEER_JOB_SECRET` or `CUDA_PEER_JOB_SECRET_FILE`),
+    /// `CUDA_PEER_INSECURE_BOOTSTRAP` and `CUDA_PEER_BIND_ADDR`.
     pub fn from_env() -> Result<Bootstrap> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -117,6 +186,9 @@ impl Bootstrap {
             master_addr: master_addr.trim().to_string(),
             master_port,
             timeout: DEFAULT_TIMEOUT,
+            secret: JobSecret::from_vars(&get)?,
+            insecure: get(secret::INSECURE_ENV).is_some_and(|v| v.trim() == "1"),
+            bind_addr: get(BIND_ADDR_ENV).map(|a| a.trim().to_string()).filter(|a| !a.is_empty()),
         })
     }
 
@@ -126,128 +198,274 @@ impl Bootstrap {
         self
     }
 
+    /// The same bootstrap with the job's secret (every rank must be given
+    /// the same one).
+    pub fn with_secret(mut self, secret: JobSecret) -> Bootstrap {
+        self.secret = Some(secret);
+        self
+    }
+
+    /// The same bootstrap letting ranks on several hosts meet without a
+    /// secret: anyone who can reach `MASTER_PORT` can then join the job and
+    /// read what it exchanges. For trusted, isolated networks only.
+    pub fn insecure(mut self) -> Bootstrap {
+        self.insecure = true;
+        self
+    }
+
+    /// The same bootstrap with rank 0 listening on `addr` instead of the
+    /// address `master_addr` resolves to.
+    pub fn with_bind_addr(mut self, addr: &str) -> Bootstrap {
+        self.bind_addr = Some(addr.to_string());
+        self
+    }
+
     /// Meets the other ranks: rank 0 listens on `MASTER_PORT` and waits for
-    /// every other rank to connect; the others connect (retrying until the
-    /// timeout while rank 0 is not up yet). Fails with [`Error::Timeout`]
-    /// when a rank does not show up in time, [`Error::Bootstrap`] when one
-    /// disagrees (another world size, a rank taken twice).
+    /// every other rank to connect and prove the job's secret; the others
+    /// connect (retrying until the timeout while rank 0 is not up yet, or
+    /// while what listens does not prove the secret). Fails with
+    /// [`Error::Timeout`] when a rank does not show up in time,
+    /// [`Error::Bootstrap`] when one that proved the secret disagrees
+    /// (another world size, a rank out of range), when rank 0 cannot listen
+    /// where it should, or when ranks on several hosts have no secret.
     pub fn connect(&self) -> Result<Rendezvous> {
         if self.world_size == 1 {
-            return Ok(Rendezvous { rank: 0, size: 1, job: new_job_id(self.master_port), timeout: self.timeout, links: Mutex::new(Vec::new()) });
+            return Ok(Rendezvous { rank: 0, size: 1, job: new_job_id()?, timeout: self.timeout, links: Mutex::new(Vec::new()) });
         }
         if self.rank == 0 {
-            self.serve()
+            let listener = self.listen()?;
+            self.serve_on(listener)
         } else {
             self.join()
         }
     }
 
-    fn serve(&self) -> Result<Rendezvous> {
-        let deadline = Instant::now() + self.timeout;
-        let listener = TcpListener::bind((self.master_addr.as_str(), self.master_port))
-            .or_else(|_| TcpListener::bind((Ipv4Addr::UNSPECIFIED, self.master_port)))
-            .map_err(io_err("rendezvous: bind MASTER_PORT"))?;
+    /// The key of this job; rank 0 of a one-host job without a secret
+    /// writes a new one to its file (removed once every rank has joined).
+    fn key(&self, port: u16) -> Result<(Key, Option<PathBuf>)> {
+        if let Some(s) = &self.secret {
+            return Ok((Key::Given(s.clone()), None));
+        }
+        if self.local_world_size == self.world_size {
+            if self.rank == 0 {
+                let (s, path) = secret::publish_local_secret(port)?;
+                return Ok((Key::Given(s), Some(path)));
+            }
+            return Ok((Key::LocalFile(secret::local_secret_path(port)?), None));
+        }
+        if self.insecure {
+            log::warn!("cuda-peer rendezvous: no job secret and CUDA_PEER_INSECURE_BOOTSTRAP set: anyone who reaches port {port} can join");
+            return Ok((Key::Given(JobSecret::new(INSECURE_KEY)?), None));
+        }
+        Err(Error::Bootstrap {
+            op: "rendezvous",
+            reason: format!(
+                "the job spans hosts (LOCAL_WORLD_SIZE {} < WORLD_SIZE {}) and has no secret: give every rank the same \
+                 CUDA_PEER_JOB_SECRET (or CUDA_PEER_JOB_SECRET_FILE), or set CUDA_PEER_INSECURE_BOOTSTRAP=1 on a trusted network",
+                self.local_world_size, self.world_size
+            ),
+        })
+    }
+
+    /// Rank 0's listener: on the bind address if given, else on an address
+    /// `master_addr` resolves to that is this host's; never on every
+    /// interface in its stead.
+    pub(crate) fn listen(&self) -> Result<TcpListener> {
+        let host = self.bind_addr.as_deref().unwrap_or(&self.master_addr);
+        let addrs: Vec<SocketAddr> = (host, self.master_port)
+            .to_socket_addrs()
+            .map(|a| a.collect())
+            .map_err(|e| Error::Bootstrap { op: "rendezvous: resolving MASTER_ADDR", reason: format!("{host}: {e}") })?;
+        let mut last = None;
+        for a in &addrs {
+            match TcpListener::bind(a) {
+                Ok(l) => return Ok(l),
+                Err(e) => last = Some((a, e)),
+            }
+        }
+        let reason = match last {
+            Some((a, e)) if e.kind() == ErrorKind::AddrInUse => {
+                format!("{a} is in use (another job, or another process listening on MASTER_PORT)")
+            }
+            Some((a, e)) if e.kind() == ErrorKind::AddrNotAvailable => format!(
+                "{a} ({host}) is not an address of this host: set {BIND_ADDR_ENV} (or Bootstrap::with_bind_addr) to the local address to listen on"
+            ),
+            Some((a, e)) => format!("{a}: {e}"),
+            None => format!("{host} resolves to no address"),
+        };
+        Err(Error::Bootstrap { op: "rendezvous: listening on MASTER_PORT", reason })
+    }
+
+    /// Rank 0: serves the rendezvous on `listener` (bound already, so that
+    /// no other process can take its port in between).
+    pub(crate) fn serve_on(&self, listener: TcpListener) -> Result<Rendezvous> {
+        let deadline = wire::deadline(self.timeout);
+        let port = listener.local_addr().map_err(io_err("rendezvous: listener"))?.port();
+        let (key, published) = self.key(port)?;
+        // The one-host secret file goes once every rank has joined, or failed to.
+        let _remove = published.map(RemoveOnDrop);
+        let secret = key.current().map_err(Error::Internal)?;
         listener.set_nonblocking(true).map_err(io_err("rendezvous: listener"))?;
-        let mut links: Vec<Option<TcpStream>> = (0..self.world_size).map(|_| None).collect();
-        let mut arrived = 1;
-        while arrived < self.world_size {
-            let stream = match listener.accept() {
-                Ok((s, _)) => s,
-                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                    if Instant::now() > deadline {
-                        let missing: Vec<usize> = (1..self.world_size).filter(|&r| links[r].is_none()).collect();
-                        log::warn!("cuda-peer rendezvous: ranks {missing:?} did not connect");
-                        return Err(Error::Timeout { op: "rendezvous (waiting for every rank to connect)", after: self.timeout });
+        let mut links: Vec<Option<Link>> = (0..self.world_size).map(|_| None).collect();
+        let (tx, rx) = mpsc::channel::<(u64, SocketAddr, std::result::Result<(usize, Link), Refusal>)>();
+        // The connections being authenticated, oldest first (a handle each, to close it).
+        let mut pending: std::collections::VecDeque<(u64, TcpStream)> = Default::default();
+        let mut next = 0u64;
+        while links.iter().skip(1).any(Option::is_none) {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    if pending.len() >= MAX_PENDING {
+                        if let Some((_, oldest)) = pending.pop_front() {
+                            let _ = oldest.shutdown(std::net::Shutdown::Both);
+                        }
                     }
-                    std::thread::sleep(Duration::from_millis(5));
+                    let handle = stream.try_clone().map_err(io_err("rendezvous: socket"))?;
+                    let (tx, secret, world, id) = (tx.clone(), secret.clone(), self.world_size, next);
+                    next += 1;
+                    pending.push_back((id, handle));
+                    let until = deadline.min(wire::deadline(HANDSHAKE_TIMEOUT));
+                    std::thread::spawn(move || {
+                        let _ = tx.send((id, from, wire::accept(stream, &secret, world, until)));
+                    });
                     continue;
                 }
-                Err(e) => return Err(io_err("rendezvous: accept")(e)),
-            };
-            let stream = self.configure(stream)?;
-            let mut s = &stream;
-            let hello = read_message(&mut s, "rendezvous: HELLO")?;
-            let (rank, world) = parse_hello(&hello)?;
-            if world != self.world_size {
-                return Err(Error::Bootstrap {
-                    op: "rendezvous",
-                    reason: format!("rank {rank} says the world has {world} ranks, rank 0 says {}", self.world_size),
-                });
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(e) => log::warn!("cuda-peer rendezvous: accept: {e}"),
             }
-            if rank == 0 || rank >= self.world_size {
-                return Err(Error::Bootstrap { op: "rendezvous", reason: format!("a peer claims rank {rank} in a world of {world}") });
+            while let Ok((id, from, got)) = rx.try_recv() {
+                pending.retain(|(p, _)| *p != id);
+                match got {
+                    Ok((rank, link)) => {
+                        if links[rank].replace(link).is_some() {
+                            log::warn!("cuda-peer rendezvous: rank {rank} connected again (from {from}); the newer connection is kept");
+                        }
+                    }
+                    Err(Refusal::Stranger(why)) => log::warn!("cuda-peer rendezvous: dropped a connection from {from}: {why}"),
+                    Err(Refusal::Job(e)) => return Err(e),
+                }
             }
-            if links[rank].is_some() {
-                return Err(Error::Bootstrap { op: "rendezvous", reason: format!("rank {rank} connected twice") });
+            if Instant::now() >= deadline {
+                let missing: Vec<usize> = (1..self.world_size).filter(|&r| links[r].is_none()).collect();
+                log::warn!("cuda-peer rendezvous: ranks {missing:?} did not connect");
+                return Err(Error::Timeout { op: "rendezvous (waiting for every rank to connect)", after: self.timeout });
             }
-            links[rank] = Some(stream);
-            arrived += 1;
+            std::thread::sleep(Duration::from_millis(2));
         }
-        let job = new_job_id(self.master_port);
-        let links: Vec<TcpStream> = links.into_iter().flatten().collect();
-        for mut s in &links {
-            write_message(&mut s, job.as_bytes(), "rendezvous: welcome")?;
+        let job = new_job_id()?;
+        let mut links: Vec<Link> = links.into_iter().flatten().collect();
+        for l in &mut links {
+            l.send(job.as_bytes(), deadline, "rendezvous: welcome")?;
         }
         Ok(Rendezvous { rank: 0, size: self.world_size, job, timeout: self.timeout, links: Mutex::new(links) })
     }
 
     fn join(&self) -> Result<Rendezvous> {
-        let deadline = Instant::now() + self.timeout;
-        let stream = loop {
-            let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port).to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
-            let attempt = addrs.iter().find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(1)).ok());
-            if let Some(s) = attempt {
-                break s;
-            }
-            if Instant::now() > deadline {
+        let deadline = wire::deadline(self.timeout);
+        let (key, _) = self.key(self.master_port)?;
+        let mut why = String::from("rank 0 is not listening yet");
+        let mut link = loop {
+            if Instant::now() >= deadline {
+                log::warn!("cuda-peer rendezvous: rank {} could not join {}:{}: {why}", self.rank, self.master_addr, self.master_port);
                 return Err(Error::Timeout { op: "rendezvous (connecting to rank 0)", after: self.timeout });
+            }
+            let secret = match key.current() {
+                Ok(s) => s,
+                Err(w) => {
+                    why = w;
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            };
+            let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port).to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
+            let step = Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now()));
+            if let Some(s) = addrs.iter().find_map(|a| TcpStream::connect_timeout(a, step.max(Duration::from_millis(1))).ok()) {
+                let until = deadline.min(wire::deadline(HANDSHAKE_TIMEOUT));
+                match wire::join(s, &secret, self.rank, self.world_size, until) {
+                    Ok(link) => break link,
+                    Err(Refusal::Job(e)) => return Err(e),
+                    Err(Refusal::Stranger(w)) => why = w,
+                }
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        let stream = self.configure(stream)?;
-        let mut hello = MAGIC.to_vec();
-        hello.extend_from_slice(&(self.rank as u32).to_le_bytes());
-        hello.extend_from_slice(&(self.world_size as u32).to_le_bytes());
-        let mut s = &stream;
-        write_message(&mut s, &hello, "rendezvous: HELLO")?;
         // Rank 0 answers once every rank is there: wait up to the whole timeout.
-        let job = read_message(&mut s, "rendezvous: welcome")?;
+        let job = link.recv(256, deadline, "rendezvous: welcome")?;
         let job = String::from_utf8(job).map_err(|_| Error::Bootstrap { op: "rendezvous", reason: "job id is not UTF-8".into() })?;
-        Ok(Rendezvous { rank: self.rank, size: self.world_size, job, timeout: self.timeout, links: Mutex::new(vec![stream]) })
+        Ok(Rendezvous { rank: self.rank, size: self.world_size, job, timeout: self.timeout, links: Mutex::new(vec![link]) })
     }
+}
 
-    fn configure(&self, s: TcpStream) -> Result<TcpStream> {
-        let t = Some(self.timeout.max(Duration::from_millis(1)));
-        s.set_nonblocking(false).map_err(io_err("rendezvous: socket"))?;
-        s.set_read_timeout(t).map_err(io_err("rendezvous: socket"))?;
-        s.set_write_timeout(t).map_err(io_err("rendezvous: socket"))?;
-        s.set_nodelay(true).map_err(io_err("rendezvous: socket"))?;
-        Ok(s)
+/// Removes a file when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 
 /// All-gather of small byte blobs among the ranks of a job: what
 /// [`crate::ipc::Comm`] needs of a bootstrap. [`Rendezvous`] implements it
 /// over TCP; a framework with its own store can implement it over that.
+///
+/// What it returns is trusted to come from the job's ranks: an
+/// implementation over a framework's store must let only the job's ranks
+/// write it (as [`Rendezvous`] does with the job's secret). Its results are
+/// still checked (one blob per rank, sizes) before use.
 pub trait Exchange: Send + Sync {
     /// This process's rank.
     fn rank(&self) -> usize;
     /// How many ranks the job has.
     fn size(&self) -> usize;
     /// A name for the job, the same on every rank and unique among the jobs
-    /// on a host at a time (it names the job's Unix sockets).
+    /// on a host at a time.
     fn job_id(&self) -> &str;
     /// Every rank's `blob`, by rank (this rank's own included). Every rank
     /// must call it the same number of times, in the same order.
     fn all_gather(&self, blob: &[u8]) -> Result<Vec<Vec<u8>>>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()> {
-        self.all_gather(&[]).map(|_| ())
+        gather(self, &[]).map(|_| ())
     }
 }
 
+/// [`Exchange::all_gather`], checked: one blob per rank, this rank's own
+/// where it belongs. Every caller of an exchange goes through it.
+pub(crate) fn gather<E: Exchange + ?Sized>(ex: &E, blob: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let all = ex.all_gather(blob)?;
+    if all.len() != ex.size() {
+        return Err(Error::Bootstrap { op: "all-gather", reason: format!("{} blobs for {} ranks", all.len(), ex.size()) });
+    }
+    if all.get(ex.rank()).map(Vec::as_slice) != Some(blob) {
+        return Err(Error::Bootstrap { op: "all-gather", reason: format!("rank {}'s own blob came back altered", ex.rank()) });
+    }
+    Ok(all)
+}
+
+/// A step every rank takes together: every rank's outcome, all-gathered
+/// (through [`gather`]), so that a failure on one rank fails every rank at
+/// once, with the failing rank's error, instead of leaving them waiting.
+/// `Ok` holds every rank's value, by rank.
+pub(crate) fn agree<E: Exchange + ?Sized>(ex: &E, step: &'static str, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+    let blob = match &mine {
+        Ok(b) => [&[b'+'][..], b].concat(),
+        Err(e) => format!("-{e}").into_bytes(),
+    };
+    let all = gather(ex, &blob)?;
+    mine?;
+    let mut values = Vec::with_capacity(all.len());
+    for (r, b) in all.into_iter().enumerate() {
+        match b.split_first() {
+            Some((b'+', v)) => values.push(v.to_vec()),
+            Some((b'-', why)) => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} failed: {}", String::from_utf8_lossy(why)) }),
+            _ => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} sent a malformed reply") }),
+        }
+    }
+    Ok(values)
+}
+
 /// The TCP rendezvous of a job (see the module docs): rank 0 holds one
-/// connection per other rank, the others one to rank 0.
+/// authenticated link per other rank, the others one to rank 0.
 #[derive(Debug)]
 pub struct Rendezvous {
     rank: usize,
@@ -255,7 +473,7 @@ pub struct Rendezvous {
     job: String,
     timeout: Duration,
     /// Rank 0: ranks 1.. in order; the others: the one to rank 0.
-    links: Mutex<Vec<TcpStream>>,
+    links: Mutex<Vec<Link>>,
 }
 
 impl Exchange for Rendezvous {
@@ -272,25 +490,29 @@ impl Exchange for Rendezvous {
     }
 
     fn all_gather(&self, blob: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
         if self.size == 1 {
             return Ok(vec![blob.to_vec()]);
         }
+        let deadline = wire::deadline(self.timeout);
         if self.rank == 0 {
             let mut all = vec![blob.to_vec()];
-            for (i, mut s) in links.iter().enumerate() {
-                let m = read_message(&mut s, "all-gather").map_err(|e| lost(e, i + 1))?;
+            for (i, l) in links.iter_mut().enumerate() {
+                let m = l.recv(MAX_MESSAGE_BYTES, deadline, "all-gather").map_err(|e| lost(e, i + 1))?;
                 all.push(m);
             }
-            let packed = pack(&all);
-            for (i, mut s) in links.iter().enumerate() {
-                write_message(&mut s, &packed, "all-gather").map_err(|e| lost(e, i + 1))?;
+            let packed = pack(&all)?;
+            for (i, l) in links.iter_mut().enumerate() {
+                l.send(&packed, deadline, "all-gather").map_err(|e| lost(e, i + 1))?;
             }
             Ok(all)
         } else {
-            let mut s = links.first().ok_or_else(|| Error::Internal("rendezvous without a link".into()))?;
-            write_message(&mut s, blob, "all-gather").map_err(|e| lost(e, 0))?;
-            let packed = read_message(&mut s, "all-gather").map_err(|e| lost(e, 0))?;
+            let l = links.first_mut().ok_or_else(|| Error::Internal("rendezvous without a link".into()))?;
+            if blob.len() > MAX_MESSAGE_BYTES {
+                return Err(Error::InvalidArgument(format!("all-gather: a blob of {} bytes (at most {MAX_MESSAGE_BYTES})", blob.len())));
+            }
+            l.send(blob, deadline, "all-gather").map_err(|e| lost(e, 0))?;
+            let packed = l.recv(MAX_MESSAGE_BYTES, deadline, "all-gather").map_err(|e| lost(e, 0))?;
             let all = unpack(&packed)?;
             if all.len() != self.size {
                 return Err(Error::Bootstrap { op: "all-gather", reason: format!("{} blobs for {} ranks", all.len(), self.size) });
@@ -315,32 +537,26 @@ fn lost(e: Error, peer: usize) -> Error {
     }
 }
 
-fn new_job_id(port: u16) -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!("{:x}-{:x}-{port}", std::process::id(), nanos as u64)
+/// A new job id: 16 random bytes in hex (it names nothing another process
+/// could take first: the descriptor sockets have names of their own).
+fn new_job_id() -> Result<String> {
+    Ok(secret::hex(&secret::random_bytes::<16>()?))
 }
 
-fn parse_hello(m: &[u8]) -> Result<(usize, usize)> {
-    if m.len() != MAGIC.len() + 8 || &m[..MAGIC.len()] != MAGIC {
-        return Err(Error::Bootstrap { op: "rendezvous", reason: "a peer that does not speak the cuda-peer protocol connected".into() });
+/// Blobs as one message: a `u32` count, then each as a `u32` length and
+/// bytes; at most [`MAX_MESSAGE_BYTES`] in all.
+pub(crate) fn pack(blobs: &[Vec<u8>]) -> Result<Vec<u8>> {
+    let total = blobs.iter().fold(4usize, |t, b| t.saturating_add(4).saturating_add(b.len()));
+    if total > MAX_MESSAGE_BYTES {
+        return Err(Error::InvalidArgument(format!("all-gather: {total} bytes in all (at most {MAX_MESSAGE_BYTES})")));
     }
-    let word = |i: usize| {
-        let mut b = [0u8; 4];
-        b.copy_from_slice(&m[MAGIC.len() + 4 * i..MAGIC.len() + 4 * i + 4]);
-        u32::from_le_bytes(b) as usize
-    };
-    Ok((word(0), word(1)))
-}
-
-/// Blobs as one message: a `u32` count, then each as a `u32` length and bytes.
-pub(crate) fn pack(blobs: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + blobs.iter().map(|b| 4 + b.len()).sum::<usize>());
+    let mut out = Vec::with_capacity(total);
     out.extend_from_slice(&(blobs.len() as u32).to_le_bytes());
     for b in blobs {
         out.extend_from_slice(&(b.len() as u32).to_le_bytes());
         out.extend_from_slice(b);
     }
-    out
+    Ok(out)
 }
 
 /// The inverse of [`pack`].
@@ -365,41 +581,6 @@ pub(crate) fn unpack(mut m: &[u8]) -> Result<Vec<Vec<u8>>> {
         return Err(bad());
     }
     Ok(out)
-}
-
-/// Writes one length-prefixed message.
-pub(crate) fn write_message(s: &mut impl Write, m: &[u8], op: &'static str) -> Result<()> {
-    if m.len() > MAX_MESSAGE_BYTES {
-        return Err(Error::InvalidArgument(format!("{op}: a message of {} bytes (at most {MAX_MESSAGE_BYTES})", m.len())));
-    }
-    let mut framed = Vec::with_capacity(4 + m.len());
-    framed.extend_from_slice(&(m.len() as u32).to_le_bytes());
-    framed.extend_from_slice(m);
-    s.write_all(&framed).and_then(|()| s.flush()).map_err(io_err(op))
-}
-
-/// Reads one length-prefixed message (bounded by the stream's read timeout).
-pub(crate) fn read_message(s: &mut impl Read, op: &'static str) -> Result<Vec<u8>> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).map_err(io_err(op))?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE_BYTES {
-        return Err(Error::Bootstrap { op, reason: format!("a message of {len} bytes (at most {MAX_MESSAGE_BYTES})") });
-    }
-    let mut m = vec![0u8; len];
-    s.read_exact(&mut m).map_err(io_err(op))?;
-    Ok(m)
-}
-
-/// Maps an I/O error of step `op`: a timeout to [`Error::Timeout`] (the
-/// socket's bound is not known here: reported as zero when unknown), the
-/// rest to [`Error::Bootstrap`].
-pub(crate) fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
-    move |e| match e.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Bootstrap { op, reason: format!("timed out ({e})") },
-        ErrorKind::UnexpectedEof => Error::Bootstrap { op, reason: "the peer closed the connection (exited?)".into() },
-        _ => Error::Bootstrap { op, reason: e.to_string() },
-    }
 }
 
 #[cfg(test)]
@@ -458,7 +639,7 @@ mod tests {
     #[test]
     fn pack_round_trips_and_rejects_garbage() {
         let blobs = vec![vec![], vec![1, 2, 3], vec![9; 300]];
-        assert_eq!(unpack(&pack(&blobs)).unwrap(), blobs);
+        assert_eq!(unpack(&pack(&blobs).unwrap()).unwrap(), blobs);
         assert!(unpack(&[1, 0, 0, 0, 5, 0, 0, 0, 1]).is_err());
         assert!(unpack(&[]).is_err());
     }

@@ -5,7 +5,8 @@
 //!   (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 //!   `MASTER_ADDR`, `MASTER_PORT`) or given; [`Bootstrap::connect`] meets
 //!   the other ranks through a small TCP rendezvous that rank 0 serves
-//!   ([`Rendezvous`], an [`Exchange`]: all-gathers of small blobs).
+//!   ([`Rendezvous`], an [`Exchange`]: all-gathers of small blobs), which
+//!   only ranks that prove the job's secret ([`secret`]) may join.
 //! * [`fdpass`]: file descriptors between the processes of one host, over
 //!   Unix domain sockets (`SCM_RIGHTS`).
 //! * [`vmm`]: device memory another process can map ([`DeviceRegion`]).
@@ -36,14 +37,17 @@ pub mod bootstrap;
 pub mod comm;
 pub mod fdpass;
 pub mod nccl;
+pub mod secret;
 pub(crate) mod shm;
 pub mod tiered;
 pub mod vmm;
+mod wire;
 pub mod world;
 
 pub use bootstrap::{Bootstrap, Exchange, Rendezvous};
 pub use comm::{Comm, CommOptions};
 pub use nccl::NcclComm;
+pub use secret::JobSecret;
 pub use vmm::DeviceRegion;
 pub use world::WorldComm;
 
@@ -70,6 +74,6 @@ pub fn host_identity() -> String {
 /// every rank gets the same answer. Between hosts the collectives run on
 /// NCCL ([`NcclComm`]); within one, on cuda-peer's own paths ([`Comm`]).
 pub fn spans_hosts(exchange: &dyn Exchange) -> crate::Result<bool> {
-    let all = exchange.all_gather(host_identity().as_bytes())?;
+    let all = bootstrap::gather(exchange, host_identity().as_bytes())?;
     Ok(all.iter().any(|h| *h != all[0]))
 }

@@ -149,26 +149,14 @@ impl NcclComm {
             return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
         }
         // Rank 0's id, or every rank's reason to stop, in one all-gather.
-        let mine: Result<Option<[u8; 128]>> =
-            if rank == 0 { NcclComm::unique_id().map(Some) } else { sys::nccl().map(|_| None).map_err(Error::from) };
-        let blob = match &mine {
-            Ok(Some(id)) => [&[b'+'][..], &id[..]].concat(),
-            Ok(None) => vec![b'+'],
-            Err(e) => format!("-{e}").into_bytes(),
-        };
-        let all = exchange.all_gather(&blob)?;
-        mine?;
-        if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.first() != Some(&b'+')) {
-            return Err(Error::Bootstrap {
-                op: "NCCL communicator",
-                reason: format!("rank {r}: {}", String::from_utf8_lossy(b.get(1..).unwrap_or(&[]))),
-            });
-        }
-        let id_bytes = all[0].get(1..).filter(|b| b.len() == 128).ok_or_else(|| Error::Bootstrap {
-            op: "NCCL communicator",
-            reason: format!("rank 0 sent a {}-byte id, not 128", all[0].len().saturating_sub(1)),
-        })?;
-        let id: [u8; 128] = id_bytes.try_into().map_err(|_| Error::Internal("an NCCL id of the wrong length".into()))?;
+        let mine: Result<Vec<u8>> =
+            if rank == 0 { NcclComm::unique_id().map(|id| id.to_vec()) } else { sys::nccl().map(|_| Vec::new()).map_err(Error::from) };
+        let all = super::bootstrap::agree(exchange, "NCCL communicator", mine)?;
+        // `agree` returned one value per rank (checked), so rank 0's is there.
+        let from0 = all.first().map(Vec::as_slice).unwrap_or_default();
+        let id: [u8; 128] = from0
+            .try_into()
+            .map_err(|_| Error::Bootstrap { op: "NCCL communicator", reason: format!("rank 0 sent a {}-byte id, not 128", from0.len()) })?;
         let ctx = crate::driver::context(device)?;
         let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
         NcclComm::with_stream(&id, rank, size, stream, timeout)

@@ -16,9 +16,10 @@
 //! `cuda-peer-run` number them). Where a job's hosts do not fit,
 //! [`super::WorldComm`] uses NCCL alone.
 
-use super::bootstrap::{Bootstrap, Exchange};
+use super::bootstrap::{agree as gather, Bootstrap, Exchange};
 use super::comm::{Comm, CommOptions};
 use super::nccl::NcclComm;
+use super::secret::JobSecret;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{check, Error, Result};
 use crate::sync::Orderer;
@@ -42,28 +43,6 @@ pub(crate) fn layout(hosts_of: &[Vec<u8>]) -> Option<(usize, usize)> {
         seen.push(&block[0]);
     }
     Some((n / per, per))
-}
-
-/// One all-gather of every rank's `mine` (its bytes, or why it cannot go
-/// on): every rank gets every rank's bytes, or every rank gets the same
-/// error naming the first rank that failed, so that all stay in step.
-fn gather(ex: &dyn Exchange, step: &'static str, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-    let blob = match &mine {
-        Ok(b) => [&[b'+'][..], b].concat(),
-        Err(e) => format!("-{e}").into_bytes(),
-    };
-    let all = ex.all_gather(&blob)?;
-    if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.first() != Some(&b'+')) {
-        return Err(Error::Bootstrap { op: step, reason: format!("rank {r}: {}", String::from_utf8_lossy(b.get(1..).unwrap_or(&[]))) });
-    }
-    mine?;
-    Ok(all.into_iter().map(|b| b[1..].to_vec()).collect())
-}
-
-/// A free TCP port on the loopback interface (for this host's own rendezvous).
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::Bootstrap { op: "tiered communicator: a port", reason: e.to_string() })?;
-    l.local_addr().map(|a| a.port()).map_err(|e| Error::Bootstrap { op: "tiered communicator: a port", reason: e.to_string() })
 }
 
 /// A communicator of ranks on several hosts in two tiers (see the module
@@ -105,26 +84,48 @@ impl Tiered {
         let ex = &*exchange;
         let (rank, size) = (ex.rank(), ex.size());
         let (host, local) = (rank / per_host, rank % per_host);
-        // 1. Each host's rendezvous port, from its first rank.
-        let port = if local == 0 { free_port().map(|p| p.to_le_bytes().to_vec()) } else { Ok(Vec::new()) };
-        let ports = gather(ex, "tiered communicator: host rendezvous ports", port)?;
-        let port = ports[host * per_host]
-            .as_slice()
-            .try_into()
-            .map(u16::from_le_bytes)
-            .map_err(|_| Error::Bootstrap { op: "tiered communicator", reason: format!("host {host}'s first rank sent no port") })?;
+        // 1. Each host's rendezvous, from its first rank: a listener bound
+        //    here and kept (no other process can take its port in between),
+        //    and a new secret, sent through the job's own exchange.
+        let listener = if local == 0 {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .map_err(|e| Error::Bootstrap { op: "tiered communicator: a port", reason: e.to_string() })
+                .and_then(|l| Ok((l, JobSecret::generate()?)))
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        let offer = match &listener {
+            Ok(Some((l, secret))) => l
+                .local_addr()
+                .map(|a| [&a.port().to_le_bytes()[..], secret.expose().as_bytes()].concat())
+                .map_err(|e| Error::Bootstrap { op: "tiered communicator: a port", reason: e.to_string() }),
+            Ok(None) => Ok(Vec::new()),
+            Err(e) => Err(e.clone()),
+        };
+        let offers = gather(ex, "tiered communicator: host rendezvous", offer)?;
+        let listener = listener?;
+        let bad = |what: String| Error::Bootstrap { op: "tiered communicator", reason: what };
+        let offer = offers.get(host * per_host).ok_or_else(|| bad(format!("no rendezvous from host {host}")))?;
+        let (port, secret) = match offer.split_at_checked(2) {
+            Some((p, s)) => (
+                u16::from_le_bytes([p[0], p[1]]),
+                std::str::from_utf8(s).map_err(|_| bad(format!("host {host}'s secret is not text"))).and_then(JobSecret::new)?,
+            ),
+            None => return Err(bad(format!("host {host}'s first rank sent no port"))),
+        };
         // 2. Each local index's NCCL id, from its rank on the first host
         //    (every rank loads NCCL here, so a missing library stops all).
         let id = if host == 0 { NcclComm::unique_id().map(|id| id.to_vec()) } else { crate::ipc::nccl::nccl_version().map(|_| Vec::new()) };
         let ids = gather(ex, "tiered communicator: NCCL ids", id)?;
-        let id: [u8; 128] = ids[local]
-            .as_slice()
-            .try_into()
-            .map_err(|_| Error::Bootstrap { op: "tiered communicator", reason: format!("rank {local} sent no NCCL id") })?;
+        let id: [u8; 128] = ids.get(local).and_then(|i| i.as_slice().try_into().ok()).ok_or_else(|| bad(format!("rank {local} sent no NCCL id")))?;
         // 3. This host's communicator, over its own rendezvous.
         let made = Bootstrap::new(local, per_host, local, per_host, "127.0.0.1", port)
-            .map(|b| b.with_timeout(opts.timeout))
-            .and_then(|b| b.connect())
+            .map(|b| b.with_timeout(opts.timeout).with_secret(secret))
+            .and_then(|b| match listener {
+                Some((l, _)) => b.serve_on(l),
+                None => b.connect(),
+            })
             .and_then(|rv| Comm::new(Box::new(rv), device, opts));
         gather(ex, "tiered communicator: every host's communicator", made.as_ref().map(|_| Vec::new()).map_err(Clone::clone))?;
         let local_comm = made?;

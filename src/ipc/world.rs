@@ -79,7 +79,7 @@ impl WorldComm {
     /// [`CommOptions::barrier_timeout`]). Every rank must call it at the
     /// same time.
     pub fn new(exchange: Box<dyn Exchange>, device: usize, opts: &CommOptions) -> Result<WorldComm> {
-        let hosts = exchange.all_gather(super::host_identity().as_bytes())?;
+        let hosts = super::bootstrap::gather(&*exchange, super::host_identity().as_bytes())?;
         if hosts.iter().all(|h| *h == hosts[0]) {
             return Ok(WorldComm::Host(Box::new(Comm::new(exchange, device, opts)?)));
         }
