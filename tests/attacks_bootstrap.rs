@@ -13,14 +13,16 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A rank's job id and what its all-gather returned.
+type Met = (String, Vec<Vec<u8>>);
+
 fn secret() -> JobSecret {
     JobSecret::generate().unwrap()
 }
 
-/// Runs a real job of `n` ranks on threads (all with `key`), after
-/// `before` has had `head_start` to attack rank 0's port; returns each
-/// rank's job id and all-gather, and how long rank 0 took.
-fn real_job(port: u16, n: usize, key: &JobSecret, timeout: Duration) -> (Vec<(String, Vec<Vec<u8>>)>, Duration) {
+/// Runs a real job of `n` ranks on threads (all with `key`); returns each
+/// rank's job id and all-gather, and how long they took.
+fn real_job(port: u16, n: usize, key: &JobSecret, timeout: Duration) -> (Vec<Met>, Duration) {
     let start = Instant::now();
     let handles: Vec<_> = (0..n)
         .map(|r| {
@@ -42,7 +44,7 @@ fn real_job(port: u16, n: usize, key: &JobSecret, timeout: Duration) -> (Vec<(St
 }
 
 /// Starts rank 0 alone on a thread (it waits for the others).
-fn rank0(port: u16, n: usize, key: &JobSecret, timeout: Duration) -> std::thread::JoinHandle<Result<(String, Vec<Vec<u8>>), Error>> {
+fn rank0(port: u16, n: usize, key: &JobSecret, timeout: Duration) -> std::thread::JoinHandle<Result<Met, Error>> {
     let key = key.clone();
     std::thread::spawn(move || {
         let rv = Bootstrap::new(0, n, 0, n, "127.0.0.1", port).unwrap().with_secret(key).with_timeout(timeout).connect()?;

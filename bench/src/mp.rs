@@ -182,9 +182,9 @@ fn shared_port(ex: &dyn Exchange) -> Res<u16> {
     Ok(u16::from_le_bytes(b))
 }
 
-/// `boot` with another rendezvous port.
+/// `boot` (its secret included) with another rendezvous port.
 fn with_port(boot: &Bootstrap, port: u16) -> Res<Bootstrap> {
-    Ok(Bootstrap::new(boot.rank, boot.world_size, boot.local_rank, boot.local_world_size, &boot.master_addr, port)?.with_timeout(boot.timeout))
+    Ok(Bootstrap { master_port: port, ..boot.clone() })
 }
 
 /// A rank: each implementation in turn, then (rank 0) the summary.

@@ -1,7 +1,8 @@
 //! `cuda-peer-run -n N -- program args...`: starts `program` as N
 //! processes (ranks) with torchrun's variables set (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1` and a free
-//! `MASTER_PORT`), forwards SIGINT and SIGTERM to them, and when one exits
+//! `MASTER_PORT`) and a new random job secret (`CUDA_PEER_JOB_SECRET`,
+//! unless the environment already has one), forwards SIGINT and SIGTERM to them, and when one exits
 //! with a failure, stops the others (SIGTERM, then SIGKILL after a grace
 //! period). Exits with the first failure's code (128 + the signal for a
 //! rank killed by one), or 0 when every rank succeeded.
@@ -34,6 +35,20 @@ struct Args {
     /// The program and its arguments.
     #[arg(required = true, last = true)]
     command: Vec<String>,
+}
+
+/// A new job secret: 32 bytes from the kernel's CSPRNG, as 64 hex digits.
+fn new_secret() -> std::io::Result<String> {
+    let mut b = [0u8; 32];
+    let mut filled = 0;
+    while filled < b.len() {
+        match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -70,6 +85,14 @@ fn run(args: &Args) -> i32 {
             return 1;
         }
     };
+    // Only the job's ranks can join its rendezvous: they prove this secret.
+    let secret = match std::env::var("CUDA_PEER_JOB_SECRET").ok().filter(|s| !s.is_empty()).map(Ok).unwrap_or_else(new_secret) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("cuda-peer-run: no job secret: {e}");
+            return 1;
+        }
+    };
     let caught = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         if let Err(e) = signal_hook::flag::register_usize(sig, caught.clone(), sig as usize) {
@@ -87,6 +110,7 @@ fn run(args: &Args) -> i32 {
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env("CUDA_PEER_JOB_SECRET", &secret)
             .process_group(0);
         match cmd.spawn() {
             Ok(c) => children.push((c, None)),

@@ -28,6 +28,28 @@ fn every_rank_gets_torchrun_variables() {
     }
 }
 
+/// Every rank gets the same new secret, 64 hex digits, and another run
+/// another one; a secret already in the environment is passed on.
+#[test]
+fn every_rank_gets_the_same_new_job_secret() {
+    let secrets = |env: Option<&str>| {
+        let mut cmd = launcher();
+        cmd.args(["-n", "3", "--", "sh", "-c", "echo $CUDA_PEER_JOB_SECRET"]).env_remove("CUDA_PEER_JOB_SECRET");
+        if let Some(v) = env {
+            cmd.env("CUDA_PEER_JOB_SECRET", v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect::<Vec<_>>()
+    };
+    let first = secrets(None);
+    assert_eq!(first.len(), 3);
+    assert!(first.iter().all(|s| *s == first[0]), "{first:?}");
+    assert!(first[0].len() == 64 && first[0].bytes().all(|c| c.is_ascii_hexdigit()), "{first:?}");
+    assert_ne!(secrets(None)[0], first[0]);
+    assert_eq!(secrets(Some("a secret the user chose, long enough")), vec!["a secret the user chose, long enough"; 3]);
+}
+
 #[test]
 fn a_failing_rank_stops_a_sleeping_sibling_and_its_code_is_the_exit_code() {
     let start = Instant::now();

@@ -24,6 +24,8 @@ pub fn rank() -> usize {
 pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> Vec<(&'static str, String)>) -> Vec<(Option<i32>, String)> {
     let exe = std::env::current_exe().expect("current_exe");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // As cuda-peer-run does: one new secret for the job's ranks.
+    let secret = format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>());
     let mut children: Vec<_> = (0..n)
         .map(|r| {
             let mut cmd = Command::new(&exe);
@@ -35,6 +37,7 @@ pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> 
                 .env("LOCAL_WORLD_SIZE", n.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env("CUDA_PEER_JOB_SECRET", &secret)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in extra(r) {
