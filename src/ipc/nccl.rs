@@ -181,10 +181,7 @@ impl NcclComm {
         let nid = sys::NcclUniqueId { internal: id.map(|b| b as std::os::raw::c_char) };
         let ctx = stream.context().clone();
         crate::driver::bind(&ctx)?;
-        let mut comm: sys::NcclComm = std::ptr::null_mut();
-        // SAFETY: every rank passes the same id and size and its own rank;
-        // the stream's context is current on this thread.
-        check(api, "ncclCommInitRank", unsafe { (api.ncclCommInitRank)(&mut comm, size as i32, nid, rank as i32) })?;
+        let comm = init_bounded(api, &ctx, nid, rank, size, timeout)?;
         Ok(NcclComm { api, rank, size, ctx, stream, order: Orderer::default(), timeout, handle: Mutex::new(Handle { comm, failed: None }) })
     }
 
@@ -416,6 +413,78 @@ impl NcclComm {
             return Err(Error::LengthMismatch { op, expected, got: big.len() });
         }
         Ok(())
+    }
+}
+
+/// Where [`init_bounded`]'s thread and its caller meet.
+enum Init {
+    Waiting,
+    /// The caller stopped waiting: a communicator made later is aborted.
+    GaveUp,
+    /// The communicator (as an address: raw pointers are not `Send`), or
+    /// why there is none.
+    Done(Result<usize>),
+}
+
+/// `ncclCommInitRank`, which waits for every rank without a bound of its
+/// own, on a thread of its own, waited for at most `timeout`: a rank that
+/// never arrives is an [`Error::Timeout`] here, and a communicator that
+/// the thread makes after that is aborted there.
+fn init_bounded(
+    api: &'static NcclApi,
+    ctx: &Arc<CudaContext>,
+    id: sys::NcclUniqueId,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+) -> Result<sys::NcclComm> {
+    let (rank_c, size_c) = (
+        i32::try_from(rank).map_err(|_| Error::InvalidArgument(format!("rank {rank}")))?,
+        i32::try_from(size).map_err(|_| Error::InvalidArgument(format!("{size} ranks")))?,
+    );
+    let state = Arc::new((Mutex::new(Init::Waiting), std::sync::Condvar::new()));
+    let (theirs, ctx) = (state.clone(), ctx.clone());
+    std::thread::Builder::new()
+        .name("cuda-peer-nccl-init".into())
+        .spawn(move || {
+            let made = crate::driver::bind(&ctx).and_then(|()| {
+                let mut comm: sys::NcclComm = std::ptr::null_mut();
+                // SAFETY: every rank passes the same id and size and its own
+                // rank; the context is current on this thread (bound above).
+                check(api, "ncclCommInitRank", unsafe { (api.ncclCommInitRank)(&mut comm, size_c, id, rank_c) }).map(|()| comm as usize)
+            });
+            let (lock, cv) = &*theirs;
+            let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+            match (&*st, made) {
+                (Init::GaveUp, Ok(comm)) => {
+                    // SAFETY: a communicator this thread made and nobody else
+                    // holds (the caller gave up on it); aborted once.
+                    let r = unsafe { (api.ncclCommAbort)(comm as sys::NcclComm) };
+                    if r != sys::NCCL_SUCCESS {
+                        log::warn!("cuda-peer: ncclCommAbort of a late communicator returned {r}");
+                    }
+                }
+                (Init::GaveUp, Err(_)) => {}
+                (_, made) => *st = Init::Done(made),
+            }
+            cv.notify_all();
+        })
+        .map_err(|e| Error::Internal(format!("a thread for ncclCommInitRank: {e}")))?;
+    let (lock, cv) = &*state;
+    let start = Instant::now();
+    let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        if let Init::Done(_) = &*st {
+            if let Init::Done(made) = std::mem::replace(&mut *st, Init::GaveUp) {
+                return made.map(|c| c as sys::NcclComm);
+            }
+        }
+        let left = timeout.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            *st = Init::GaveUp;
+            return Err(Error::Timeout { op: "ncclCommInitRank (waiting for every rank)", after: timeout });
+        }
+        st = cv.wait_timeout(st, left.min(Duration::from_secs(1))).unwrap_or_else(|p| p.into_inner()).0;
     }
 }
 
