@@ -1,4 +1,4 @@
-//! The doctor's verdicts, read by the library (issue 18).
+//! The doctor's verdicts, read by the library.
 //!
 //! `cuda-peer doctor` (the `cli/` crate) checks every ordered pair of GPUs
 //! (copy-engine P2P, SM peer loads and stores, the staged path, speeds) and
@@ -17,6 +17,48 @@
 //! `$HOME/.cache/cuda-peer/doctor.json` ([`cache_path`]). The doctor writes
 //! to the same place (unless `--no-cache`).
 //!
+//! # The file
+//!
+//! JSON, read and written with `serde_json` through private mirror structs
+//! (the public types carry no serde traits):
+//!
+//! ```json
+//! {
+//!   "version": 1,
+//!   "key": {"driver_version": "580.95.05", "boot_id": "...", "bus_ids": ["0000:19:00.0", "0000:3b:00.0"]},
+//!   "written_at": 1767225600,
+//!   "pairs": [
+//!     {"from": "0000:19:00.0", "to": "0000:3b:00.0", "path": "p2p", "summary": "...",
+//!      "bytes": 67108864, "p2p_gbs": 368.25, "staged_gbs": 25.1}
+//!   ]
+//! }
+//! ```
+//!
+//! `path` is one of `p2p`, `staged`, `none`, `unknown` ([`CachedPath`]);
+//! `bytes`, `p2p_gbs` and `staged_gbs` are present where the doctor measured
+//! both paths, and a pair's [`SpeedSample`] is read only where all three are
+//! numbers (a bandwidth that was not finite is written as `null`). Fields
+//! this module does not know are ignored. Files written by earlier versions
+//! of this module, whose writer laid the same fields out by hand, read the
+//! same way.
+//!
+//! [`Cache::write`] creates its directory, writes the text to a new file in
+//! that directory (created exclusively under a random name, mode `0644`
+//! before the umask, synced), then renames it over the cache path. It never
+//! opens an existing file for writing, so a symlink at the cache path or at
+//! any other name in the directory is replaced or left alone, never followed:
+//! a `sudo cuda-peer doctor` cannot be made to overwrite the file a symlink
+//! points to. A cache larger than [`MAX_CACHE_BYTES`] is not written.
+//!
+//! [`Cache::read`] reads regular files only, of at most [`MAX_CACHE_BYTES`].
+//! It checks the path before opening it (so that a device file is never
+//! opened), opens it without blocking (`O_NONBLOCK` on Linux, so that a FIFO
+//! swapped in after the check does not wait for a writer), checks the opened
+//! file again (`fstat`), and reads at most one byte past the limit. A
+//! directory, FIFO, socket or device is [`CacheError::NotRegularFile`], a
+//! larger file [`CacheError::TooLarge`], text that is not a cache
+//! [`CacheError::Format`].
+//!
 //! # When it applies
 //!
 //! The file carries the key it was written under: the NVIDIA driver's
@@ -25,9 +67,11 @@
 //! format version is [`FORMAT_VERSION`], the driver version and boot id are
 //! this machine's, and every GPU this process sees is among the cache's
 //! bus ids (pairs are named by bus id, so a `CUDA_VISIBLE_DEVICES` subset
-//! or reordering still matches). A missing, unreadable, malformed or
-//! non-matching cache is ignored with a `log::debug!` line: it is never an
-//! error, and the link is then decided as without a doctor.
+//! or reordering still matches). A cache that cannot be used is never an
+//! error for a link, which is then decided as without a doctor: a missing
+//! or non-matching cache is ignored with a `log::debug!` line; one that was
+//! refused or could not be read or parsed is ignored with a `log::warn!`
+//! line (the first time in a process; `log::debug!` after that).
 //!
 //! The driver version is the kernel module's (`/sys/module/nvidia/version`,
 //! else `/proc/driver/nvidia/version`, e.g. `580.95.05`); only where neither
@@ -72,18 +116,11 @@
 //! every link of every `Group::new`, and noisy when the GPUs are busy with
 //! the caller's work. The doctor measures once per boot and driver; the
 //! library applies the same rule to its numbers.
-//!
-//! # Why a hand-written JSON reader
-//!
-//! The file is small, flat JSON that this module writes itself. Reading it
-//! with `serde` + `serde_json` would put serde's derive macros (syn,
-//! proc-macro2, quote) into every build of every crate that depends on
-//! cuda-peer, for one file read at link creation. A reader of the JSON
-//! grammar (private module `json`, ~150 lines, depth-limited, with unit
-//! tests) keeps the library's dependencies as they were; the doctor, which
-//! has serde for its report, shares the format by calling this module.
 
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 /// Environment variable naming the cache file (overrides the XDG location).
@@ -95,6 +132,11 @@ pub const NO_CACHE_ENV: &str = "CUDA_PEER_NO_DOCTOR_CACHE";
 
 /// The cache format version this module writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
+
+/// The largest cache file, in bytes, that [`Cache::read`] reads and
+/// [`Cache::write`] writes (a cache of 16 GPUs' 240 ordered pairs takes
+/// about 100 KiB).
+pub const MAX_CACHE_BYTES: u64 = 1 << 20;
 
 /// The smallest copy, in bytes, whose timing [`faster_path`] judges: below
 /// it latency, not bandwidth, decides, and the rule is about large messages.
@@ -117,6 +159,24 @@ pub enum CacheError {
         /// The error.
         #[source]
         source: std::io::Error,
+    },
+    /// The path is not a regular file (a directory, FIFO, socket or
+    /// device): it was not read, or not replaced.
+    #[error("doctor cache {path}: {kind}, not a regular file")]
+    NotRegularFile {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead (`"a directory"`, `"a FIFO"`, ...).
+        kind: &'static str,
+    },
+    /// The file, or the text to be written, is larger than
+    /// [`MAX_CACHE_BYTES`].
+    #[error("doctor cache {path}: larger than {limit} bytes")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// [`MAX_CACHE_BYTES`].
+        limit: u64,
     },
     /// The file is not a doctor cache this module can read.
     #[error("doctor cache {path}: {what}")]
@@ -341,93 +401,237 @@ impl Cache {
         self.pairs.iter().find(|p| normalize_bus_id(&p.from) == from && normalize_bus_id(&p.to) == to)
     }
 
-    /// The file's text.
-    pub fn to_json(&self) -> String {
-        let s = json::quote;
-        let bus: Vec<String> = self.key.bus_ids.iter().map(|b| s(b)).collect();
-        let mut out = format!(
-            "{{\n  \"version\": {},\n  \"key\": {{\"driver_version\": {}, \"boot_id\": {}, \"bus_ids\": [{}]}},\n  \"written_at\": {},\n  \"pairs\": [",
-            self.version,
-            s(&self.key.driver_version),
-            s(&self.key.boot_id),
-            bus.join(", "),
-            self.written_at
-        );
-        for (i, p) in self.pairs.iter().enumerate() {
-            out += if i == 0 { "\n    " } else { ",\n    " };
-            out += &format!("{{\"from\": {}, \"to\": {}, \"path\": {}, \"summary\": {}", s(&p.from), s(&p.to), s(p.path.as_str()), s(&p.summary));
-            if let Some(sp) = &p.speed {
-                out +=
-                    &format!(", \"bytes\": {}, \"p2p_gbs\": {}, \"staged_gbs\": {}", sp.bytes, json::number(sp.p2p_gbs), json::number(sp.staged_gbs));
-            }
-            out += "}";
-        }
-        out += if self.pairs.is_empty() { "]\n}\n" } else { "\n  ]\n}\n" };
-        out
+    /// The file's text (see the module docs for its layout).
+    pub fn to_json(&self) -> Result<String, CacheError> {
+        let mut text = serde_json::to_string_pretty(&FileCache::from(self))
+            .map_err(|e| CacheError::Format { path: PathBuf::new(), what: format!("cannot be written as JSON: {e}") })?;
+        text.push('\n');
+        Ok(text)
     }
 
     /// Parses the file's text.
     pub fn from_json(text: &str) -> Result<Cache, CacheError> {
+        Cache::from_slice(text.as_bytes())
+    }
+
+    /// Parses the file's bytes: its format version first, so that a file of
+    /// another version says so rather than which field it lacks.
+    fn from_slice(bytes: &[u8]) -> Result<Cache, CacheError> {
         fn bad(what: String) -> CacheError {
             CacheError::Format { path: PathBuf::new(), what }
         }
-        fn field<'v>(v: &'v json::Value, k: &str) -> Result<&'v json::Value, CacheError> {
-            v.get(k).ok_or_else(|| bad(format!("no field {k:?}")))
-        }
-        let v = json::parse(text).map_err(|(at, what)| bad(format!("invalid JSON at byte {at}: {what}")))?;
-        let text_of = |v: &json::Value, k: &str| field(v, k)?.as_str().map(str::to_string).ok_or_else(|| bad(format!("{k:?} is not a string")));
-        let int_of = |v: &json::Value, k: &str| field(v, k)?.as_u64().ok_or_else(|| bad(format!("{k:?} is not a whole number")));
-        let version = u32::try_from(int_of(&v, "version")?).map_err(|_| bad("\"version\" out of range".into()))?;
-        if version != FORMAT_VERSION {
+        let FileVersion { version } = serde_json::from_slice(bytes).map_err(|e| bad(format!("not a doctor cache: {e}")))?;
+        if version != u64::from(FORMAT_VERSION) {
             return Err(bad(format!("format version {version} (this library reads {FORMAT_VERSION})")));
         }
-        let k = field(&v, "key")?;
-        let bus_ids = field(k, "bus_ids")?
-            .as_array()
-            .ok_or_else(|| bad("\"bus_ids\" is not an array".into()))?
-            .iter()
-            .map(|b| b.as_str().map(str::to_string).ok_or_else(|| bad("a bus id is not a string".into())))
-            .collect::<Result<Vec<_>, _>>()?;
-        let key = CacheKey { driver_version: text_of(k, "driver_version")?, boot_id: text_of(k, "boot_id")?, bus_ids };
-        let written_at = int_of(&v, "written_at")?;
-        let mut pairs = Vec::new();
-        for p in field(&v, "pairs")?.as_array().ok_or_else(|| bad("\"pairs\" is not an array".into()))? {
-            let word = text_of(p, "path")?;
-            let path = CachedPath::parse(&word).ok_or_else(|| bad(format!("unknown path {word:?}")))?;
-            let bytes = p.get("bytes").and_then(json::Value::as_u64).and_then(|b| usize::try_from(b).ok());
-            let num = |k: &str| p.get(k).and_then(json::Value::as_f64);
-            let speed = match (bytes, num("p2p_gbs"), num("staged_gbs")) {
-                (Some(bytes), Some(p2p_gbs), Some(staged_gbs)) => Some(SpeedSample { bytes, p2p_gbs, staged_gbs }),
-                _ => None,
-            };
-            pairs.push(CachedPair { from: text_of(p, "from")?, to: text_of(p, "to")?, path, summary: text_of(p, "summary")?, speed });
-        }
-        Ok(Cache { version, key, written_at, pairs })
+        let file: FileCache = serde_json::from_slice(bytes).map_err(|e| bad(format!("not a doctor cache: {e}")))?;
+        let pairs = file.pairs.into_iter().map(CachedPair::try_from).collect::<Result<Vec<_>, _>>().map_err(bad)?;
+        let key = CacheKey { driver_version: file.key.driver_version, boot_id: file.key.boot_id, bus_ids: file.key.bus_ids };
+        Ok(Cache { version: file.version, key, written_at: file.written_at, pairs })
     }
 
-    /// Reads and parses the file at `path`.
+    /// Reads and parses the file at `path`: a regular file of at most
+    /// [`MAX_CACHE_BYTES`], opened without blocking (see the module docs).
     pub fn read(path: &Path) -> Result<Cache, CacheError> {
-        let text = std::fs::read_to_string(path).map_err(|source| CacheError::Io { path: path.to_path_buf(), source })?;
-        Cache::from_json(&text).map_err(|e| match e {
+        let bytes = read_regular(path, MAX_CACHE_BYTES)?;
+        Cache::from_slice(&bytes).map_err(|e| match e {
             CacheError::Format { what, .. } => CacheError::Format { path: path.to_path_buf(), what },
             other => other,
         })
     }
 
-    /// Writes the file at `path` (creating its directory), atomically (a
-    /// temporary file renamed over it).
+    /// Writes the file at `path` (creating its directory), atomically: into
+    /// a new file created exclusively under a random name in the same
+    /// directory, then renamed over `path`. A symlink at `path` is replaced,
+    /// not followed; a directory there is [`CacheError::NotRegularFile`].
     pub fn write(&self, path: &Path) -> Result<(), CacheError> {
-        let io = |source| CacheError::Io { path: path.to_path_buf(), source };
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(io)?;
+        let text = self.to_json().map_err(|e| match e {
+            CacheError::Format { what, .. } => CacheError::Format { path: path.to_path_buf(), what },
+            other => other,
+        })?;
+        if text.len() as u64 > MAX_CACHE_BYTES {
+            return Err(CacheError::TooLarge { path: path.to_path_buf(), limit: MAX_CACHE_BYTES });
         }
-        let tmp = path.with_extension(format!("json.{}.tmp", std::process::id()));
-        std::fs::write(&tmp, self.to_json()).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            io(e)
-        })
+        replace_file(path, text.as_bytes(), TEMP_RANDOM_CHARS)
     }
+}
+
+/// Random characters in the name of the file [`Cache::write`] renames
+/// over the cache.
+const TEMP_RANDOM_CHARS: usize = 10;
+
+/// The format version alone, read before the rest of the file.
+#[derive(Deserialize)]
+struct FileVersion {
+    version: u64,
+}
+
+/// The file's layout (the module docs show it).
+#[derive(Serialize, Deserialize)]
+struct FileCache {
+    version: u32,
+    key: FileKey,
+    written_at: u64,
+    pairs: Vec<FilePair>,
+}
+
+/// The key's layout.
+#[derive(Serialize, Deserialize)]
+struct FileKey {
+    driver_version: String,
+    boot_id: String,
+    bus_ids: Vec<String>,
+}
+
+/// One pair's layout: the speed's fields inline, each optional.
+#[derive(Serialize, Deserialize)]
+struct FilePair {
+    from: String,
+    to: String,
+    path: String,
+    summary: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    p2p_gbs: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    staged_gbs: Option<f64>,
+}
+
+impl From<&Cache> for FileCache {
+    fn from(c: &Cache) -> FileCache {
+        let key = FileKey { driver_version: c.key.driver_version.clone(), boot_id: c.key.boot_id.clone(), bus_ids: c.key.bus_ids.clone() };
+        let pairs = c
+            .pairs
+            .iter()
+            .map(|p| FilePair {
+                from: p.from.clone(),
+                to: p.to.clone(),
+                path: p.path.as_str().to_string(),
+                summary: p.summary.clone(),
+                bytes: p.speed.map(|s| s.bytes as u64),
+                // serde_json writes a number that is not finite as `null`.
+                p2p_gbs: p.speed.map(|s| s.p2p_gbs),
+                staged_gbs: p.speed.map(|s| s.staged_gbs),
+            })
+            .collect();
+        FileCache { version: c.version, key, written_at: c.written_at, pairs }
+    }
+}
+
+impl TryFrom<FilePair> for CachedPair {
+    type Error = String;
+    fn try_from(p: FilePair) -> Result<CachedPair, String> {
+        let path = CachedPath::parse(&p.path).ok_or_else(|| format!("unknown path {:?}", p.path))?;
+        let bytes = p.bytes.and_then(|b| usize::try_from(b).ok());
+        let speed = match (bytes, p.p2p_gbs, p.staged_gbs) {
+            (Some(bytes), Some(p2p_gbs), Some(staged_gbs)) => Some(SpeedSample { bytes, p2p_gbs, staged_gbs }),
+            _ => None,
+        };
+        Ok(CachedPair { from: p.from, to: p.to, path, summary: p.summary, speed })
+    }
+}
+
+/// What a file type is, in words, where it is not a regular file.
+fn kind_of(t: std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_block_device() || t.is_char_device() {
+            return "a device";
+        }
+    }
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symlink"
+    } else {
+        "not a file"
+    }
+}
+
+/// The bytes of the regular file at `path`, at most `limit` of them.
+///
+/// The path is checked before it is opened (a device is never opened), the
+/// open does not block (Linux: `O_NONBLOCK`, so a FIFO put there after the
+/// check opens at once; `O_NOCTTY`), the opened file is checked again, and at
+/// most `limit + 1` bytes are read.
+fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, CacheError> {
+    let io = |source| CacheError::Io { path: path.to_path_buf(), source };
+    let refuse = |t: std::fs::FileType| CacheError::NotRegularFile { path: path.to_path_buf(), kind: kind_of(t) };
+    let too_large = || CacheError::TooLarge { path: path.to_path_buf(), limit };
+    let before = std::fs::metadata(path).map_err(io)?;
+    if !before.file_type().is_file() {
+        return Err(refuse(before.file_type()));
+    }
+    let file = open_without_blocking(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    if !meta.file_type().is_file() {
+        return Err(refuse(meta.file_type()));
+    }
+    if meta.len() > limit {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large());
+    }
+    Ok(bytes)
+}
+
+/// Opens `path` for reading without waiting: on Linux with `O_NONBLOCK`
+/// (a FIFO without a writer opens at once; reads of a regular file ignore
+/// the flag) and `O_NOCTTY`; elsewhere plainly.
+fn open_without_blocking(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags((rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOCTTY).bits() as i32);
+    }
+    opts.open(path)
+}
+
+/// Replaces the file at `path` with `bytes` (creating its directory): writes
+/// a new file created exclusively (`O_CREAT | O_EXCL`, so never through a
+/// symlink) under a name of `.<file name>.` and `random_chars` random
+/// characters, `.tmp`, in `path`'s directory, syncs it and renames it over
+/// `path`. The new file is removed where any step fails.
+fn replace_file(path: &Path, bytes: &[u8], random_chars: usize) -> Result<(), CacheError> {
+    let io = |source| CacheError::Io { path: path.to_path_buf(), source };
+    let Some(name) = path.file_name() else {
+        return Err(io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file")));
+    };
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_dir() => return Err(CacheError::NotRegularFile { path: path.to_path_buf(), kind: kind_of(m.file_type()) }),
+        _ => {}
+    }
+    let prefix = format!(".{}.", name.to_string_lossy());
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(".tmp").rand_bytes(random_chars);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // Readable by the other users a shared cache path serves, as a file
+        // made by `std::fs::write` is (the umask still applies).
+        builder.permissions(std::fs::Permissions::from_mode(0o644));
+    }
+    let mut tmp = builder.tempfile_in(dir).map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    // On failure the PersistError owns the temporary file and removes it when dropped.
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
 }
 
 /// What a cache says about one link (`crate::copy::decide`'s hook).
@@ -467,9 +671,19 @@ pub(crate) fn advise(cache: &Cache, origin: &Path, here: &CacheKey, a: &str, b: 
     Ok(Advice { stage: false, reason: format!("{head}: {} -> {}: p2p: {}", p.from, p.to, p.summary) })
 }
 
-/// The hook of `crate::copy::decide` (issue 18): what the doctor's cache
-/// says about devices `a` and `b` under `use_verdicts` and this process's
-/// environment. `None` (logged at debug level) wherever it says nothing.
+/// Whether a cache that could not be read has been warned about in this process.
+static WARNED_UNREADABLE: AtomicBool = AtomicBool::new(false);
+
+/// Whether `e` is worth a warning: anything but a missing file.
+fn worth_a_warning(e: &CacheError) -> bool {
+    !matches!(e, CacheError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+}
+
+/// The hook of `crate::copy::decide`: what the doctor's cache says about
+/// devices `a` and `b` under `use_verdicts` and this process's environment.
+/// `None` wherever it says nothing: logged at debug level, or at warn level
+/// (once per process) where the file is there but was refused or could not
+/// be read or parsed.
 pub(crate) fn consult(a: usize, b: usize, use_verdicts: bool) -> Option<Advice> {
     let env = |k: &str| std::env::var(k).ok();
     if opted_out(use_verdicts, env) {
@@ -478,6 +692,10 @@ pub(crate) fn consult(a: usize, b: usize, use_verdicts: bool) -> Option<Advice> 
     let path = cache_path_with(env)?;
     let cache = match Cache::read(&path) {
         Ok(c) => c,
+        Err(e) if worth_a_warning(&e) && !WARNED_UNREADABLE.swap(true, Ordering::Relaxed) => {
+            log::warn!("cuda-peer: doctor verdicts ignored: {e}");
+            return None;
+        }
         Err(e) => {
             log::debug!("cuda-peer: no doctor verdicts: {e}");
             return None;
@@ -513,10 +731,6 @@ pub(crate) fn annotate(reason: &str, advice: Option<&Advice>) -> String {
         None => reason.to_string(),
     }
 }
-
-/// The JSON subset the cache needs: a reader of the whole grammar
-/// (depth-limited) and the writer's quoting.
-mod json;
 
 #[cfg(test)]
 mod tests {
@@ -582,10 +796,10 @@ mod tests {
                 pair("0000:3b:00.0", "0000:19:00.0", CachedPath::Unusable, None),
             ],
         );
-        let back = Cache::from_json(&c.to_json()).unwrap();
+        let back = Cache::from_json(&c.to_json().unwrap()).unwrap();
         assert_eq!(back, c);
         let empty = Cache::new(key(), Vec::new());
-        assert_eq!(Cache::from_json(&empty.to_json()).unwrap(), empty);
+        assert_eq!(Cache::from_json(&empty.to_json().unwrap()).unwrap(), empty);
         // What the doctor wrote before speeds were cached still reads.
         let old = r#"{"version": 1, "key": {"driver_version": "550.54.15", "boot_id": "b", "bus_ids": ["0000:03:00.0"]}, "written_at": 5,
             "pairs": [{"from": "0000:03:00.0", "to": "0000:04:00.0", "path": "unknown", "summary": "\u00e9\ud83d\ude00\/"}]}"#;
@@ -596,16 +810,18 @@ mod tests {
         for bad in ["", "{", "[1,]", "{\"version\": 2}", "{\"version\": 1}", "nul", "\"\\ud800\"", "[".repeat(100).as_str(), "{} x", "-"] {
             assert!(matches!(Cache::from_json(bad), Err(CacheError::Format { .. })), "{bad:?} parsed");
         }
-        let wrong_path = c.to_json().replace("\"staged\"", "\"nvlink\"");
-        assert!(Cache::from_json(&wrong_path).is_err());
+        let wrong_path = c.to_json().unwrap().replace("\"staged\"", "\"nvlink\"");
+        assert!(matches!(Cache::from_json(&wrong_path), Err(CacheError::Format { what, .. }) if what.contains("nvlink")));
+        let v2 = c.to_json().unwrap().replace("\"version\": 1", "\"version\": 2");
+        assert!(matches!(Cache::from_json(&v2), Err(CacheError::Format { what, .. }) if what.contains("format version 2")));
     }
 
     /// Every prefix of a real file, and the file with each byte replaced
     /// by each of a few troublesome ones, parses or is an error: never a
-    /// panic (the reader indexes bytes itself).
+    /// panic.
     #[test]
     fn truncated_and_corrupted_files_never_panic() {
-        let text = Cache::new(key(), vec![pair("0000:19:00.0", "0000:3b:00.0", CachedPath::Staged, Some(sample(6.5, 12.25)))]).to_json();
+        let text = Cache::new(key(), vec![pair("0000:19:00.0", "0000:3b:00.0", CachedPath::Staged, Some(sample(6.5, 12.25)))]).to_json().unwrap();
         let text = text.replace("summary of", "s\\u00e9mmary \\ud83d\\ude00 of");
         let bytes = text.as_bytes();
         for end in 0..bytes.len() {
@@ -664,31 +880,91 @@ mod tests {
 
     #[test]
     fn files_round_trip_and_unreadable_ones_are_errors_not_panics() {
-        let dir = std::env::temp_dir().join(format!("cuda-peer-verdict-{}", std::process::id()));
-        let path = dir.join("sub/doctor.json");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/doctor.json");
         let c = Cache::new(key(), vec![pair("0000:19:00.0", "0000:3b:00.0", CachedPath::P2p, Some(sample(368.2, 25.1)))]);
         c.write(&path).unwrap();
         assert_eq!(Cache::read(&path).unwrap(), c);
         std::fs::write(&path, "{\"version\": 1").unwrap();
         assert!(matches!(Cache::read(&path), Err(CacheError::Format { .. })));
-        assert!(matches!(Cache::read(&dir.join("missing.json")), Err(CacheError::Io { .. })));
-        let _ = std::fs::remove_dir_all(dir);
+        std::fs::write(&path, [0xff, 0xfe, b'{']).unwrap();
+        assert!(matches!(Cache::read(&path), Err(CacheError::Format { .. })), "not UTF-8");
+        let missing = Cache::read(&dir.path().join("missing.json"));
+        assert!(matches!(&missing, Err(e @ CacheError::Io { .. }) if !worth_a_warning(e)), "a missing cache is not worth a warning");
+        assert!(worth_a_warning(&Cache::read(dir.path()).unwrap_err()), "a directory is");
+        // Nothing but the cache is left in its directory.
+        let names: Vec<_> = std::fs::read_dir(dir.path().join("sub")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("doctor.json")]);
+    }
+
+    /// The writer's new file is created exclusively: where its name is
+    /// taken (here a symlink, planted at the one name a writer without
+    /// random characters can use), the write fails and the symlink's target
+    /// is untouched, rather than written through.
+    #[cfg(unix)]
+    #[test]
+    fn the_new_file_is_created_exclusively() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, victim) = (dir.path().join("doctor.json"), dir.path().join("victim"));
+        std::fs::write(&victim, "victim").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join(".doctor.json..tmp")).unwrap();
+        let e = replace_file(&path, b"new", 0).unwrap_err();
+        assert!(matches!(&e, CacheError::Io { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists), "{e}");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "victim");
+        assert!(std::fs::symlink_metadata(&path).is_err(), "nothing was renamed into place");
+        replace_file(&path, b"new", TEMP_RANDOM_CHARS).unwrap();
+        assert_eq!((std::fs::read_to_string(&path).unwrap().as_str(), std::fs::read_to_string(&victim).unwrap().as_str()), ("new", "victim"));
+    }
+
+    #[test]
+    fn reads_stop_at_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, [b'x'; 10]).unwrap();
+        assert_eq!(read_regular(&path, 10).unwrap().len(), 10);
+        assert!(matches!(read_regular(&path, 9), Err(CacheError::TooLarge { limit: 9, .. })));
+        assert!(matches!(read_regular(dir.path(), 10), Err(CacheError::NotRegularFile { kind: "a directory", .. })));
+    }
+
+    /// The second line of defence, for a FIFO put at the path between the
+    /// check and the open: the open returns at once, and the opened file is
+    /// refused.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_fifo_opens_without_waiting_for_a_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        rustix::fs::mkfifoat(rustix::fs::CWD, &fifo, rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let at = fifo.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(open_without_blocking(&at).and_then(|f| f.metadata()).map(|m| kind_of(m.file_type())));
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(5)) {
+            Ok(kind) => assert_eq!(kind.unwrap(), "a FIFO"),
+            Err(_) => {
+                // Let a blocked open finish before failing (never blocks itself).
+                use std::os::unix::fs::OpenOptionsExt;
+                let _ = std::fs::OpenOptions::new().write(true).custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32).open(&fifo);
+                panic!("opening a FIFO blocked for 5 s");
+            }
+        }
     }
 
     #[test]
     fn module_versions_from_sysfs_or_procfs() {
-        let dir = std::env::temp_dir().join(format!("cuda-peer-verdict-root-{}", std::process::id()));
-        assert_eq!(module_version(&dir), None);
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path();
+        assert_eq!(module_version(dir), None);
         std::fs::create_dir_all(dir.join("proc/driver/nvidia")).unwrap();
         std::fs::write(
             dir.join("proc/driver/nvidia/version"),
             "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build\nGCC version: 13\n",
         )
         .unwrap();
-        assert_eq!(module_version(&dir).as_deref(), Some("580.95.05"));
+        assert_eq!(module_version(dir).as_deref(), Some("580.95.05"));
         std::fs::create_dir_all(dir.join("sys/module/nvidia")).unwrap();
         std::fs::write(dir.join("sys/module/nvidia/version"), "580.95.06\n").unwrap();
-        assert_eq!(module_version(&dir).as_deref(), Some("580.95.06"));
-        let _ = std::fs::remove_dir_all(dir);
+        assert_eq!(module_version(dir).as_deref(), Some("580.95.06"));
     }
 }
