@@ -51,12 +51,15 @@ pub fn cache_path(xdg_cache_home: Option<&str>, home: Option<&str>) -> Option<Pa
     cuda_peer::verdict::default_path(xdg_cache_home, home)
 }
 
-/// Writes `cache` to `path` (creating the directory), atomically.
+/// Writes `cache` to `path` (creating the directory), atomically and never
+/// through a symlink ([`Cache::write`]).
 pub fn write(path: &Path, cache: &Cache) -> std::io::Result<()> {
     cache.write(path).map_err(std::io::Error::other)
 }
 
-/// Reads a cache file; `None` when missing or unparsable.
+/// Reads a cache file ([`Cache::read`]: regular files of at most
+/// `cuda_peer::verdict::MAX_CACHE_BYTES` only); `None` when missing,
+/// refused or unparsable.
 pub fn read(path: &Path) -> Option<Cache> {
     Cache::read(path).ok()
 }
