@@ -81,9 +81,25 @@ impl std::str::FromStr for PathPolicy {
     }
 }
 
+/// The most pinned staging buffers a link may have
+/// ([`LinkOptions::staging_buffers`]).
+pub const MAX_STAGING_BUFFERS: usize = 64;
+
+/// The largest staging chunk, in bytes ([`LinkOptions::staging_chunk_bytes`]).
+pub const MAX_STAGING_CHUNK_BYTES: usize = 1 << 30;
+
+/// The most pinned host memory, in bytes, one link's staging buffers may
+/// hold together ([`LinkOptions::staging_buffers`] times
+/// [`LinkOptions::staging_chunk_bytes`]).
+pub const MAX_STAGING_BYTES: u64 = 16 << 30;
+
 /// Settings for opening a link: `LinkOptions::default()` or
 /// [`LinkOptions::with_policy`], then the builder-style setters (one per
 /// field), e.g. `LinkOptions::default().verify(false)`.
+///
+/// The setters take any value; a link (or a group's routes) opened with
+/// staging sizes above their limits fails with [`Error::InvalidArgument`]
+/// before anything is enabled or allocated ([`LinkOptions::validate`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LinkOptions {
@@ -94,8 +110,12 @@ pub struct LinkOptions {
     /// How long verification may take before the link counts as failed.
     pub verify_timeout: Duration,
     /// Bytes per staging chunk (and per pinned buffer). Default 4 MiB.
+    /// Smaller than 4096 counts as 4096; more than
+    /// [`MAX_STAGING_CHUNK_BYTES`] is an error when the link opens.
     pub staging_chunk_bytes: usize,
-    /// Pinned staging buffers per link, at least 2. Default 3.
+    /// Pinned staging buffers per link. Default 3. Fewer than 2 counts as 2;
+    /// more than [`MAX_STAGING_BUFFERS`], or buffers that together would
+    /// hold more than [`MAX_STAGING_BYTES`], is an error when the link opens.
     pub staging_buffers: usize,
     /// Under [`PathPolicy::Auto`], follow the verdicts `cuda-peer doctor`
     /// cached for this machine (default on): a pair it found unusable by
@@ -158,6 +178,15 @@ impl LinkOptions {
         self.use_doctor_verdicts = use_doctor_verdicts;
         self
     }
+
+    /// Checks the options as opening a link does, without a GPU:
+    /// [`Error::InvalidArgument`], saying which field and its limit, where
+    /// [`Self::staging_buffers`] is above [`MAX_STAGING_BUFFERS`],
+    /// [`Self::staging_chunk_bytes`] above [`MAX_STAGING_CHUNK_BYTES`], or
+    /// the two together above [`MAX_STAGING_BYTES`].
+    pub fn validate(&self) -> Result<()> {
+        staged::staging_shape(self.staging_chunk_bytes, self.staging_buffers).map(|_| ())
+    }
 }
 
 /// Why a link took its path.
@@ -204,6 +233,9 @@ pub(crate) fn enable_both(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Result<
 /// Decides whether `a` <-> `b` may use P2P under `opts`, enabling and
 /// verifying it. Returns the guards (empty when staged) and the status.
 pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOptions) -> Result<(Vec<PeerAccess>, LinkStatus)> {
+    // Every link and group route opens through here: sizes it could not
+    // allocate are refused before peer access is enabled.
+    opts.validate()?;
     let (from, to) = (a.ordinal(), b.ordinal());
     let same_device = from == to;
     let claims = same_device || (link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer);
@@ -395,5 +427,26 @@ mod tests {
         assert_eq!(LinkOptions::with_policy(PathPolicy::StagedOnly).policy, PathPolicy::StagedOnly);
         assert_eq!(Path::P2p.to_string(), "p2p");
         assert_eq!(Path::Staged.to_string(), "staged");
+    }
+
+    #[test]
+    fn huge_staging_sizes_are_typed_errors() {
+        assert!(LinkOptions::default().validate().is_ok());
+        assert!(LinkOptions::default().staging_buffers(0).staging_chunk_bytes(0).validate().is_ok(), "small values are raised, not refused");
+        let huge = [
+            LinkOptions::default().staging_buffers(usize::MAX),
+            LinkOptions::default().staging_buffers(MAX_STAGING_BUFFERS + 1),
+            LinkOptions::default().staging_buffers(usize::MAX / 2),
+            LinkOptions::default().staging_chunk_bytes(usize::MAX),
+            LinkOptions::default().staging_chunk_bytes(MAX_STAGING_CHUNK_BYTES + 1),
+            LinkOptions::default().staging_buffers(usize::MAX).staging_chunk_bytes(usize::MAX),
+            LinkOptions::default().staging_buffers(MAX_STAGING_BUFFERS).staging_chunk_bytes(MAX_STAGING_CHUNK_BYTES),
+        ];
+        for o in huge {
+            match o.validate() {
+                Err(Error::InvalidArgument(m)) => assert!(m.starts_with("LinkOptions"), "{m}"),
+                other => panic!("{} x {}: {other:?}", o.staging_buffers, o.staging_chunk_bytes),
+            }
+        }
     }
 }

@@ -1,11 +1,50 @@
-//! Pinned host staging buffers for the device -> host -> device path.
+//! Pinned host staging buffers for the device -> host -> device path, and
+//! the check of their sizes ([`staging_shape`]) that every staged link and
+//! route passes before anything is allocated.
 
 use crate::driver::{api, bind, raw_stream};
-use crate::error::{check, cudarc_err, Result};
+use crate::error::{check, cudarc_err, Error, Result};
 use crate::sync::is_capturing;
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex, PoisonError};
+
+/// The fewest pinned staging buffers a link has: smaller counts count as this.
+pub(crate) const MIN_STAGING_BUFFERS: usize = 2;
+
+/// The smallest staging chunk, in bytes: smaller sizes count as this.
+pub(crate) const MIN_STAGING_CHUNK_BYTES: usize = 4096;
+
+/// The staging buffers (count) and chunk bytes a link of `chunk_bytes` and
+/// `buffers` (its [`LinkOptions`](super::LinkOptions) fields) allocates:
+/// each raised to its minimum, or [`Error::InvalidArgument`] where one is
+/// above its maximum ([`super::MAX_STAGING_BUFFERS`],
+/// [`super::MAX_STAGING_CHUNK_BYTES`]) or the two together would pin more
+/// than [`super::MAX_STAGING_BYTES`]. Pure: no allocation, no driver call.
+pub(crate) fn staging_shape(chunk_bytes: usize, buffers: usize) -> Result<(usize, usize)> {
+    if buffers > super::MAX_STAGING_BUFFERS {
+        return Err(Error::InvalidArgument(format!(
+            "LinkOptions::staging_buffers = {buffers}: a link has at most {} pinned staging buffers",
+            super::MAX_STAGING_BUFFERS
+        )));
+    }
+    if chunk_bytes > super::MAX_STAGING_CHUNK_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "LinkOptions::staging_chunk_bytes = {chunk_bytes}: a staging chunk has at most {} bytes",
+            super::MAX_STAGING_CHUNK_BYTES
+        )));
+    }
+    let (buffers, chunk_bytes) = (buffers.max(MIN_STAGING_BUFFERS), chunk_bytes.max(MIN_STAGING_CHUNK_BYTES));
+    // Both are bounded above, so the product fits in a u64.
+    let total = buffers as u64 * chunk_bytes as u64;
+    if total > super::MAX_STAGING_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "LinkOptions: {buffers} staging buffers of {chunk_bytes} bytes would pin {total} bytes of host memory per link, more than {}",
+            super::MAX_STAGING_BYTES
+        )));
+    }
+    Ok((buffers, chunk_bytes))
+}
 
 /// One page-locked host buffer, portable to every context; freed on drop.
 #[derive(Debug)]
@@ -128,9 +167,10 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
+    /// The staging of `src -> dst`: `buffers` pinned buffers of
+    /// `chunk_bytes` each, as [`staging_shape`] checks and adjusts them.
     pub(crate) fn new(src: &Arc<CudaContext>, dst: &Arc<CudaContext>, chunk_bytes: usize, buffers: usize) -> Result<Self> {
-        let buffers = buffers.max(2);
-        let chunk_bytes = chunk_bytes.max(4096);
+        let (buffers, chunk_bytes) = staging_shape(chunk_bytes, buffers)?;
         let d2h = src.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
         let start = dst.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
         let rotation = Mutex::new(Rotation { next: 0, last: vec![LastUse::Never; buffers] });
@@ -254,5 +294,38 @@ impl Drop for Staging {
                 log::warn!("staging event sync on drop: {err:?}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::copy::{MAX_STAGING_BUFFERS, MAX_STAGING_BYTES, MAX_STAGING_CHUNK_BYTES};
+
+    #[test]
+    fn staging_shapes_are_checked_before_anything_is_allocated() {
+        assert_eq!(staging_shape(4 << 20, 3).unwrap(), (3, 4 << 20));
+        assert_eq!(staging_shape(0, 0).unwrap(), (MIN_STAGING_BUFFERS, MIN_STAGING_CHUNK_BYTES), "small values are raised");
+        assert_eq!(staging_shape(1, 1).unwrap(), (2, 4096));
+        assert_eq!(staging_shape(MAX_STAGING_CHUNK_BYTES, 2).unwrap(), (2, MAX_STAGING_CHUNK_BYTES));
+        assert_eq!(staging_shape(4096, MAX_STAGING_BUFFERS).unwrap(), (MAX_STAGING_BUFFERS, 4096));
+        let too_many = [
+            (4 << 20, MAX_STAGING_BUFFERS + 1, "staging_buffers"),
+            (4 << 20, 1 << 40, "staging_buffers"),
+            (4 << 20, usize::MAX, "staging_buffers"),
+            (MAX_STAGING_CHUNK_BYTES + 1, 3, "staging_chunk_bytes"),
+            (usize::MAX, 3, "staging_chunk_bytes"),
+            (usize::MAX, usize::MAX, "staging_buffers"),
+            (MAX_STAGING_CHUNK_BYTES, MAX_STAGING_BUFFERS, "would pin"),
+        ];
+        for (chunk, buffers, says) in too_many {
+            match staging_shape(chunk, buffers) {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains(says), "{chunk} x {buffers}: {m}"),
+                other => panic!("{chunk} x {buffers}: {other:?}"),
+            }
+        }
+        let at_most = usize::try_from(MAX_STAGING_BYTES / MAX_STAGING_CHUNK_BYTES as u64).unwrap();
+        assert!(staging_shape(MAX_STAGING_CHUNK_BYTES, at_most).is_ok());
+        assert!(staging_shape(MAX_STAGING_CHUNK_BYTES, at_most + 1).is_err());
     }
 }
