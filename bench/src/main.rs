@@ -97,8 +97,8 @@ fn run(args: &Args) -> Res<()> {
     let mut progress = Progress { done: 0, total: per_impl * args.impls.len() };
     let csv_path = collectives_csv(args);
     Csv::create(&csv_path, CSV_HEADER)?;
-    let tmp = std::env::temp_dir().join(format!("cuda-peer-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp)?;
+    // Removed when dropped, at the end of this function.
+    let tmp = nccl::private_tmp()?;
     let mut shim: Option<Option<PathBuf>> = None;
     let mut nccl_missing = false;
     let mut enqueue = Vec::new();
@@ -106,8 +106,8 @@ fn run(args: &Args) -> Res<()> {
         let start = progress.done;
         if imp.is_nccl() {
             if !nccl_missing {
-                let shim = shim.get_or_insert_with(|| nccl_shim(args.nccl_lib.as_deref(), &tmp, true));
-                match run_nccl_child(args, imp, &progress, shim.as_deref(), &tmp) {
+                let shim = shim.get_or_insert_with(|| nccl_shim(args.nccl_lib.as_deref(), tmp.path(), true));
+                match run_nccl_child(args, imp, &progress, shim.as_deref(), tmp.path()) {
                     Ok(ChildEnd::Finished(us)) => enqueue.push((imp, us)),
                     Ok(ChildEnd::Failed) => {}
                     Ok(ChildEnd::NoNccl) => nccl_missing = true,
@@ -122,7 +122,7 @@ fn run(args: &Args) -> Res<()> {
         }
         progress.done = start + per_impl;
     }
-    let _ = std::fs::remove_dir_all(&tmp);
+    drop(tmp);
     print_summary(args, &enqueue)
 }
 

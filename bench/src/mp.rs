@@ -33,7 +33,7 @@
 use crate::cli::{Dt, Op};
 use crate::data::{check_windows, par_count, BenchElem, Inputs};
 use crate::device::upload;
-use crate::nccl::{err as nccl_err, nccl_shim, EXIT_NO_NCCL};
+use crate::nccl::{err as nccl_err, nccl_shim, private_tmp, EXIT_NO_NCCL};
 use crate::plan::{geometric, iters_for, warmup_for, Progress, Shape, GIB, KIB, MIB};
 use crate::sweep::{print_table_header, Csv, Row, CSV_HEADER};
 use crate::{require_gpus, unusable, Res};
@@ -205,9 +205,9 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
         );
         println!("# all_reduce in place, sum; time_us: the slowest rank's mean per call; #wrong: summed over ranks");
     }
-    let tmp = std::env::temp_dir().join(format!("cuda-peer-bench-mp-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp)?;
-    let shim = args.impls.iter().any(|i| i.is_nccl()).then(|| nccl_shim(args.nccl_lib.as_deref(), &tmp, rank == 0)).flatten();
+    // This rank's own (random name, mode 0700), removed when dropped.
+    let tmp = private_tmp()?;
+    let shim = args.impls.iter().any(|i| i.is_nccl()).then(|| nccl_shim(args.nccl_lib.as_deref(), tmp.path(), rank == 0)).flatten();
     let mut nccl_missing = false;
     for &imp in &args.impls {
         let start = progress.done;
@@ -264,7 +264,7 @@ fn parent(args: &Args, boot: &Bootstrap) -> Res<()> {
         }
         progress.done = start + per_impl;
     }
-    let _ = std::fs::remove_dir_all(&tmp);
+    drop(tmp);
     if rank == 0 {
         print_summary(args)?;
     }

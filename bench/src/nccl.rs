@@ -74,13 +74,31 @@ pub(crate) fn child(args: &Args, imp: Impl, report: &Path) -> Res<()> {
     Ok(())
 }
 
+/// A directory of this run's own for the NCCL children's files (the
+/// `libnccl.so` link [`nccl_shim`] puts first on their `LD_LIBRARY_PATH`,
+/// their reports): created under the system temporary directory with a
+/// random name (`cuda-peer-bench-*`), mode 0700, so no other user can
+/// have made it or put a library in it; removed when dropped.
+pub(crate) fn private_tmp() -> std::io::Result<tempfile::TempDir> {
+    let mut b = tempfile::Builder::new();
+    b.prefix("cuda-peer-bench-");
+    // tempfile makes directories with the default mode (0777 less the umask).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        b.permissions(std::fs::Permissions::from_mode(0o700));
+    }
+    b.tempdir()
+}
+
 /// Where `libnccl.so` must come from for the children, when cudarc would not
 /// find it by itself: cudarc opens `libnccl.so` (and a few other names) but
 /// not `libnccl.so.2`, the only name a runtime-only NCCL install provides.
 /// Returns a directory holding a `libnccl.so` link to the real library, to
 /// put first on the children's `LD_LIBRARY_PATH`, or `None` when not needed
-/// (or nothing was found: the child then says NCCL is missing). `nccl_lib`
-/// is `--nccl-lib`; `say`: print which library is used.
+/// (or nothing was found: the child then says NCCL is missing). `tmp` is a
+/// [`private_tmp`] directory; `nccl_lib` is `--nccl-lib`; `say`: print which
+/// library is used.
 pub(crate) fn nccl_shim(nccl_lib: Option<&Path>, tmp: &Path, say: bool) -> Option<PathBuf> {
     let target = match nccl_lib {
         Some(p) => p.to_path_buf(),
@@ -210,5 +228,26 @@ mod tests {
         assert_eq!(c.child_report, Some(PathBuf::from("/tmp/r")));
         assert_eq!((c.progress_offset, c.progress_total), (5, Some(20)));
         assert_eq!((c.quick, c.graph, c.machine.as_str(), c.dtypes.clone()), (true, true, "m", args.dtypes.clone()));
+    }
+
+    #[test]
+    fn the_private_directory_is_random_owner_only_and_removed_on_drop() {
+        let (a, b) = (private_tmp().unwrap(), private_tmp().unwrap());
+        assert_ne!(a.path(), b.path());
+        for d in [&a, &b] {
+            let name = d.path().file_name().unwrap().to_string_lossy().into_owned();
+            assert!(name.starts_with("cuda-peer-bench-") && name != format!("cuda-peer-bench-{}", std::process::id()), "{name}");
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let meta = std::fs::symlink_metadata(d.path()).unwrap();
+                assert!(meta.is_dir());
+                assert_eq!(meta.permissions().mode() & 0o777, 0o700);
+            }
+        }
+        let path = a.path().to_path_buf();
+        std::fs::write(path.join("x.report"), "enqueue_us=1").unwrap();
+        drop(a);
+        assert!(!path.exists());
     }
 }
