@@ -10,9 +10,9 @@ fn doctor(args: &[&str]) -> Option<(i32, String, String)> {
         eprintln!("skipped: the CUDA driver loads here; this test is for machines without one");
         return None;
     }
-    let cache = std::env::temp_dir().join(format!("cuda-peer-cli-nogpu-{}", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_cuda-peer")).arg("doctor").args(args).env("XDG_CACHE_HOME", &cache).output().expect("run cuda-peer");
-    let _ = std::fs::remove_dir_all(&cache);
+    let cache = tempfile::tempdir().expect("a private temporary directory");
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_cuda-peer")).arg("doctor").args(args).env("XDG_CACHE_HOME", cache.path()).output().expect("run cuda-peer");
     Some((out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned()))
 }
 

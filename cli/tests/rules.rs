@@ -286,8 +286,8 @@ fn verdict_cache_round_trip_and_keying() {
     let slow = rules::judge(&f, &input(&f, 24 * G, p2p_driver(false), all_pass(), speeds(6.0, 12.0)));
     let key = CacheKey { driver_version: "550.54.15".into(), boot_id: "b".into(), bus_ids: vec!["0000:03:00.0".into(), "0000:04:00.0".into()] };
     let c = Cache::new(key.clone(), vec![cache::entry(&slow, Some(&speeds(6.0, 12.0)))]);
-    let dir = std::env::temp_dir().join(format!("cuda-peer-cli-cache-{}", std::process::id()));
-    let path = dir.join("cuda-peer/doctor.json");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cuda-peer/doctor.json");
     cache::write(&path, &c).unwrap();
     let back = cache::read(&path).unwrap();
     assert_eq!(back, c);
@@ -308,7 +308,7 @@ fn verdict_cache_round_trip_and_keying() {
     let sample = p.speed.expect("the speeds were cached");
     assert_eq!((sample.bytes, sample.p2p_gbs, sample.staged_gbs), (64 << 20, 6.0, 12.0));
     assert_eq!(cuda_peer::verdict::faster_path(&sample), Some(cuda_peer::verdict::CachedPath::Staged));
-    let _ = std::fs::remove_dir_all(dir);
+    drop(dir);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The job's secret: what every bootstrap connection proves it knows
 //! ([`super::bootstrap`]), so that only the job's own ranks join it.
 //!
-//! Where it comes from, in order ([`JobSecret::resolve`]):
+//! Where it comes from, in order (what [`super::Bootstrap::connect`] does):
 //! 1. given by the program ([`super::Bootstrap::with_secret`]);
 //! 2. `CUDA_PEER_JOB_SECRET` ([`SECRET_ENV`]): at least 16 bytes of text
 //!    (`cuda-peer-run` sets 64 random hex digits in its children);
