@@ -5,9 +5,11 @@
 //! system-scope flags. On consumer cards with patched drivers the copy
 //! engine can pass while SM peer stores are lost or land wrong; a kernel
 //! would then wait forever or return wrong data. So before a group uses
-//! them, each fused algorithm it has runs one all-reduce of fresh random
-//! data (exact wrapping u32 sums, a count with a partial 16-byte unit, every
-//! rank's result compared with a CPU reference), bounded by the group's barrier
+//! them, each fused algorithm it has runs all-reduces of fresh random
+//! data (exact wrapping u32 sums, counts with a partial 16-byte unit, every
+//! rank's result compared with a CPU reference): the mesh one, the one-shot
+//! one per lane, each in several rounds where the lane has them
+//! (`oneshot::check_counts`), bounded by the group's barrier
 //! timeout (a kernel that gives up ends cleanly: `crate::failure`). Where
 //! it fails, `Algorithm::Auto` groups drop their fused algorithms and use
 //! the ring (whose P2P steps are copy-engine copies and reduction kernels
@@ -21,9 +23,9 @@ use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Fault;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-/// Elements per rank: a few one-shot rounds' worth of the small lane and a
-/// mesh segment per rank, not a multiple of 4 (a partial 16-byte unit).
-const COUNT: usize = (1 << 14) + 3;
+/// Elements per rank of the mesh's check: a mesh segment per rank, not a
+/// multiple of 4 (a partial 16-byte unit).
+const MESH_COUNT: usize = (1 << 14) + 3;
 
 /// A pseudo-random word for element `i` of rank `r` under `seed`
 /// (splitmix64), so no host buffer needs keeping.
@@ -42,15 +44,15 @@ pub(crate) enum Fused {
     OneShot,
 }
 
-/// Runs `which` once on fresh data and compares every rank's result
-/// with the CPU's; `Ok(Err(why))` where the data or the barrier failed,
-/// `Err` for anything else (an allocation, a copy).
-fn check_fused(comm: &Communicator, algos: &Algorithms, which: Fused) -> Result<std::result::Result<(), String>> {
+/// Runs `which` once on `count` elements of fresh data and compares every
+/// rank's result with the CPU's; `Ok(Err(why))` where the data or the
+/// barrier failed, `Err` for anything else (an allocation, a copy).
+fn check_fused(comm: &Communicator, algos: &Algorithms, which: Fused, count: usize) -> Result<std::result::Result<(), String>> {
     let n = comm.size();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let seed = now ^ (comm as *const Communicator as u64).rotate_left(17) ^ which as u64;
-    let inputs: Vec<Vec<u32>> = (0..n).map(|r| (0..COUNT).map(|i| word(seed, r, i)).collect()).collect();
-    let want: Vec<u32> = (0..COUNT).map(|i| inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
+    let seed = now ^ (comm as *const Communicator as u64).rotate_left(17) ^ which as u64 ^ (count as u64).rotate_left(32);
+    let inputs: Vec<Vec<u32>> = (0..n).map(|r| (0..count).map(|i| word(seed, r, i)).collect()).collect();
+    let want: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
     let mut bufs: Vec<CudaSlice<u32>> = Vec::with_capacity(n);
     for (r, input) in inputs.iter().enumerate() {
         bufs.push(comm.ranks[r].stream.clone_htod(input).map_err(cudarc_err("cuMemcpyHtoD (fused-path check)"))?);
@@ -61,11 +63,11 @@ fn check_fused(comm: &Communicator, algos: &Algorithms, which: Fused) -> Result<
     let ptrs: Vec<u64> = bufs.iter().enumerate().map(|(r, b)| b.device_ptr(&comm.ranks[r].stream).0).collect();
     let launched = match which {
         Fused::Mesh => match &algos.mesh {
-            Some(mesh) => mesh.check_sum(comm, &ptrs, COUNT),
+            Some(mesh) => mesh.check_sum(comm, &ptrs, count),
             None => Ok(()),
         },
         Fused::OneShot => match &algos.oneshot {
-            Some(os) => os.ptrs(comm, ReduceOp::Sum, DType::U32, &ptrs, &ptrs, COUNT),
+            Some(os) => os.ptrs(comm, ReduceOp::Sum, DType::U32, &ptrs, &ptrs, count),
             None => return Ok(Ok(())),
         },
     };
@@ -86,7 +88,7 @@ fn check_fused(comm: &Communicator, algos: &Algorithms, which: Fused) -> Result<
         let got = comm.ranks[r].stream.clone_dtoh(b).map_err(cudarc_err("cuMemcpyDtoH (fused-path check)"))?;
         if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
             let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-            return Ok(Err(format!("rank {r}: {wrong} of {COUNT} results wrong, first at {i}")));
+            return Ok(Err(format!("rank {r}: {wrong} of {count} results wrong, first at {i}")));
         }
     }
     Ok(Ok(()))
@@ -106,8 +108,15 @@ pub(crate) fn verify(comm: &mut Communicator, algos: &mut Algorithms, fault: Opt
         if let (Some((rank, fault)), Some(ctl)) = (fault, &comm.ctl) {
             ctl.inject(rank, fault);
         }
-        if let Err(why) = check_fused(comm, algos, which)? {
-            failed = Some((name, why));
+        let counts = match (which, &algos.oneshot) {
+            (Fused::OneShot, Some(os)) => os.check_counts(std::mem::size_of::<u32>()),
+            _ => vec![MESH_COUNT],
+        };
+        for count in counts {
+            if let Err(why) = check_fused(comm, algos, which, count)? {
+                failed = Some((name, format!("{why} ({count} elements)")));
+                break;
+            }
         }
     }
     let Some((name, why)) = failed else { return Ok(()) };

@@ -118,6 +118,30 @@ pub(crate) fn lane_index(max_bytes: impl Iterator<Item = usize>, bytes: usize, l
     max_bytes.position(|m| bytes <= m).unwrap_or(lanes.saturating_sub(1))
 }
 
+/// Elements of `elem` bytes for a check of each lane of `lanes` (in the
+/// same order): a message that takes that lane, ends in a partial 16-byte
+/// unit, and runs in at least as many rounds as the lane allows up to one
+/// more than there are slot sets (so that a lane with rounds reuses a set and, where
+/// it pushes ahead, overlaps its rounds) — the creation checks of the group
+/// and of [`crate::ipc::Comm`] run these counts.
+pub(crate) fn check_counts(lanes: &[LaneLayout], elem: usize) -> Vec<usize> {
+    let elem = elem.max(1);
+    let mut lower = 0usize;
+    lanes
+        .iter()
+        .map(|lane| {
+            let upper = lane.max_bytes;
+            let cap = lane.cap.max(256);
+            let rounds = (upper / cap).clamp(1, kernels::ONESHOT_SETS + 1);
+            // Three elements short of whole rounds (or of the lane's top):
+            // past the lane below, not a multiple of 16 bytes.
+            let bytes = (rounds * cap).min(upper).saturating_sub(3 * elem).max(lower + elem);
+            lower = upper;
+            bytes / elem
+        })
+        .collect()
+}
+
 /// Where the slots live.
 pub(crate) enum Medium {
     /// One region per rank in its device memory (kept alive here).
@@ -220,6 +244,11 @@ impl OneShot {
     /// Whether the slots are in host memory (the group has no P2P mesh).
     pub(crate) fn on_host(&self) -> bool {
         matches!(self.medium, Medium::Host(_))
+    }
+
+    /// Elements of `elem` bytes for a check of every lane ([`check_counts`]).
+    pub(crate) fn check_counts(&self, elem: usize) -> Vec<usize> {
+        check_counts(&self.lanes.iter().map(|l| l.layout).collect::<Vec<_>>(), elem)
     }
 
     /// The lane for a message of `bytes` per rank.
@@ -453,5 +482,38 @@ mod tests {
         assert!(host.iter().filter(|l| l.max_bytes > 256 << 10).all(|l| l.cap == HOST_ROUND_BYTES));
         let (device, _) = layout(2, true, 132);
         assert_eq!(device.last().map(|l| l.blocks), Some(kernels::ONESHOT_MAX_BLOCKS as u32));
+    }
+
+    /// Each lane's check count takes that lane, in at least as many rounds as
+    /// the lane allows up to one more than the slot sets (several rounds
+    /// wherever a lane's range is longer than its slots: the pushed-ahead and
+    /// deep lanes included), ends in a partial 16-byte unit, and stays small
+    /// enough for a creation check.
+    #[test]
+    fn check_counts_take_every_lane_in_several_rounds() {
+        for n in 2..=8 {
+            for p2p in [true, false] {
+                for elem in [1, 2, 4, 8] {
+                    let (lanes, _) = layout(n, p2p, 132);
+                    let counts = check_counts(&lanes, elem);
+                    assert_eq!(counts.len(), lanes.len());
+                    for (l, (&count, lane)) in counts.iter().zip(&lanes).enumerate() {
+                        let bytes = count * elem;
+                        assert_eq!(lane_index(lanes.iter().map(|x| x.max_bytes), bytes, lanes.len()), l, "n {n} p2p {p2p} elem {elem}: {count}");
+                        assert!(bytes % 16 != 0, "lane {l}: {bytes} bytes");
+                        let rounds = bytes.div_ceil(lane.cap);
+                        let possible = (lane.max_bytes / lane.cap).clamp(1, kernels::ONESHOT_SETS + 1);
+                        assert!(rounds >= possible, "n {n} p2p {p2p} lane {l}: {bytes} bytes in {} B slots", lane.cap);
+                        assert!(bytes <= 24 << 20, "lane {l}: {bytes} bytes");
+                    }
+                    // The lanes that overlap rounds are checked with more rounds than slot sets.
+                    for (lane, &count) in lanes.iter().zip(&counts) {
+                        if lane.pipeline != OneShotPipeline::Plain {
+                            assert!((count * elem).div_ceil(lane.cap) > kernels::ONESHOT_SETS, "{lane:?}");
+                        }
+                    }
+                }
+            }
+        }
     }
 }
