@@ -1,6 +1,6 @@
 /*
  * fakecuda: a libcuda stand-in that lies, for cuda-peer's fault tests
- * (tests/fault_shim.rs, issue 16).
+ * (tests/fault_shim.rs).
  *
  * How it is put in front of the real driver: this library has the SONAME
  * libcuda.so.1 and a DT_NEEDED on "libcuda-real.so.1". The runner
@@ -44,9 +44,45 @@
  *                           SM peer stores and flags would have carried
  *                           never arrives, as on a pair whose copy-engine
  *                           P2P works while SM peer stores are lost.
+ *   fail-call=NAME:N        the Nth call of NAME (one of the overrides
+ *                           below, e.g. cuMemcpyDtoHAsync_v2) returns
+ *                           CUDA_ERROR_UNKNOWN without reaching the driver;
+ *                           every other call passes through.
+ *   fail-call=NAME:N@AFTER:M
+ *                           the same, counting NAME's calls only after the
+ *                           Mth call of AFTER (e.g. cuEventRecord:3@
+ *                           cuMemcpyDtoHAsync_v2:2: the third cuEventRecord
+ *                           after the second cuMemcpyDtoHAsync_v2).
+ *   fail-call=NAME:N@restart
+ *                           the same, counting NAME's calls only from the
+ *                           first cuda_peer_fake_restart() on (a test arms
+ *                           the fault after its setup).
+ *                           Counting starts when the library loads, and
+ *                           again at each cuda_peer_fake_restart().
+ *
+ * Under fail-call the shim also watches for memory freed while an
+ * asynchronous copy that touches it may still run. Each asynchronous copy
+ * (cuMemcpyPeerAsync, cuMemcpyAsync, cuMemcpyDtoDAsync_v2,
+ * cuMemcpyDtoHAsync_v2, cuMemcpyHtoDAsync_v2; not under graph capture) is
+ * held back on its stream by a host function that sleeps
+ * CUDA_PEER_FAKE_GATE_MS milliseconds (default 20; 0: no gate), so that it
+ * is still pending for a while after the call returns, and is marked done
+ * by a host function enqueued after it. A free of an allocation that a copy
+ * not yet marked done reads or writes from its start (the freed address is
+ * the copy's source or destination; a copy into the middle of an allocation
+ * is not matched) counts as an unsafe free: cuMemFreeHost and cuMemFree_v2
+ * when they are called (they free at once), cuMemFreeAsync when it runs in
+ * its stream's order (a host function enqueued just before it checks), so
+ * that a free ordered after the copy by events, on any stream, is not
+ * counted.
  *
  * Exported for tests: cuda_peer_fake_mode() (the mode string, "off" when
- * none) and cuda_peer_fake_fired() (how many faults were injected so far).
+ * none), cuda_peer_fake_fired() (how many faults were injected so far),
+ * cuda_peer_fake_calls(name) (how many outermost calls an override has had
+ * since the library loaded, in every mode; -1 for a name that is not an
+ * override), cuda_peer_fake_restart() (fail-call: counts toward the fault
+ * start again now; -1 in other modes) and cuda_peer_fake_unsafe_frees()
+ * (fail-call: the unsafe frees seen so far).
  *
  * Built without CUDA headers (CI has none): the few types are declared here.
  */
@@ -58,6 +94,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -70,11 +107,13 @@ typedef int CUjit_option;
 typedef int CUlibraryOption;
 typedef int CUdevice_P2PAttribute;
 typedef void (*CUhostFn)(void *);
+typedef void *CUevent;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_PEER_ACCESS_UNSUPPORTED 217
+#define CUDA_ERROR_UNKNOWN 999
 #define CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED 0x02
 #define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
 #define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
@@ -84,13 +123,88 @@ typedef void (*CUhostFn)(void *);
 
 #define EXPORT __attribute__((visibility("default")))
 
-enum mode { MODE_OFF, MODE_PEER_UNAVAILABLE, MODE_CORRUPT, MODE_FAIL_MODULE_LOAD, MODE_DROP_SM };
+enum mode { MODE_OFF, MODE_PEER_UNAVAILABLE, MODE_CORRUPT, MODE_FAIL_MODULE_LOAD, MODE_DROP_SM, MODE_FAIL_CALL };
 
 static enum mode g_mode = MODE_OFF;
 static int g_fail_ordinal = -1;
-static char g_mode_name[64] = "off";
+static char g_mode_name[160] = "off";
 static atomic_long g_fired;
 static void *g_real;
+
+/* The overrides, by index: what cuda_peer_fake_calls and fail-call name. */
+enum call {
+    C_CAN_ACCESS_PEER, C_P2P_ATTRIBUTE, C_ENABLE_PEER, C_MEMCPY_PEER_ASYNC, C_MEMCPY_PEER, C_MEMCPY_ASYNC,
+    C_DTOD_ASYNC, C_DTOD, C_DTOH_ASYNC, C_HTOD_ASYNC, C_MODULE_LOAD, C_MODULE_LOAD_EX, C_LIBRARY_LOAD,
+    C_GET_FUNCTION, C_LAUNCH, C_EVENT_RECORD, C_FREE_HOST, C_FREE, C_FREE_ASYNC, NCALLS
+};
+static const char *const g_call_names[NCALLS] = {
+    "cuDeviceCanAccessPeer", "cuDeviceGetP2PAttribute", "cuCtxEnablePeerAccess", "cuMemcpyPeerAsync",
+    "cuMemcpyPeer", "cuMemcpyAsync", "cuMemcpyDtoDAsync_v2", "cuMemcpyDtoD_v2", "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2", "cuModuleLoadData", "cuModuleLoadDataEx", "cuLibraryLoadData",
+    "cuModuleGetFunction", "cuLaunchKernel", "cuEventRecord", "cuMemFreeHost", "cuMemFree_v2", "cuMemFreeAsync",
+};
+
+static int call_id(const char *name, size_t len) {
+    for (int i = 0; i < NCALLS; i++) {
+        if (strlen(g_call_names[i]) == len && strncmp(g_call_names[i], name, len) == 0) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* fail-call: which call fails, and after what (AFTER_NOTHING: from the
+ * start; AFTER_RESTART: from a restart on). */
+#define AFTER_NOTHING (-1)
+#define AFTER_RESTART (-2)
+static int g_fail = -1, g_after = AFTER_NOTHING;
+static long g_fail_nth, g_after_nth;
+/* Since the load or the last restart, under g_trigger_lock. */
+static long g_fail_seen, g_after_seen;
+static pthread_mutex_t g_trigger_lock = PTHREAD_MUTEX_INITIALIZER;
+static long g_gate_ms = 20;
+
+/* Parses "NAME:N" at `s` into a call and a count >= 1; returns the end, or NULL. */
+static const char *parse_call(const char *s, int *id, long *nth) {
+    const char *colon = strchr(s, ':');
+    if (colon == NULL || (*id = call_id(s, (size_t)(colon - s))) < 0) {
+        return NULL;
+    }
+    char *end = NULL;
+    *nth = strtol(colon + 1, &end, 10);
+    return end == colon + 1 || *nth < 1 ? NULL : end;
+}
+
+static void parse_fail_call(const char *m) {
+    const char *end = parse_call(m + 10, &g_fail, &g_fail_nth);
+    if (end != NULL && strcmp(end, "@restart") == 0) {
+        g_after = AFTER_RESTART;
+        g_after_nth = 1;
+        end += strlen(end);
+    } else if (end != NULL && *end == '@') {
+        end = parse_call(end + 1, &g_after, &g_after_nth);
+    }
+    if (end == NULL || *end != '\0') {
+        fprintf(stderr, "fakecuda: CUDA_PEER_FAKE=%s: expected fail-call=NAME:N, fail-call=NAME:N@AFTER:M or "
+                        "fail-call=NAME:N@restart, N and M >= 1, NAME and AFTER among:", m);
+        for (int i = 0; i < NCALLS; i++) {
+            fprintf(stderr, " %s", g_call_names[i]);
+        }
+        fprintf(stderr, "\n");
+        abort();
+    }
+    g_mode = MODE_FAIL_CALL;
+    const char *gate = getenv("CUDA_PEER_FAKE_GATE_MS");
+    if (gate != NULL && gate[0] != '\0') {
+        char *e = NULL;
+        long ms = strtol(gate, &e, 10);
+        if (*e != '\0' || ms < 0 || ms > 10000) {
+            fprintf(stderr, "fakecuda: CUDA_PEER_FAKE_GATE_MS=%s: expected 0 to 10000\n", gate);
+            abort();
+        }
+        g_gate_ms = ms;
+    }
+}
 
 static void fake_init(void) {
     const char *m = getenv("CUDA_PEER_FAKE");
@@ -100,6 +214,8 @@ static void fake_init(void) {
         g_mode = MODE_PEER_UNAVAILABLE;
     } else if (strcmp(m, "corrupt-peer-copies") == 0) {
         g_mode = MODE_CORRUPT;
+    } else if (strncmp(m, "fail-call=", 10) == 0) {
+        parse_fail_call(m);
     } else if (strncmp(m, "fail-module-load=", 17) == 0 || strncmp(m, "drop-sm-stores=", 15) == 0) {
         size_t skip = m[0] == 'f' ? 17 : 15;
         char *end = NULL;
@@ -112,7 +228,8 @@ static void fake_init(void) {
         g_fail_ordinal = (int)n;
     } else {
         fprintf(stderr, "fakecuda: unknown CUDA_PEER_FAKE=%s (expected off, peer-unavailable, "
-                        "corrupt-peer-copies, fail-module-load=<ordinal> or drop-sm-stores=<ordinal>)\n", m);
+                        "corrupt-peer-copies, fail-module-load=<ordinal>, drop-sm-stores=<ordinal> or "
+                        "fail-call=NAME:N[@AFTER:M|@restart])\n", m);
         abort();
     }
     if (g_mode != MODE_OFF) {
@@ -170,11 +287,185 @@ static __thread int g_depth;
 static int enter(void) { return g_depth++ == 0; }
 static void leave(void) { g_depth--; }
 
+/* ---- fail-call, and the count of every override's calls ------------------- */
+
+static atomic_long g_calls[NCALLS];
+
+/* Counts an outermost call of `id` and says whether it is the one that
+ * fail-call fails (then it counts as fired). Call before enter(). */
+static int failing(enum call id) {
+    if (g_depth != 0) {
+        return 0;
+    }
+    atomic_fetch_add(&g_calls[id], 1);
+    if (g_mode != MODE_FAIL_CALL) {
+        return 0;
+    }
+    int fail = 0;
+    pthread_mutex_lock(&g_trigger_lock);
+    if (g_after != AFTER_NOTHING && g_after_seen < g_after_nth) {
+        g_after_seen += (int)id == g_after;
+    } else if ((int)id == g_fail) {
+        fail = ++g_fail_seen == g_fail_nth;
+    }
+    pthread_mutex_unlock(&g_trigger_lock);
+    if (fail) {
+        fired();
+    }
+    return fail;
+}
+
+EXPORT long cuda_peer_fake_calls(const char *name) {
+    int id = name == NULL ? -1 : call_id(name, strlen(name));
+    return id < 0 ? -1 : atomic_load(&g_calls[id]);
+}
+
+EXPORT int cuda_peer_fake_restart(void) {
+    pthread_once(&g_once, fake_init);
+    if (g_mode != MODE_FAIL_CALL) {
+        return -1;
+    }
+    pthread_mutex_lock(&g_trigger_lock);
+    g_fail_seen = 0;
+    g_after_seen = g_after == AFTER_RESTART ? g_after_nth : 0;
+    pthread_mutex_unlock(&g_trigger_lock);
+    return 0;
+}
+
+/* ---- fail-call: copies still pending when their memory is freed ----------- */
+
+typedef CUresult (*launch_host_func_t)(CUstream, CUhostFn, void *);
+typedef CUresult (*is_capturing_t)(CUstream, int *);
+
+/* One asynchronous copy: its destination and source; pending until the
+ * host function after it on its stream runs. */
+struct copy_rec {
+    CUdeviceptr addr[2];
+    int pending;
+};
+#define RECS 4096
+static struct copy_rec g_recs[RECS];
+static int g_next_rec;
+static pthread_mutex_t g_recs_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_long g_unsafe_frees;
+
+EXPORT long cuda_peer_fake_unsafe_frees(void) { return atomic_load(&g_unsafe_frees); }
+
+static CUresult host_func(CUstream stream, CUhostFn fn, void *arg) {
+    static launch_host_func_t host = NULL;
+    if (host == NULL) {
+        host = (launch_host_func_t)real("cuLaunchHostFunc");
+    }
+    return host == NULL ? CUDA_ERROR_NOT_INITIALIZED : host(stream, fn, arg);
+}
+
+/* Whether copies and frees on `stream` are watched: fail-call, and the
+ * stream is known not to be capturing (a captured host function would run
+ * only when the graph does). */
+static int watched(CUstream stream) {
+    if (g_mode != MODE_FAIL_CALL) {
+        return 0;
+    }
+    static is_capturing_t query = NULL;
+    if (query == NULL) {
+        query = (is_capturing_t)real("cuStreamIsCapturing");
+    }
+    int status = -1;
+    return query != NULL && query(stream, &status) == CUDA_SUCCESS && status == 0;
+}
+
+static void gate_fn(void *arg) {
+    (void)arg;
+    struct timespec t = {g_gate_ms / 1000, (g_gate_ms % 1000) * 1000000L};
+    while (nanosleep(&t, &t) != 0) {
+    }
+}
+
+/* Before a watched copy: holds its stream back (module comment). */
+static void gate(CUstream stream) {
+    if (g_gate_ms > 0) {
+        (void)host_func(stream, gate_fn, NULL);
+    }
+}
+
+static void done_fn(void *arg) {
+    struct copy_rec *rec = arg;
+    pthread_mutex_lock(&g_recs_lock);
+    rec->pending = 0;
+    pthread_mutex_unlock(&g_recs_lock);
+}
+
+/* After a watched copy was enqueued: pending until a host function after it runs. */
+static void track(CUdeviceptr dst, CUdeviceptr src, CUstream stream) {
+    struct copy_rec *rec = NULL;
+    pthread_mutex_lock(&g_recs_lock);
+    for (int i = 0; i < RECS && rec == NULL; i++) {
+        int k = (g_next_rec + i) % RECS;
+        if (!g_recs[k].pending) {
+            rec = &g_recs[k];
+            g_next_rec = (k + 1) % RECS;
+        }
+    }
+    if (rec != NULL) {
+        *rec = (struct copy_rec){{dst, src}, 1};
+    }
+    pthread_mutex_unlock(&g_recs_lock);
+    if (rec == NULL) {
+        fprintf(stderr, "fakecuda: more than %d copies pending; not all are watched\n", RECS);
+        return;
+    }
+    if (host_func(stream, done_fn, rec) != CUDA_SUCCESS) {
+        done_fn(rec);
+    }
+}
+
+/* How many pending copies start at `p` (a freed allocation's start). */
+static long pending_on(CUdeviceptr p) {
+    long n = 0;
+    pthread_mutex_lock(&g_recs_lock);
+    for (int i = 0; i < RECS; i++) {
+        const struct copy_rec *r = &g_recs[i];
+        n += r->pending && (r->addr[0] == p || r->addr[1] == p);
+    }
+    pthread_mutex_unlock(&g_recs_lock);
+    return n;
+}
+
+/* A free that takes effect now. */
+static void check_free_now(CUdeviceptr p) {
+    if (g_mode == MODE_FAIL_CALL && pending_on(p) > 0) {
+        atomic_fetch_add(&g_unsafe_frees, 1);
+    }
+}
+
+static void probe_fn(void *arg) {
+    check_free_now(*(CUdeviceptr *)arg);
+    free(arg);
+}
+
+/* A free that takes effect in `stream`'s order: checked there. */
+static void check_free_ordered(CUdeviceptr p, CUstream stream) {
+    if (!watched(stream)) {
+        return;
+    }
+    CUdeviceptr *arg = malloc(sizeof *arg);
+    if (arg == NULL) {
+        return;
+    }
+    *arg = p;
+    if (host_func(stream, probe_fn, arg) != CUDA_SUCCESS) {
+        free(arg);
+    }
+}
+
 /* ---- peer-unavailable ---------------------------------------------------- */
 
 typedef CUresult (*can_access_peer_t)(int *, CUdevice, CUdevice);
 EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
     REAL(can_access_peer_t, "cuDeviceCanAccessPeer");
+    if (failing(C_CAN_ACCESS_PEER)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     CUresult r = real_fn(can, dev, peer);
     if (r == CUDA_SUCCESS && g_mode == MODE_PEER_UNAVAILABLE && dev != peer && can != NULL) {
         *can = 1;
@@ -185,6 +476,9 @@ EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
 typedef CUresult (*p2p_attr_t)(int *, CUdevice_P2PAttribute, CUdevice, CUdevice);
 EXPORT CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attr, CUdevice src, CUdevice dst) {
     REAL(p2p_attr_t, "cuDeviceGetP2PAttribute");
+    if (failing(C_P2P_ATTRIBUTE)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     CUresult r = real_fn(value, attr, src, dst);
     if (r == CUDA_SUCCESS && g_mode == MODE_PEER_UNAVAILABLE && src != dst && value != NULL &&
         attr == CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED) {
@@ -196,6 +490,9 @@ EXPORT CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attr, 
 typedef CUresult (*enable_peer_t)(CUcontext, unsigned int);
 EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
     REAL(enable_peer_t, "cuCtxEnablePeerAccess");
+    if (failing(C_ENABLE_PEER)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     if (g_mode == MODE_PEER_UNAVAILABLE) {
         fired();
         return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
@@ -323,10 +620,20 @@ typedef CUresult (*memcpy_peer_async_t)(CUdeviceptr, CUcontext, CUdeviceptr, CUc
 EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes,
                                   CUstream stream) {
     REAL(memcpy_peer_async_t, "cuMemcpyPeerAsync");
+    if (failing(C_MEMCPY_PEER_ASYNC)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
+    int watch = outer && watched(stream);
+    if (watch) {
+        gate(stream);
+    }
     CUresult r = real_fn(dst, dctx, src, sctx, bytes, stream);
     if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_async(dst, stream);
+    }
+    if (watch && r == CUDA_SUCCESS) {
+        track(dst, src, stream);
     }
     leave();
     return r;
@@ -335,6 +642,9 @@ EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr s
 typedef CUresult (*memcpy_peer_t)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
 EXPORT CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes) {
     REAL(memcpy_peer_t, "cuMemcpyPeer");
+    if (failing(C_MEMCPY_PEER)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
     CUresult r = real_fn(dst, dctx, src, sctx, bytes);
     if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
@@ -346,10 +656,20 @@ EXPORT CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, C
 
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     REAL(memcpy_async_t, "cuMemcpyAsync");
+    if (failing(C_MEMCPY_ASYNC)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
+    int watch = outer && watched(stream);
+    if (watch) {
+        gate(stream);
+    }
     CUresult r = real_fn(dst, src, bytes, stream);
     if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_async(dst, stream);
+    }
+    if (watch && r == CUDA_SUCCESS) {
+        track(dst, src, stream);
     }
     leave();
     return r;
@@ -357,10 +677,20 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CU
 
 EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     REAL(memcpy_async_t, "cuMemcpyDtoDAsync_v2");
+    if (failing(C_DTOD_ASYNC)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
+    int watch = outer && watched(stream);
+    if (watch) {
+        gate(stream);
+    }
     CUresult r = real_fn(dst, src, bytes, stream);
     if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
         r = corrupt_async(dst, stream);
+    }
+    if (watch && r == CUDA_SUCCESS) {
+        track(dst, src, stream);
     }
     leave();
     return r;
@@ -368,6 +698,9 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t by
 
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     REAL(memcpy_t, "cuMemcpyDtoD_v2");
+    if (failing(C_DTOD)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
     CUresult r = real_fn(dst, src, bytes);
     if (outer && r == CUDA_SUCCESS && crosses_devices(dst, src, bytes)) {
@@ -375,6 +708,92 @@ EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) 
     }
     leave();
     return r;
+}
+
+/* Host <-> device copies: only fail-call acts on them. */
+typedef CUresult (*dtoh_async_t)(void *, CUdeviceptr, size_t, CUstream);
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+    REAL(dtoh_async_t, "cuMemcpyDtoHAsync_v2");
+    if (failing(C_DTOH_ASYNC)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
+    int outer = enter();
+    int watch = outer && watched(stream);
+    if (watch) {
+        gate(stream);
+    }
+    CUresult r = real_fn(dst, src, bytes, stream);
+    if (watch && r == CUDA_SUCCESS) {
+        track((CUdeviceptr)(uintptr_t)dst, src, stream);
+    }
+    leave();
+    return r;
+}
+
+typedef CUresult (*htod_async_t)(CUdeviceptr, const void *, size_t, CUstream);
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream) {
+    REAL(htod_async_t, "cuMemcpyHtoDAsync_v2");
+    if (failing(C_HTOD_ASYNC)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
+    int outer = enter();
+    int watch = outer && watched(stream);
+    if (watch) {
+        gate(stream);
+    }
+    CUresult r = real_fn(dst, src, bytes, stream);
+    if (watch && r == CUDA_SUCCESS) {
+        track(dst, (CUdeviceptr)(uintptr_t)src, stream);
+    }
+    leave();
+    return r;
+}
+
+/* ---- fail-call: events and frees ------------------------------------------ */
+
+typedef CUresult (*event_record_t)(CUevent, CUstream);
+EXPORT CUresult cuEventRecord(CUevent event, CUstream stream) {
+    REAL(event_record_t, "cuEventRecord");
+    if (failing(C_EVENT_RECORD)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
+    return real_fn(event, stream);
+}
+
+typedef CUresult (*free_host_t)(void *);
+EXPORT CUresult cuMemFreeHost(void *p) {
+    REAL(free_host_t, "cuMemFreeHost");
+    if (failing(C_FREE_HOST)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
+    if (g_depth == 0) {
+        check_free_now((CUdeviceptr)(uintptr_t)p);
+    }
+    return real_fn(p);
+}
+
+typedef CUresult (*free_t)(CUdeviceptr);
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+    REAL(free_t, "cuMemFree_v2");
+    if (failing(C_FREE)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
+    if (g_depth == 0) {
+        check_free_now(p);
+    }
+    return real_fn(p);
+}
+
+typedef CUresult (*free_async_t)(CUdeviceptr, CUstream);
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream stream) {
+    REAL(free_async_t, "cuMemFreeAsync");
+    if (failing(C_FREE_ASYNC)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
+    if (g_depth == 0) {
+        check_free_ordered(p, stream);
+    }
+    return real_fn(p, stream);
 }
 
 /* ---- fail-module-load ------------------------------------------------------ */
@@ -402,6 +821,9 @@ static int module_load_fails(void) {
 typedef CUresult (*module_load_data_t)(CUmodule *, const void *);
 EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) {
     REAL(module_load_data_t, "cuModuleLoadData");
+    if (failing(C_MODULE_LOAD)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
     if (outer && module_load_fails()) {
         leave();
@@ -416,6 +838,9 @@ typedef CUresult (*module_load_data_ex_t)(CUmodule *, const void *, unsigned int
 EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n, CUjit_option *opts,
                                    void **vals) {
     REAL(module_load_data_ex_t, "cuModuleLoadDataEx");
+    if (failing(C_MODULE_LOAD_EX)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
     if (outer && module_load_fails()) {
         leave();
@@ -431,6 +856,9 @@ typedef CUresult (*library_load_data_t)(CUlibrary *, const void *, CUjit_option 
 EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jit_opts, void **jit_vals,
                                   unsigned int njit, CUlibraryOption *lib_opts, void **lib_vals, unsigned int nlib) {
     REAL(library_load_data_t, "cuLibraryLoadData");
+    if (failing(C_LIBRARY_LOAD)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     int outer = enter();
     if (outer && module_load_fails()) {
         leave();
@@ -468,6 +896,9 @@ static int is_fused(CUfunction f) {
 typedef CUresult (*module_get_function_t)(CUfunction *, CUmodule, const char *);
 EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule module, const char *name) {
     REAL(module_get_function_t, "cuModuleGetFunction");
+    if (failing(C_GET_FUNCTION)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     CUresult r = real_fn(f, module, name);
     if (r == CUDA_SUCCESS && g_mode == MODE_DROP_SM && f != NULL && is_fused_name(name)) {
         pthread_mutex_lock(&g_fused_lock);
@@ -485,6 +916,9 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, u
                                unsigned int by, unsigned int bz, unsigned int shared, CUstream stream, void **params,
                                void **extra) {
     REAL(launch_kernel_t, "cuLaunchKernel");
+    if (failing(C_LAUNCH)) {
+        return CUDA_ERROR_UNKNOWN;
+    }
     if (g_mode == MODE_DROP_SM && is_fused(f) && on_faulty_device()) {
         fired();
         return CUDA_SUCCESS;
@@ -523,6 +957,12 @@ static void *override_for(const char *symbol, int version, unsigned long long fl
         {"cuLibraryLoadData", (void *)cuLibraryLoadData, 0},
         {"cuModuleGetFunction", (void *)cuModuleGetFunction, 0},
         {"cuLaunchKernel", (void *)cuLaunchKernel, 0},
+        {"cuMemcpyDtoHAsync", (void *)cuMemcpyDtoHAsync_v2, 3020},
+        {"cuMemcpyHtoDAsync", (void *)cuMemcpyHtoDAsync_v2, 3020},
+        {"cuEventRecord", (void *)cuEventRecord, 0},
+        {"cuMemFreeHost", (void *)cuMemFreeHost, 0},
+        {"cuMemFree", (void *)cuMemFree_v2, 3020},
+        {"cuMemFreeAsync", (void *)cuMemFreeAsync, 0},
         /* A caller that looks cuGetProcAddress up through itself keeps
          * getting the overrides. */
         {"cuGetProcAddress", (void *)cuGetProcAddress_v2, 12000},

@@ -52,7 +52,34 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, void *dc, CUdeviceptr src, void *sc,
     (void)dc; (void)sc; return cuMemcpyAsync(dst, src, n, stream);
 }
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) { return cuMemcpyAsync(dst, src, n, NULL); }
-CUresult cuLaunchHostFunc(void *stream, void (*fn)(void *), void *arg) { (void)stream; fn(arg); return 0; }
+/* Host functions run at once on the NULL stream; on any other they wait
+ * for cuStreamSynchronize of that stream (work "pending" until then). */
+static struct { void *stream; void (*fn)(void *); void *arg; } pretend_queue[256];
+static int pretend_queued;
+CUresult cuLaunchHostFunc(void *stream, void (*fn)(void *), void *arg) {
+    if (stream == NULL) { fn(arg); return 0; }
+    if (pretend_queued == 256) return 2;
+    pretend_queue[pretend_queued].stream = stream;
+    pretend_queue[pretend_queued].fn = fn;
+    pretend_queue[pretend_queued++].arg = arg;
+    return 0;
+}
+CUresult cuStreamSynchronize(void *stream) {
+    int kept = 0;
+    for (int i = 0; i < pretend_queued; i++) {
+        if (pretend_queue[i].stream == stream) pretend_queue[i].fn(pretend_queue[i].arg);
+        else pretend_queue[kept++] = pretend_queue[i];
+    }
+    pretend_queued = kept;
+    return 0;
+}
+CUresult cuStreamIsCapturing(void *stream, int *status) { (void)stream; *status = 0; return 0; }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) { (void)stream; memcpy(dst, (const void *)(uintptr_t)src, n); return 0; }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) { (void)stream; memcpy((void *)(uintptr_t)dst, src, n); return 0; }
+CUresult cuEventRecord(void *event, void *stream) { (void)event; (void)stream; return 0; }
+CUresult cuMemFreeHost(void *p) { free(p); return 0; }
+CUresult cuMemFree_v2(CUdeviceptr p) { (void)p; return 0; }
+CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) { (void)p; (void)stream; return 0; }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) { (void)flags; *p = calloc(1, n); return *p ? 0 : 2; }
 CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void *stream) { (void)stream; memset((void *)(uintptr_t)p, v, n); return 0; }
 /* Functions are their names' addresses; launches are counted. */
@@ -68,6 +95,80 @@ int pretend_driver_marker = 42;
 #else
 static int failures;
 #define CHECK(c, ...) do { if (!(c)) { fprintf(stderr, "selftest FAILED: " __VA_ARGS__); fprintf(stderr, "\n"); failures++; } } while (0)
+
+typedef CUresult (*dtoh_t)(void *, CUdeviceptr, size_t, void *);
+typedef CUresult (*record_t)(void *, void *);
+
+/* fail-call=cuMemcpyDtoHAsync_v2:2, cuEventRecord:3@cuMemcpyDtoHAsync_v2:2 or cuEventRecord:2@restart:
+ * the chosen call fails once, restart() counts again, and frees of memory
+ * a pending copy touches are counted as unsafe, stream-ordered frees where
+ * they run. */
+static void fail_call(void *b, const char *mode, const char *(*fake_mode)(void), long (*fake_fired)(void)) {
+    int before = failures;
+    dtoh_t dtoh = (dtoh_t)dlsym(b, "cuMemcpyDtoHAsync_v2");
+    record_t record = (record_t)dlsym(b, "cuEventRecord");
+    CUresult (*host_alloc)(void **, size_t, unsigned int) = (CUresult (*)(void **, size_t, unsigned int))dlsym(b, "cuMemHostAlloc");
+    CUresult (*free_host)(void *) = (CUresult (*)(void *))dlsym(b, "cuMemFreeHost");
+    CUresult (*free_dev)(CUdeviceptr) = (CUresult (*)(CUdeviceptr))dlsym(b, "cuMemFree_v2");
+    CUresult (*free_async)(CUdeviceptr, void *) = (CUresult (*)(CUdeviceptr, void *))dlsym(b, "cuMemFreeAsync");
+    CUresult (*sync)(void *) = (CUresult (*)(void *))dlsym(b, "cuStreamSynchronize");
+    CUresult (*peer)(CUdeviceptr, void *, CUdeviceptr, void *, size_t, void *) =
+        (CUresult (*)(CUdeviceptr, void *, CUdeviceptr, void *, size_t, void *))dlsym(b, "cuMemcpyPeerAsync");
+    long (*calls)(const char *) = (long (*)(const char *))dlsym(b, "cuda_peer_fake_calls");
+    int (*restart)(void) = (int (*)(void))dlsym(b, "cuda_peer_fake_restart");
+    long (*unsafe_frees)(void) = (long (*)(void))dlsym(b, "cuda_peer_fake_unsafe_frees");
+    unsigned char (*dev)[64] = (unsigned char (*)[64])dlsym(b, "pretend_dev");
+    CHECK(dtoh && record && host_alloc && free_host && free_dev && free_async && sync && peer && dev, "fail-call: entry points missing");
+    if (failures > before) return;
+    CHECK(strcmp(fake_mode(), mode) == 0, "mode %s", fake_mode());
+#define D(d, off) ((CUdeviceptr)(uintptr_t)&dev[d][off])
+    unsigned char host[8];
+    long dtoh_calls = calls("cuMemcpyDtoHAsync_v2");
+    if (strcmp(mode, "fail-call=cuMemcpyDtoHAsync_v2:2") == 0) {
+        CHECK(dtoh(host, D(0, 0), 8, NULL) == 0, "the first call passes");
+        CHECK(dtoh(host, D(0, 0), 8, NULL) == 999, "the second call fails with CUDA_ERROR_UNKNOWN");
+        CHECK(dtoh(host, D(0, 0), 8, NULL) == 0, "the third call passes");
+        CHECK(calls("cuMemcpyDtoHAsync_v2") == dtoh_calls + 3, "calls counted: %ld", calls("cuMemcpyDtoHAsync_v2"));
+        CHECK(fake_fired() == 1, "%ld faults fired, expected 1", fake_fired());
+        CHECK(restart() == 0, "restart");
+        CHECK(dtoh(host, D(0, 0), 8, NULL) == 0 && dtoh(host, D(0, 0), 8, NULL) == 999, "after a restart the second call fails again");
+        CHECK(fake_fired() == 2, "%ld faults fired, expected 2", fake_fired());
+    } else if (strcmp(mode, "fail-call=cuEventRecord:3@cuMemcpyDtoHAsync_v2:2") == 0) {
+        for (int i = 0; i < 5; i++) CHECK(record(NULL, NULL) == 0, "a record before the trigger passes");
+        CHECK(dtoh(host, D(0, 0), 8, NULL) == 0, "the first copy");
+        for (int i = 0; i < 4; i++) CHECK(record(NULL, NULL) == 0, "a record after the first copy passes");
+        CHECK(dtoh(host, D(0, 0), 8, NULL) == 0, "the second copy");
+        CHECK(record(NULL, NULL) == 0 && record(NULL, NULL) == 0, "the first two records after the second copy pass");
+        CHECK(record(NULL, NULL) == 999, "the third record after the second copy fails");
+        CHECK(record(NULL, NULL) == 0, "and only that one");
+        CHECK(fake_fired() == 1, "%ld faults fired, expected 1", fake_fired());
+    } else if (strcmp(mode, "fail-call=cuEventRecord:2@restart") == 0) {
+        for (int i = 0; i < 5; i++) CHECK(record(NULL, NULL) == 0, "a record before the restart passes");
+        CHECK(restart() == 0, "restart");
+        CHECK(record(NULL, NULL) == 0 && record(NULL, NULL) == 999 && record(NULL, NULL) == 0,
+              "the second record after the restart fails, and only that one");
+        CHECK(fake_fired() == 1, "%ld faults fired, expected 1", fake_fired());
+    } else {
+        CHECK(0, "no self-test for %s", mode);
+    }
+    /* Frees while a copy touching the memory is pending (the pretend driver
+     * runs a stream's host functions at its cuStreamSynchronize). */
+    void *s1 = (void *)0x51, *s2 = (void *)0x52, *h = NULL;
+    long unsafe0 = unsafe_frees();
+    CHECK(host_alloc(&h, 64, 0) == 0 && dtoh(h, D(0, 0), 8, s1) == 0, "a copy into pinned memory");
+    CHECK(free_host(h) == 0 && unsafe_frees() == unsafe0 + 1, "a pinned buffer freed while a copy into it is pending: %ld", unsafe_frees() - unsafe0);
+    CHECK(sync(s1) == 0, "sync");
+    CHECK(host_alloc(&h, 64, 0) == 0 && dtoh(h, D(0, 0), 8, s1) == 0 && sync(s1) == 0 && free_host(h) == 0, "copy, sync, free");
+    CHECK(unsafe_frees() == unsafe0 + 1, "a free after the copy's stream was synchronised is safe");
+    CHECK(peer(D(1, 0), NULL, D(0, 0), NULL, 8, s1) == 0, "a peer copy");
+    CHECK(free_async(D(0, 0), s2) == 0 && unsafe_frees() == unsafe0 + 1, "a stream-ordered free is checked where it runs");
+    CHECK(sync(s2) == 0 && unsafe_frees() == unsafe0 + 2, "a free on another stream, run while the copy reading it is pending");
+    CHECK(sync(s1) == 0, "sync");
+    CHECK(peer(D(1, 0), NULL, D(0, 0), NULL, 8, s1) == 0 && free_async(D(0, 0), s1) == 0 && sync(s1) == 0, "copy, free on the same stream");
+    CHECK(unsafe_frees() == unsafe0 + 2, "a free ordered after the copy on its stream is safe");
+    CHECK(free_dev(D(1, 0)) == 0 && unsafe_frees() == unsafe0 + 2, "a free with nothing pending is safe");
+#undef D
+}
 
 int main(void) {
     const char *mode = getenv("CUDA_PEER_FAKE");
@@ -99,6 +200,16 @@ int main(void) {
     via_gpa = NULL;
     CHECK(gpa("cuGetProcAddress", &via_gpa, 12000, 0) == 0 && via_gpa == dlsym(b, "cuGetProcAddress_v2"),
           "cuGetProcAddress(cuGetProcAddress) is not the shim's");
+    long (*calls)(const char *) = (long (*)(const char *))dlsym(b, "cuda_peer_fake_calls");
+    int (*restart)(void) = (int (*)(void))dlsym(b, "cuda_peer_fake_restart");
+    long (*unsafe_frees)(void) = (long (*)(void))dlsym(b, "cuda_peer_fake_unsafe_frees");
+    CHECK(calls && restart && unsafe_frees, "the shim's fail-call symbols are missing");
+    if (failures) return 1;
+    CHECK(calls("cuDeviceCanAccessPeer") == 1, "cuDeviceCanAccessPeer counted %ld times, expected 1", calls("cuDeviceCanAccessPeer"));
+    CHECK(calls("cuNotAnOverride") == -1 && calls(NULL) == -1, "a name that is no override is counted");
+    if (!mode || !*mode || strncmp(mode, "fail-call=", 10) != 0) {
+        CHECK(restart() == -1, "%s: cuda_peer_fake_restart should refuse outside fail-call", fake_mode());
+    }
     if (!mode || !*mode || strcmp(mode, "off") == 0) {
         CHECK(strcmp(fake_mode(), "off") == 0, "mode %s, expected off", fake_mode());
         CHECK(v == 0, "off: cuDeviceCanAccessPeer changed to %d", v);
@@ -156,6 +267,8 @@ int main(void) {
         CHECK(launch(mesh, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) == 0, "a dropped launch still says success");
         CHECK(*launches == (on_one ? 1 : 3), "%s: %d launches reached the driver", mode, *launches);
         CHECK(fake_fired() == (on_one ? 2 : 0), "%s: %ld faults fired", mode, fake_fired());
+    } else if (strncmp(mode, "fail-call=", 10) == 0) {
+        fail_call(b, mode, fake_mode, fake_fired);
     } else if (strcmp(mode, "fail-module-load=0") == 0) {
         CHECK(load(&m, "x") == 0, "fail-module-load=0 on device 1 should pass");
         CHECK(fake_fired() == 0, "fail-module-load=0: %ld faults fired", fake_fired());
