@@ -2,12 +2,17 @@
 //! copied across it both ways and read back. Drivers have been seen to
 //! answer "P2P supported" while peer writes were dropped (IOMMU, ACS) or
 //! landed in the wrong place, so the driver's answer is only a hint.
+//!
+//! A verification frees its buffers only once its copies are confirmed
+//! complete, on an error part way as on success; where they cannot be (a
+//! copy that does not finish in time, a wait that fails) the buffers are
+//! leaked rather than freed under a copy that may still run.
 
 use super::staged::PinnedBuffer;
 use crate::driver::{api, bind, raw_context, raw_stream};
 use crate::error::{check, cudarc_err, Result};
 use crate::sync::{wait_bounded, wait_for};
-use cudarc::driver::{CudaContext, DevicePtr};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -70,41 +75,105 @@ pub(crate) fn compare(expected: &[u8], got: &[u8]) -> Verdict {
     }
 }
 
+/// The memory a verification's copies touch, from the moment the peer
+/// copy may be enqueued: the two device buffers, the pinned readback buffer
+/// and the streams (dropping a stream may wait for its work). The readback
+/// and `s_to` are also used; the rest is only held.
+struct InFlight {
+    _src: CudaSlice<u8>,
+    _dst: CudaSlice<u8>,
+    readback: PinnedBuffer,
+    _s_from: Arc<CudaStream>,
+    s_to: Arc<CudaStream>,
+}
+
+/// What becomes of a verification's memory, from how enqueueing its copies
+/// went and how waiting for them (at most the timeout) went.
+#[derive(Debug, PartialEq)]
+enum Settled {
+    /// The copies are complete: the memory may be freed; the outcome of
+    /// the enqueueing is the result.
+    Complete(Result<()>),
+    /// The copies may still run: the memory is never freed, and this is
+    /// the error (the enqueueing's if it failed, else the wait's).
+    Leak(crate::Error),
+}
+
+/// Wait or leak, as a pure decision: memory is freed only where the wait
+/// confirmed every enqueued copy complete.
+fn settle(enqueued: Result<()>, waited: Result<()>) -> Settled {
+    match waited {
+        Ok(()) => Settled::Complete(enqueued),
+        Err(wait) => Settled::Leak(enqueued.err().unwrap_or(wait)),
+    }
+}
+
+impl InFlight {
+    /// The one exit of a verification once its copies may be enqueued:
+    /// waits at most `timeout` until everything enqueued on `s_to` (the
+    /// peer copy, the readback, and through `ready` the source's upload)
+    /// is complete, through `done` (recorded after it) or, where recording
+    /// `done` failed, an event recorded now. Complete: gives the memory
+    /// back (with the enqueueing's first error, `done`'s record included).
+    /// Otherwise (a timeout, a failed wait, no event to wait on) the copies
+    /// may still touch the memory: it is leaked, never freed.
+    fn wait_or_leak(self, enqueued: Result<()>, done: Result<CudaEvent>, timeout: Duration) -> Result<InFlight> {
+        let (enqueued, event) = match done {
+            Ok(event) => (enqueued, Ok(event)),
+            Err(e) => (enqueued.and(Err(e)), self.s_to.record_event(None).map_err(cudarc_err("cuEventRecord"))),
+        };
+        let waited = event.as_ref().map_err(Clone::clone).and_then(|e| wait_bounded(e, "link verification", timeout));
+        match settle(enqueued, waited) {
+            Settled::Complete(Ok(())) => Ok(self),
+            Settled::Complete(Err(e)) => Err(e),
+            Settled::Leak(e) => {
+                log::warn!("link verification: its copies could not be confirmed complete ({e}); leaking their {} bytes", 3 * VERIFY_BYTES);
+                std::mem::forget((self, event));
+                Err(e)
+            }
+        }
+    }
+}
+
 /// Copies a random pattern from `from` to `to` with `cuMemcpyPeerAsync` and
-/// reads it back, waiting at most `timeout`.
+/// reads it back, waiting at most `timeout`. Once the peer copy may be
+/// enqueued, every return goes through [`InFlight::wait_or_leak`]: an
+/// error part way still waits for what was enqueued before the memory is
+/// freed, and memory whose copies cannot be confirmed complete is leaked.
 pub fn verify_direction(from: &Arc<CudaContext>, to: &Arc<CudaContext>, timeout: Duration) -> Result<Verdict> {
     let n = VERIFY_BYTES;
     let pattern = random_bytes(n);
     let poison: Vec<u8> = pattern.iter().map(|b| !b).collect();
     let s_from = from.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
     let s_to = to.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+    // Until the peer copy each buffer is used on its own stream only, where
+    // cudarc orders its free: an early return frees nothing in use.
     let src = s_from.clone_htod(&pattern).map_err(cudarc_err("cuMemcpyHtoD"))?;
     let dst = s_to.clone_htod(&poison).map_err(cudarc_err("cuMemcpyHtoD"))?;
     let ready = from.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
     wait_for(&s_to, &s_from, &ready)?;
     let readback = PinnedBuffer::new(to, n)?;
     let api = api()?;
-    {
+    let enqueued = {
         let (sp, _r1) = src.device_ptr(&s_from);
         let (dp, _r2) = dst.device_ptr(&s_to);
-        bind(to)?;
         let raw = raw_stream(&s_to);
-        // SAFETY: both allocations hold `n` bytes and live until the event
-        // below completes (or are leaked on timeout); the pinned buffer holds `n`.
-        unsafe {
-            check("cuMemcpyPeerAsync", api.cuMemcpyPeerAsync(dp, raw_context(to), sp, raw_context(from), n, raw))?;
-            check("cuMemcpyDtoHAsync", api.cuMemcpyDtoHAsync_v2(readback.addr().cast(), dp, n, raw))?;
-        }
-    }
-    let done = s_to.record_event(None).map_err(cudarc_err("cuEventRecord"))?;
-    if let Err(e) = wait_bounded(&done, "link verification", timeout) {
-        // The copy may still be running: never free memory it may touch.
-        std::mem::forget((src, dst, readback, done, s_from, s_to));
-        return Err(e);
-    }
-    // SAFETY: the copy into the pinned buffer completed (event above); it
-    // holds `n` initialised bytes and nothing else writes it now.
-    let got = unsafe { std::slice::from_raw_parts(readback.addr(), n) };
+        bind(to).and_then(|()| {
+            // SAFETY: both allocations hold `n` bytes and the pinned buffer
+            // `n`; all three are freed only once these copies are confirmed
+            // complete, or never (`InFlight::wait_or_leak`).
+            unsafe {
+                check("cuMemcpyPeerAsync", api.cuMemcpyPeerAsync(dp, raw_context(to), sp, raw_context(from), n, raw))?;
+                check("cuMemcpyDtoHAsync", api.cuMemcpyDtoHAsync_v2(readback.addr().cast(), dp, n, raw))
+            }
+        })
+    };
+    let done = s_to.record_event(None).map_err(cudarc_err("cuEventRecord"));
+    let flight = InFlight { _src: src, _dst: dst, readback, _s_from: s_from, s_to }.wait_or_leak(enqueued, done, timeout)?;
+    // SAFETY: the copy into the pinned buffer completed (`wait_or_leak`
+    // returned the memory); it holds `n` initialised bytes and nothing else
+    // writes it now.
+    let got = unsafe { std::slice::from_raw_parts(flight.readback.addr(), n) };
     Ok(compare(&pattern, got))
 }
 
@@ -155,6 +224,20 @@ mod tests {
         assert!(cacheable(&Err(crate::Error::Timeout { op: "link verification", after: Duration::from_secs(1) })));
         let oom = crate::Error::driver("cuMemAlloc", 2); // CUDA_ERROR_OUT_OF_MEMORY
         assert!(!cacheable(&Err(oom)), "an out-of-memory error downgraded the pair for good");
+    }
+
+    #[test]
+    fn memory_is_freed_only_once_the_copies_are_confirmed_complete() {
+        let failed = || crate::Error::driver("cuMemcpyDtoHAsync", 999);
+        let timeout = || crate::Error::Timeout { op: "link verification", after: Duration::from_secs(1) };
+        assert_eq!(settle(Ok(()), Ok(())), Settled::Complete(Ok(())));
+        // A failed enqueue whose earlier copies completed: freed, the enqueue's error.
+        assert_eq!(settle(Err(failed()), Ok(())), Settled::Complete(Err(failed())));
+        // Not confirmed complete: leaked, with the first error.
+        assert_eq!(settle(Ok(()), Err(timeout())), Settled::Leak(timeout()));
+        assert_eq!(settle(Err(failed()), Err(timeout())), Settled::Leak(failed()));
+        let query = crate::Error::driver("link verification", 700); // CUDA_ERROR_ILLEGAL_ADDRESS
+        assert_eq!(settle(Ok(()), Err(query.clone())), Settled::Leak(query));
     }
 
     #[test]
