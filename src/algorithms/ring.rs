@@ -6,6 +6,14 @@
 //! load (a fused reduce kernel reading the predecessor's memory) or a peer
 //! copy; elsewhere it goes through the route's staging buffers, chunk by
 //! chunk.
+//!
+//! A rank's memory is read by its successor's pulls, on the successor's
+//! stream (and, over a staged route, on that route's staging stream). When
+//! [`run`] returns, with its result or with an error part way through a
+//! schedule, each rank's stream is ordered after every such read already
+//! enqueued ([`settle`]), so that what the caller enqueues on a rank's
+//! stream next (its buffers' guards, then perhaps their free) comes after
+//! them.
 
 use super::schedule::{self, Action};
 use super::{divide, Algorithm, AllReduce};
@@ -16,6 +24,7 @@ use crate::driver::{api, raw_stream};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{check, cudarc_err, Result};
 use crate::kernels::KernelOp;
+use crate::sync::wait_for;
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::ops::Range;
 
@@ -59,31 +68,56 @@ fn pull(comm: &Communicator, r: usize, op: KernelOp, dtype: DType, what: PullOp)
     }
 }
 
+/// Records rank r's step event after the work enqueued on its stream.
+fn record(comm: &Communicator, r: usize) -> Result<()> {
+    comm.ranks[r].done.record(&comm.ranks[r].stream).map_err(cudarc_err("cuEventRecord"))
+}
+
+/// Makes rank r's stream wait for rank `on`'s step event.
+fn wait(comm: &Communicator, r: usize, on: usize) -> Result<()> {
+    if r == on {
+        return Ok(());
+    }
+    comm.ranks[r].stream.wait(&comm.ranks[on].done).map_err(cudarc_err("cuStreamWaitEvent"))
+}
+
+/// Keeps the first error.
+fn keep_first(first: &mut Result<()>, r: Result<()>) {
+    if first.is_ok() {
+        *first = r;
+    }
+}
+
 /// Runs a schedule: `steps[k][r]` is rank r's work at step k. Ranks
 /// advance in lockstep with their two ring neighbours (events only; no
 /// host synchronisation). Before the first step, each rank's stream has
-/// already been ordered after its buffers' writers by the caller; after
-/// the last, each rank waits for its successor, which may still read
-/// from it.
-#[allow(clippy::needless_range_loop)] // r indexes ranks, routes and the step alike
+/// already been ordered after its buffers' writers by the caller. When it
+/// returns, each rank's stream is ordered after every pull enqueued that
+/// reads from it ([`settle`]): after the last step as after an error part
+/// way through, whose first error is returned.
 pub(crate) fn run(comm: &Communicator, op: KernelOp, dtype: DType, steps: &[Vec<Option<PullOp>>]) -> Result<()> {
-    let n = comm.size();
-    let rec = |r: usize| comm.ranks[r].done.record(&comm.ranks[r].stream).map_err(cudarc_err("cuEventRecord"));
-    let wait = |r: usize, on: usize| {
-        if r == on {
-            return Ok(());
-        }
-        comm.ranks[r].stream.wait(&comm.ranks[on].done).map_err(cudarc_err("cuStreamWaitEvent"))
+    let enqueued = run_steps(comm, op, dtype, steps);
+    let settled = match (&enqueued, steps.is_empty()) {
+        (Ok(()), true) => Ok(()),
+        (Ok(()), false) => settle(comm, false),
+        (Err(_), _) => settle(comm, true),
     };
+    enqueued.and(settled)
+}
+
+/// The lockstep of [`run`], up to its first error.
+#[allow(clippy::needless_range_loop)] // r indexes ranks, routes and the step alike
+fn run_steps(comm: &Communicator, op: KernelOp, dtype: DType, steps: &[Vec<Option<PullOp>>]) -> Result<()> {
+    let n = comm.size();
     for r in 0..n {
-        rec(r)?;
+        record(comm, r)?;
     }
     for step in steps {
         for r in 0..n {
             let (pred, succ) = ((r + n - 1) % n, (r + 1) % n);
-            wait(r, pred)?;
+            wait(comm, r, pred)?;
             if succ != pred {
-                wait(r, succ)?;
+                wait(comm, r, succ)?;
             }
             // A staged pull's device-to-host side runs on the predecessor's
             // device and needs only the predecessor's previous step.
@@ -95,15 +129,70 @@ pub(crate) fn run(comm: &Communicator, op: KernelOp, dtype: DType, steps: &[Vec<
             if let Some(what) = step[r] {
                 pull(comm, r, op, dtype, what)?;
             }
-            rec(r)?;
-        }
-    }
-    if !steps.is_empty() {
-        for r in 0..n {
-            wait(r, (r + 1) % n)?;
+            record(comm, r)?;
         }
     }
     Ok(())
+}
+
+/// The waits that end a schedule, `(r, succ)`: each rank's stream waits for
+/// its successor's, which may still read from it (none for a rank that is
+/// its own successor).
+fn successor_waits(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n).map(move |r| (r, (r + 1) % n)).filter(|&(r, succ)| r != succ)
+}
+
+/// Orders each rank's stream after every pull enqueued so far that reads
+/// the rank's memory: its successor's stream (through the successor's step
+/// event) and, `after_error`, the staging stream of a staged route from it
+/// (a transfer that failed part way may have left device-to-host copies
+/// that the successor's stream never waited for). After a complete
+/// schedule the step events recorded after the last step say it all; after
+/// an error, each stream's latest work is recorded first, since the
+/// lockstep stopped part way. Where recording or waiting fails, the host
+/// waits for that stream instead (`cuStreamSynchronize`), so that either
+/// way no read of a rank's memory is left unordered before the rank's
+/// stream; should that wait fail too, the driver can neither order nor
+/// wait, and its error is all that is left to return. Returns the first
+/// error.
+#[allow(clippy::needless_range_loop)] // r indexes ranks, routes and `recorded` alike
+fn settle(comm: &Communicator, after_error: bool) -> Result<()> {
+    let n = comm.size();
+    let mut first = Ok(());
+    let mut recorded = vec![true; n];
+    if after_error {
+        for r in 0..n {
+            let rank = &comm.ranks[r];
+            let succ = (r + 1) % n;
+            if let (true, Some(staged)) = (succ != r, comm.routes.ring[succ].staged()) {
+                // The route from r stages through r's device: its staging
+                // stream and r's step event share r's context.
+                let d2h = &staged.staging.d2h;
+                if let Err(e) = wait_for(&rank.stream, d2h, &rank.done) {
+                    keep_first(&mut first, Err(e));
+                    keep_first(&mut first, d2h.synchronize().map_err(cudarc_err("cuStreamSynchronize")));
+                }
+            }
+            if let Err(e) = record(comm, r) {
+                recorded[r] = false;
+                keep_first(&mut first, Err(e));
+            }
+        }
+    }
+    for (r, succ) in successor_waits(n) {
+        let ordered = recorded[succ]
+            && match wait(comm, r, succ) {
+                Ok(()) => true,
+                Err(e) => {
+                    keep_first(&mut first, Err(e));
+                    false
+                }
+            };
+        if !ordered {
+            keep_first(&mut first, comm.ranks[succ].stream.synchronize().map_err(cudarc_err("cuStreamSynchronize")));
+        }
+    }
+    first
 }
 
 fn scratch_ptr(scratch: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
@@ -162,4 +251,27 @@ fn all_reduce_in_place(comm: &Communicator, op: ReduceOp, dtype: DType, ptrs: &[
         .collect();
     run(comm, KernelOp::of(op), dtype, &steps)?;
     divide(comm, op, dtype, ptrs, count, 0..n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rank_waits_for_its_successor_but_not_for_itself() {
+        assert_eq!(successor_waits(1).count(), 0);
+        assert_eq!(successor_waits(2).collect::<Vec<_>>(), vec![(0, 1), (1, 0)]);
+        assert_eq!(successor_waits(4).collect::<Vec<_>>(), vec![(0, 1), (1, 2), (2, 3), (3, 0)]);
+    }
+
+    #[test]
+    fn the_first_error_is_kept() {
+        let mut first = Ok(());
+        keep_first(&mut first, Ok(()));
+        assert_eq!(first, Ok(()));
+        keep_first(&mut first, Err(crate::Error::driver("cuMemcpyPeerAsync", 999)));
+        keep_first(&mut first, Err(crate::Error::driver("cuStreamSynchronize", 999)));
+        keep_first(&mut first, Ok(()));
+        assert!(matches!(first, Err(crate::Error::Driver { op: "cuMemcpyPeerAsync", .. })), "{first:?}");
+    }
 }
