@@ -1,5 +1,5 @@
-//! Fault tests under a lying driver (issue 16, item 1): the libcuda
-//! stand-in in `tests/fakecuda/` sits in front of the real driver and
+//! Fault tests under a lying driver: the libcuda stand-in in
+//! `tests/fakecuda/` sits in front of the real driver and
 //!
 //! - `peer-unavailable`: claims peer access between every pair of devices,
 //!   but `cuCtxEnablePeerAccess` fails;
@@ -9,7 +9,15 @@
 //! - `drop-sm-stores=N`: the fused all-reduce kernels (one-shot, mesh) are
 //!   not run on device N though their launch succeeds, so nothing their SM
 //!   peer stores would carry arrives (a pair whose copy engines work while
-//!   its SM peer stores are lost, as seen from its peers).
+//!   its SM peer stores are lost, as seen from its peers);
+//! - `fail-call=NAME:N[@AFTER:M|@restart]`: the Nth call of one driver
+//!   entry point (after the Mth of another, or after the test arms it)
+//!   fails, every asynchronous copy is held back
+//!   a little on its stream, and the shim counts frees of memory that a
+//!   copy not yet done touches. Under it, an error part way through a link
+//!   verification or a ring all-reduce must be typed, name the call, and
+//!   leave nothing pending that reads or writes memory freed after the
+//!   error is returned.
 //!
 //! Under each, links and groups (every algorithm, Auto and forced; every
 //! path policy) must give either exact results (checked against the CPU),
@@ -48,6 +56,9 @@ fn expected() -> bool {
 struct Shim {
     mode: String,
     fired: unsafe extern "C" fn() -> std::os::raw::c_long,
+    calls: unsafe extern "C" fn(*const std::os::raw::c_char) -> std::os::raw::c_long,
+    restart: unsafe extern "C" fn() -> std::os::raw::c_int,
+    unsafe_frees: unsafe extern "C" fn() -> std::os::raw::c_long,
     _lib: libloading::os::unix::Library,
 }
 
@@ -58,6 +69,35 @@ impl Shim {
         let n: std::os::raw::c_long = unsafe { (self.fired)() };
         n as i64
     }
+
+    /// How many outermost calls the override `name` has had.
+    fn calls(&self, name: &str) -> i64 {
+        let name = std::ffi::CString::new(name).expect("a call's name");
+        // SAFETY: `cuda_peer_fake_calls` reads a NUL-terminated string (alive
+        // for the call) and an atomic counter; the library stays loaded.
+        let n: std::os::raw::c_long = unsafe { (self.calls)(name.as_ptr()) };
+        n as i64
+    }
+
+    /// fail-call: counts toward the fault start again now.
+    fn restart(&self) {
+        // SAFETY: `cuda_peer_fake_restart` takes nothing and resets two
+        // counters under the shim's lock; the library stays loaded.
+        let r = unsafe { (self.restart)() };
+        assert_eq!(r, 0, "cuda_peer_fake_restart refused: the shim runs {}, not a fail-call mode", self.mode);
+    }
+
+    /// fail-call: the frees seen so far of memory that a pending copy touched.
+    fn unsafe_frees(&self) -> i64 {
+        // SAFETY: as `fired`.
+        let n: std::os::raw::c_long = unsafe { (self.unsafe_frees)() };
+        n as i64
+    }
+}
+
+/// The call a `fail-call=NAME:N[@AFTER:M|@restart]` mode fails.
+fn fail_call(mode: &str) -> Option<&str> {
+    mode.strip_prefix("fail-call=")?.split(':').next()
 }
 
 /// The shim in front of the driver this process loaded, if it is one.
@@ -70,12 +110,15 @@ fn find_shim() -> Option<Shim> {
     let lib = unsafe { Library::open(Some("libcuda.so.1"), RTLD_LAZY | RTLD_NOLOAD) }.ok()?;
     // SAFETY: the shim exports these with exactly these signatures
     // (tests/fakecuda/fakecuda.c); the real driver exports neither.
-    let (mode, fired) = unsafe {
+    let (mode, fired, calls, restart, unsafe_frees) = unsafe {
         let mode = lib.get::<unsafe extern "C" fn() -> *const std::os::raw::c_char>(b"cuda_peer_fake_mode\0").ok()?;
         let fired = lib.get::<unsafe extern "C" fn() -> std::os::raw::c_long>(b"cuda_peer_fake_fired\0").ok()?;
-        (std::ffi::CStr::from_ptr(mode()).to_string_lossy().into_owned(), *fired)
+        let calls = lib.get::<unsafe extern "C" fn(*const std::os::raw::c_char) -> std::os::raw::c_long>(b"cuda_peer_fake_calls\0").ok()?;
+        let restart = lib.get::<unsafe extern "C" fn() -> std::os::raw::c_int>(b"cuda_peer_fake_restart\0").ok()?;
+        let unsafe_frees = lib.get::<unsafe extern "C" fn() -> std::os::raw::c_long>(b"cuda_peer_fake_unsafe_frees\0").ok()?;
+        (std::ffi::CStr::from_ptr(mode()).to_string_lossy().into_owned(), *fired, *calls, *restart, *unsafe_frees)
     };
-    Some(Shim { mode, fired, _lib: lib })
+    Some(Shim { mode, fired, calls, restart, unsafe_frees, _lib: lib })
 }
 
 /// The shim and every device's context when the shim runs in a mode that
@@ -440,6 +483,105 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
         say(&format!("  [{mode}] link 0 -> 1: {}", o.short()));
         assert!(matches!(o, Outcome::Correct(_)), "a link after the failed loads: {}", o.short());
         say(&format!("  [{mode}] faults injected: {}", shim.fired()));
+    });
+}
+
+/// A link verification whose second direction fails after its peer copy
+/// is enqueued, under `fail-call=cuMemcpyDtoHAsync_v2:2@restart` (its
+/// readback copy fails) or `fail-call=cuEventRecord:3@cuMemcpyDtoHAsync_v2:2`
+/// (the event recorded after the readback fails; the two records before it
+/// are cudarc's read guards of the two device buffers, dropped first), each
+/// counted from the test's restart of the shim's counts. The link
+/// is refused with a typed error that names the call, and nothing the
+/// pending copies touch is freed before they are done: the shim holds each
+/// copy back on its stream and counts the frees, at the call for the
+/// pinned readback buffer (cuMemFreeHost), where they run for the device
+/// buffers (cuMemFreeAsync), of memory that a copy not yet done touches.
+/// The error is transient: the next link verifies and copies exactly.
+#[test]
+fn failed_verification_frees_nothing_its_copies_touch() {
+    const T: &str = "failed_verification_frees_nothing_its_copies_touch";
+    let Some((shim, ctxs)) = under(T, |m| matches!(fail_call(m), Some("cuMemcpyDtoHAsync_v2" | "cuEventRecord"))) else { return };
+    bounded(T, move || {
+        let call = fail_call(&shim.mode).unwrap_or_default().to_string();
+        // cuda-peer names the readback "cuMemcpyDtoHAsync".
+        let op = call.trim_end_matches("_v2").to_string();
+        shim.restart();
+        let (frees, fired, readbacks) = (shim.unsafe_frees(), shim.fired(), shim.calls("cuMemcpyDtoHAsync_v2"));
+        let opened = Link::open(&ctxs[0], &ctxs[1], &link_opts(PathPolicy::P2pOnly));
+        match &opened {
+            Err(Error::P2pUnavailable { reason, .. }) if reason.contains(&format!("{op} failed: CUDA_ERROR_UNKNOWN")) => {
+                say(&format!("  [{}] link P2pOnly: {reason}", shim.mode));
+            }
+            Err(e) => panic!("{T}: expected P2pUnavailable naming {op}'s CUDA_ERROR_UNKNOWN, got {e:?}"),
+            Ok(l) => panic!("{T}: the link opened ({:?}) though {call} was to fail (faults fired: {})", l.status(), shim.fired() - fired),
+        }
+        assert_eq!(shim.fired() - fired, 1, "{T}: one fault");
+        assert_eq!(shim.calls("cuMemcpyDtoHAsync_v2") - readbacks, 2, "{T}: one readback per direction");
+        // The device buffers' frees run in their streams' order: done once both devices are idle.
+        for c in &ctxs[..2] {
+            c.synchronize().expect("the devices are idle");
+        }
+        let unsafe_frees = shim.unsafe_frees() - frees;
+        assert_eq!(unsafe_frees, 0, "{T}: {unsafe_frees} buffers freed while a verification copy touching them was pending");
+        let again = link_case(&ctxs, &link_opts(PathPolicy::P2pOnly));
+        say(&format!("  [{}] link P2pOnly after the fault: {}", shim.mode, again.short()));
+        assert!(matches!(&again, Outcome::Correct(_)), "{T}: a transient error left the pair unusable: {}", again.short());
+    });
+}
+
+/// A ring all-reduce on two ranks over P2P whose second all-gather pull
+/// fails, under `fail-call=cuMemcpyPeerAsync:2@restart` (armed once the
+/// group is created and verified): rank 0's pull (a peer copy
+/// reading rank 1's buffer, held back by the shim) is enqueued, rank 1's
+/// fails. The call returns that typed error, and by then every rank's
+/// stream is ordered after the pulls enqueued that read its buffer: the
+/// caller frees both buffers at once (cudarc's stream-ordered cuMemFreeAsync
+/// on each buffer's stream), and no free may run while a copy touching the
+/// buffer is pending (the shim checks each where it runs). The group still
+/// works after the error.
+#[test]
+fn failed_ring_pull_leaves_no_read_of_a_returned_buffer() {
+    const T: &str = "failed_ring_pull_leaves_no_read_of_a_returned_buffer";
+    let Some((shim, ctxs)) = under(T, |m| fail_call(m) == Some("cuMemcpyPeerAsync")) else { return };
+    bounded(T, move || {
+        let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
+        let group = Group::new(streams.clone(), &group_opts(PathPolicy::P2pOnly, Algorithm::Ring)).expect("a ring group over P2P");
+        for r in 0..2 {
+            assert_eq!(group.link_status(r).map(|s| s.path), Some(Path::P2p), "{T}: rank {r}'s pull is not P2P");
+        }
+        let count = (1 << 20) + 5;
+        let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
+        let want: Vec<u32> = (0..count).map(|i| inputs[0][i].wrapping_add(inputs[1][i])).collect();
+        let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| streams[r].clone_htod(&inputs[r]).unwrap()).collect();
+        for s in &streams {
+            s.synchronize().unwrap();
+        }
+        shim.restart();
+        let (frees, fired, copies) = (shim.unsafe_frees(), shim.fired(), shim.calls("cuMemcpyPeerAsync"));
+        let result = group.all_reduce_in_place(&mut bufs, ReduceOp::Sum);
+        // What a caller may do with its buffers once the call has returned.
+        drop(bufs);
+        match &result {
+            Err(Error::Driver { op: "cuMemcpyPeerAsync", name, .. }) if name == "CUDA_ERROR_UNKNOWN" => {}
+            other => panic!("{T}: expected cuMemcpyPeerAsync's CUDA_ERROR_UNKNOWN, got {other:?}"),
+        }
+        assert_eq!(shim.fired() - fired, 1, "{T}: one fault");
+        assert_eq!(shim.calls("cuMemcpyPeerAsync") - copies, 2, "{T}: rank 0's all-gather pull, then rank 1's (failed)");
+        for s in &streams {
+            s.synchronize().expect("the ranks' streams are idle");
+        }
+        let unsafe_frees = shim.unsafe_frees() - frees;
+        assert_eq!(unsafe_frees, 0, "{T}: {unsafe_frees} buffers freed while a ring pull reading them was pending");
+        // The next call runs in step again.
+        let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| streams[r].clone_htod(&inputs[r]).unwrap()).collect();
+        group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).expect("an all-reduce after the failed one");
+        group.synchronize().expect("synchronize");
+        for r in 0..2 {
+            let got = streams[r].clone_dtoh(&bufs[r]).unwrap();
+            assert!(common::diff(&got, &want).is_none(), "{T}: rank {r}'s result after the failed call is wrong");
+        }
+        say(&format!("  [{}] the failed pull's error, no free under a pending pull, then exact results", shim.mode));
     });
 }
 

@@ -47,8 +47,13 @@ run() {  # name, timeout seconds, command...
   echo "$name: rc=$rc in $((SECONDS - start)) s; ${line:-no test result line}" | tee -a "$summary"
   [ "$rc" -eq 0 ] || status=1
 }
-for mode in peer-unavailable corrupt-peer-copies fail-module-load=1 drop-sm-stores=1; do
-  CUDA_PEER_FAKE=$mode run "mode-${mode//=/-}" "${FAKECUDA_TIMEOUT:-300}" "$bin" --test-threads=1 --nocapture
+# The fail-call modes: the second direction's readback copy of a link
+# verification fails, or the event recorded after it; a ring all-gather pull
+# fails on the second rank (tests/fault_shim.rs says what each checks).
+for mode in peer-unavailable corrupt-peer-copies fail-module-load=1 drop-sm-stores=1 \
+  fail-call=cuMemcpyDtoHAsync_v2:2@restart fail-call=cuEventRecord:3@cuMemcpyDtoHAsync_v2:2 \
+  fail-call=cuMemcpyPeerAsync:2@restart; do
+  CUDA_PEER_FAKE=$mode run "mode-${mode//[=:@]/-}" "${FAKECUDA_TIMEOUT:-300}" "$bin" --test-threads=1 --nocapture
 done
 copy=$(ls .gpu/tests/*-copy-test 2>/dev/null | head -1)
 if [ -n "$copy" ]; then
