@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Experiment, not part of the crate or CI: does where the calling process runs
 # (which NUMA node's CPUs) explain the process-to-process spread of small
-# all-reduces (bench/NOTES.md items 18 and 26)? Runs the quick small-message
+# all-reduces (docs/experiments.md)? Runs the quick small-message
 # sweep of cuda-peer and NCCL in several processes, unpinned and pinned to
 # each node's CPUs in turn. Needs the bench staged in .gpu/ (../shared/gpu/bundle
 # stages .gpu/bin/cuda-peer-bench; before the bench crate: .gpu/examples/bench,

@@ -1,5 +1,5 @@
 # Experiment, not part of the crate or CI: run on a Hopper GPU with CuPy and cuda-python
-# (results: bench/experiments/pdl_gap/result-h200x2.txt, bench/NOTES.md item 27).
+# (results: bench/experiments/pdl_gap/result-h200x2.txt, docs/experiments.md).
 """Experiment: how much GPU time separates back-to-back dependent kernels on
 one stream, and how much of it programmatic dependent launch (PDL, sm_90)
 hides. A chain of kernels, each reading and writing the same buffer, is

@@ -1,5 +1,5 @@
 # Experiment, not part of the crate or CI: run on a machine with 2 GPUs, CuPy and P2P
-# (results: bench/experiments/peer_read/result-h200x2.txt, bench/NOTES.md item 22).
+# (results: bench/experiments/peer_read/result-h200x2.txt, docs/experiments.md).
 """Experiment: the reduce-scatter step of a 2-rank all-reduce by copy engine.
 Each GPU pulls the peer's half chunk by chunk into one of two scratch slots
 (cudaMemcpyPeerAsync on a copy stream) while a local kernel reduces the

@@ -1,5 +1,5 @@
 # Experiment, not part of the crate or CI: run on a machine with 2 GPUs, CuPy and P2P
-# (results: bench/experiments/peer_read/result-h200x2.txt, bench/NOTES.md item 22).
+# (results: bench/experiments/peer_read/result-h200x2.txt, docs/experiments.md).
 """Experiment: how fast can SMs read a peer GPU's memory over NVLink?
 Reduce-scatter step of a 2-rank all-reduce: dst = peer + own (f32), both GPUs
 at once, each reading half a buffer from the other. LSU 16-byte loads (like

@@ -1,5 +1,5 @@
 # Experiment, not part of the crate or CI: run on a machine with 2 GPUs, CuPy and P2P
-# (results: bench/experiments/peer_store/result-h200x2.txt, bench/NOTES.md item 25).
+# (results: bench/experiments/peer_store/result-h200x2.txt, docs/experiments.md).
 """Experiment: how fast can SMs write into a peer GPU's memory over NVLink?
 Both GPUs at once (as in a reduce-scatter by pushes), each storing 512 MiB
 of its own memory into the other's: 16-byte stores from registers, and TMA

@@ -1,5 +1,5 @@
 """What CU_POINTER_ATTRIBUTE_ACCESS_FLAGS says about a buffer of device 1 when
-asked from device 0's context, for each kind of allocation (issue 16, item 2):
+asked from device 0's context, for each kind of allocation (docs/experiments.md):
 cuMemAlloc, the default memory pool, a new pool, with and without peer access
 enabled (context peer access; pool access for the pools). ctypes on libcuda."""
 import ctypes as C

@@ -1,5 +1,5 @@
 # Experiment, not part of the crate or CI: run on a machine with 2 GPUs and CuPy
-# (results: bench/experiments/staged_chunks/result-h200x2.txt, bench/NOTES.md item 24).
+# (results: bench/experiments/staged_chunks/result-h200x2.txt, docs/experiments.md).
 """Experiment: where a staged copy GPU0 -> host -> GPU1 (copy engines, no peer
 access) spends its time at 16-64 MiB. Every timed sequence is enqueued behind
 a kernel that holds GPU0's stream for 200 ms, so Python's enqueue cost drops

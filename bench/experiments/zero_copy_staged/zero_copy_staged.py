@@ -1,5 +1,5 @@
 # Experiment, not part of the crate or CI: run on a machine with 2 GPUs and CuPy
-# (results: bench/experiments/zero_copy_staged/result-h200x2.txt, bench/NOTES.md item 23).
+# (results: bench/experiments/zero_copy_staged/result-h200x2.txt, docs/experiments.md).
 # Known flaw: a slot that does not split evenly over the blocks (132 blocks, 4 MiB) leaves
 # each slot's last elements uncopied, hence the nonzero wrong counts of that one layout.
 """Experiment: a one-way copy GPU0 -> GPU1 without peer access, driven by
