@@ -52,7 +52,8 @@ pub struct GroupOptions {
     /// launches every rank from the calling thread. In an in-place one-shot
     /// all-reduce each launcher also takes its own rank's buffer (cudarc's
     /// event tracking). Launching in parallel shortens small calls back to
-    /// back, whose cost is the host's launches (`bench/NOTES.md`). A call that
+    /// back, whose cost is the host's launches (measured; see
+    /// docs/measurements.md). A call that
     /// finds a launcher parked launches that rank itself (and wakes it), so
     /// only calls less than `spin` apart run in parallel, and an idle group
     /// uses no CPU; a busy one keeps up to one core per rank after the first

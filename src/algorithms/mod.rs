@@ -89,19 +89,20 @@ impl PartialEq<Algorithm> for Selected {
 /// Under [`Algorithm::Auto`], a group whose every pair has P2P uses the
 /// one-shot while each rank stores at most this many bytes into its peers
 /// (message bytes times ranks - 1), the mesh above: beyond it the one-shot's
-/// single barrier no longer pays for its extra stores (`bench/NOTES.md`).
+/// single barrier no longer pays for its extra stores (measured; see
+/// docs/measurements.md).
 pub(crate) const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
 
 /// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
 /// distinct devices, 2 to 8) uses the one-shot through host memory while
 /// each rank reads at most this many bytes from it (message bytes times
-/// ranks - 1), the staged ring above (measurements in `bench/NOTES.md`).
+/// ranks - 1), the staged ring above (measured; see docs/measurements.md).
 pub(crate) const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
 
 /// Under [`Algorithm::Auto`], messages of at least this many bytes per rank
 /// use the ring even where the mesh is possible: the ring's copy-engine
-/// all-gather overtakes the mesh kernel there (measurements in
-/// `bench/NOTES.md`).
+/// all-gather overtakes the mesh kernel there (measured; see
+/// docs/measurements.md).
 pub(crate) const MESH_AUTO_MAX_BYTES: usize = 256 << 20;
 
 /// One all-reduce algorithm, opened on a communicator.

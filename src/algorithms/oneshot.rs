@@ -37,26 +37,25 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use std::sync::Mutex;
 
 /// Bytes of slots per rank in device memory (P2P) of the large-message
-/// lane: four sets of one slot per rank (4 MiB slots for 2 ranks; with
-/// 2 MiB slots an all-reduce between processes took 1.12-1.17x the time
-/// from 64 MiB up, with 8 MiB slots 1.07-1.14x: `bench/NOTES.md`).
+/// lane: four sets of one slot per rank (4 MiB slots for 2 ranks, faster
+/// between processes than 2 MiB or 8 MiB slots; measured, see
+/// docs/experiments.md).
 pub const ONESHOT_SCRATCH_BYTES: usize = 32 << 20;
 
 /// Slot bytes of the large-message lane through host memory (no P2P): a
 /// message runs in rounds of this many bytes, so that while some blocks
 /// still write a round into host memory, others already read the one
 /// before, and both PCIe directions carry data at once (the size measured
-/// best: `bench/NOTES.md`).
+/// best; see docs/experiments.md).
 pub const HOST_ROUND_BYTES: usize = 1 << 20;
 
 /// The lanes of a one-shot with slots in device memory (P2P), as (largest
 /// message in bytes per rank, blocks, pipeline): each lane has its own
 /// slots, flags and counters and one grid, so a small message does not pay
 /// for dozens of blocks raising and polling flags, and the large lane has a
-/// block on nearly every multiprocessor (128 blocks took 0.82-0.93x the
-/// time of 64 in bf16 from 2 MiB up between processes, 0.86-0.98x in f32,
-/// but 1.02x at 128 KiB-1 MiB: `bench/NOTES.md`). The large lane pushes
-/// each round ahead.
+/// block on nearly every multiprocessor (128 blocks were faster than 64
+/// from 2 MiB up, slower below; measured, see docs/experiments.md). The
+/// large lane pushes each round ahead.
 const DEVICE_LANES: [(usize, u32, OneShotPipeline); 3] = [
     (64 << 10, 4, OneShotPipeline::Plain),
     (1 << 20, 64, OneShotPipeline::Plain),
@@ -67,8 +66,8 @@ const DEVICE_LANES: [(usize, u32, OneShotPipeline); 3] = [
 /// [`DEVICE_LANES`]: polling host memory over PCIe costs more per block, so
 /// small messages take fewer blocks still. Pushing ahead is slower through
 /// host memory, but from 16 MiB up, reducing each round in one pass with
-/// the push of the round after next ([`OneShotPipeline::Deep`]) took
-/// 0.95-0.99x the time (and 1.04-1.09x at 2-4 MiB: `bench/NOTES.md`).
+/// the push of the round after next ([`OneShotPipeline::Deep`]) is faster
+/// (and slower at 2-4 MiB; measured, see docs/experiments.md).
 const HOST_LANES: [(usize, u32, OneShotPipeline); 4] = [
     (16 << 10, 2, OneShotPipeline::Plain),
     (256 << 10, 4, OneShotPipeline::Plain),
@@ -450,7 +449,7 @@ mod tests {
         let (lanes, _) = layout(2, true, 132);
         assert_eq!(lanes.last().map(|l| l.cap), Some(ONESHOT_SCRATCH_BYTES / (2 * kernels::ONESHOT_SETS)));
         // Between 2 ranks, the largest message Auto gives the one-shot is one
-        // round (two rounds of half the size took 1.10x the time: bench/NOTES.md).
+        // round (two rounds of half the size were slower: docs/experiments.md).
         assert!(lanes.last().is_some_and(|l| l.cap >= crate::algorithms::ONESHOT_AUTO_MAX_BYTES));
         let maxes = || lanes.iter().map(|l| l.max_bytes);
         assert_eq!(lane_index(maxes(), 4096, lanes.len()), 0);

@@ -250,7 +250,7 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         route::FirstStep::Unsupported => return Err(Error::PeerUnsupported { from, to }),
         route::FirstStep::TryP2p => {}
     }
-    // Issue 18 hook (crate::verdict): under Auto, the doctor's cached verdict
+    // The doctor's verdicts (crate::verdict): under Auto, the cached verdict
     // for this pair may stage it without trying P2P; a `p2p` verdict only
     // adds its note to the reason below.
     let doctor = if opts.policy == PathPolicy::Auto { crate::verdict::consult(from, to, opts.use_doctor_verdicts) } else { None };
@@ -258,7 +258,7 @@ pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOpti
         return staged(advice.reason.clone(), None);
     }
     let note = |reason: &str| crate::verdict::annotate(reason, doctor.as_ref());
-    // End of the issue 18 hook.
+    // End of the doctor's verdicts.
     let access = match enable_both(a, b) {
         Ok(g) => g,
         Err(e) if route::falls_back(opts.policy) => {

@@ -4,14 +4,13 @@
 //! A staged copy is a two-stage pipeline (device to host on the source's
 //! PCIe link, host to device on the destination's), so the first chunk's
 //! first stage and the last chunk's second stage run alone. Every chunk also
-//! costs a fixed amount: about 2.6 us of copy-engine time each way and a
-//! cross-device event wait (2x H200, `bench/NOTES.md` item 24). A copy is
-//! therefore cut into nearly equal chunks of at most the chunk size, and
-//! into at least [`MIN_CHUNKS`] where each can be [`MIN_SPLIT`] bytes or
-//! more, so that a copy of a few chunks still overlaps its two stages. (An
-//! earlier plan ramped from 1/16 of the chunk size up and back down; its
-//! small chunks cost more than the ends they shortened, and measured 1.09x
-//! the driver's copy at 16 MiB against 1.14-1.43x for equal chunks.)
+//! costs a fixed amount: copy-engine time each way and a cross-device event
+//! wait. A copy is therefore cut into nearly equal chunks of at most the
+//! chunk size, and into at least [`MIN_CHUNKS`] where each can be
+//! [`MIN_SPLIT`] bytes or more, so that a copy of a few chunks still overlaps
+//! its two stages. (Chunks ramping up and back down cost more in their small
+//! chunks than the ends they shortened.) Measured; see docs/measurements.md
+//! and docs/experiments.md.
 
 /// One chunk of a staged copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,10 +32,10 @@ const ALIGN: usize = 256;
 /// [`MIN_SPLIT`] bytes.
 pub const MIN_CHUNKS: usize = 4;
 
-/// No copy is cut into chunks smaller than this on purpose: the host needs
-/// about 8-10 us to enqueue a chunk (two copies, two events, two waits), and
-/// 256 KiB chunks left a 1 MiB copy bound by the host (2x H200: both ways
-/// from one thread took 70 us, the driver's own copies 58).
+/// No copy is cut into chunks smaller than this on purpose: the host's
+/// enqueue of a chunk (two copies, two events, two waits) costs more than
+/// smaller chunks save, and left smaller copies bound by the host (measured;
+/// see docs/measurements.md).
 pub const MIN_SPLIT: usize = 512 << 10;
 
 /// Chunk lengths for `bytes`: nearly equal chunks of whole [`ALIGN`] units

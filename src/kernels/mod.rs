@@ -18,18 +18,18 @@
 //! and that every module assembles for sm_70, sm_80, sm_86, sm_89, sm_90,
 //! sm_100 and sm_120 without spills.
 //!
-//! What the modules hold (sizes at the time of writing: PTX / sm_90 cubin):
+//! What the modules hold (their sizes: docs/architecture.md):
 //!
 //! * `reduce`: `cp_reduce2_{op}_{ty}` for 4 ops x 10 types and
-//!   `cp_scale_div_{ty}` for 4 float types (176 KB / 196 KB).
+//!   `cp_scale_div_{ty}` for 4 float types.
 //! * `mesh_{ty}`: `cp_meshar_{op}_{ty}` and `cp_oneshot_{op}_{ty}` for the 4
-//!   ops (270 KB-1 MB / 210-450 KB). Most of it is the mesh kernel, whose
+//!   ops. Most of it is the mesh kernel, whose
 //!   rank loop is unrolled for 8 ranks times 4 vectors in flight per thread
 //!   times 16/sizeof(T) elements per vector (so 8-bit and 16-bit types are
 //!   the largest, bf16 most, with its conversions), and the one-shot, which
 //!   keeps 4 vectors in flight with a vector and an element-wise path for
 //!   each load and store. Both unrolls are what the kernels' speed rests
-//!   on, so they are kept as measured.
+//!   on, so they are kept (measured; see docs/measurements.md).
 //!
 //! Launch convention (reduce2 and scale_div): 1-D grid and block, block size
 //! 256 intended (any block size is correct), any grid size (grid-stride
