@@ -4,6 +4,11 @@
 //! into this process, exported as a file descriptor, and imported by a
 //! peer process that maps it and grants its own device access.
 //!
+//! Sizes are checked arithmetic: a request that cannot be rounded up to the
+//! granularity, and a size a peer claims for its region that is zero or not
+//! a multiple of the granularity, are [`Error::InvalidArgument`] (before
+//! anything is allocated or imported).
+//!
 //! Multicast objects are never used here (they can take shared GPUs out of
 //! service): only plain allocations, mapped one device at a time.
 
@@ -75,18 +80,37 @@ pub fn granularity(ctx: &CudaContext) -> Result<usize> {
     Ok(g)
 }
 
+/// The size of a region of at least `bytes` on a device of granularity
+/// `granularity`: rounded up to a multiple of it (at least one granule).
+pub(crate) fn allocation_size(bytes: usize, granularity: usize) -> Result<usize> {
+    bytes
+        .max(1)
+        .checked_next_multiple_of(granularity)
+        .ok_or_else(|| Error::InvalidArgument(format!("a region of {bytes} bytes (granularity {granularity})")))
+}
+
+/// Checks the size another process claims for the region it exports:
+/// nonzero and a multiple of `granularity`.
+pub(crate) fn check_imported_size(size: usize, granularity: usize) -> Result<()> {
+    if size == 0 || granularity == 0 || !size.is_multiple_of(granularity) {
+        return Err(Error::InvalidArgument(format!("imported region of {size} bytes, not a multiple of the granularity {granularity}")));
+    }
+    Ok(())
+}
+
 impl DeviceRegion {
     /// Allocates at least `bytes` (rounded up to [`granularity`]) on
     /// `ctx`'s device, shareable through a file descriptor, and maps it
     /// read-write for that device. The contents are undefined
-    /// ([`Self::zero`]).
+    /// ([`Self::zero`]). [`Error::InvalidArgument`] where `bytes` cannot
+    /// be rounded up.
     pub fn allocate(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DeviceRegion> {
         bind(ctx)?;
         if !supported(ctx)? {
             return Err(Error::Unsupported(format!("device {} has no virtual memory management with POSIX file descriptor handles", ctx.ordinal())));
         }
         let g = granularity(ctx)?;
-        let size = bytes.max(1).div_ceil(g) * g;
+        let size = allocation_size(bytes, g)?;
         let prop = properties(ctx.ordinal());
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: reads `prop` and writes one handle; flags must be 0.
@@ -99,13 +123,13 @@ impl DeviceRegion {
     /// there), maps it into this process and grants `ctx`'s device
     /// read-write access to it. The descriptor may be closed afterwards.
     /// `ctx`'s device must be able to access the exporting device's
-    /// memory (P2P), or the driver refuses.
+    /// memory (P2P), or the driver refuses. A `size` that is zero or not a
+    /// multiple of the granularity is [`Error::InvalidArgument`], before
+    /// anything is imported.
     pub fn import(ctx: &Arc<CudaContext>, fd: BorrowedFd<'_>, size: usize) -> Result<DeviceRegion> {
         bind(ctx)?;
         let g = granularity(ctx)?;
-        if size == 0 || !size.is_multiple_of(g) {
-            return Err(Error::InvalidArgument(format!("imported region of {size} bytes, not a multiple of the granularity {g}")));
-        }
+        check_imported_size(size, g)?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: for POSIX file descriptor handles the OS handle argument
         // is the descriptor's value cast to a pointer (CUDA driver API docs);
@@ -212,5 +236,33 @@ impl Drop for DeviceRegion {
             }
             let _ = check("cuMemRelease", api.cuMemRelease(self.handle));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_sizes_round_up_and_huge_ones_are_invalid_arguments() {
+        let g = 2 << 20;
+        assert_eq!(allocation_size(0, g).unwrap(), g);
+        assert_eq!(allocation_size(1, g).unwrap(), g);
+        assert_eq!(allocation_size(g, g).unwrap(), g);
+        assert_eq!(allocation_size(g + 1, g).unwrap(), 2 * g);
+        assert!(matches!(allocation_size(usize::MAX, g), Err(Error::InvalidArgument(_))));
+        assert!(matches!(allocation_size(usize::MAX - g + 2, g), Err(Error::InvalidArgument(_))));
+        assert!(matches!(allocation_size(5, 0), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn a_claimed_import_size_must_be_whole_granules() {
+        let g = 2 << 20;
+        assert!(check_imported_size(g, g).is_ok());
+        assert!(check_imported_size(3 * g, g).is_ok());
+        for bad in [0, 1, g - 1, g + 1, usize::MAX] {
+            assert!(matches!(check_imported_size(bad, g), Err(Error::InvalidArgument(_))), "{bad}");
+        }
+        assert!(matches!(check_imported_size(g, 0), Err(Error::InvalidArgument(_))));
     }
 }
