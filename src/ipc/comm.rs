@@ -27,17 +27,26 @@
 //! every rank's outcome, so that a failure on one rank fails every rank at
 //! once (with the failing rank's error) instead of leaving them waiting:
 //!
-//! 1. each rank opens its device (rank 0 also makes the call board); ranks
-//!    share their host and device (PCI bus id). Ranks on several hosts, or two ranks on one device without
-//!    [`CommOptions::share_devices`], are [`Error::Unsupported`];
-//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`)
-//!    and binds its Unix socket; where one rank has no P2P to a peer (or
-//!    asks for it, [`CommOptions::path`]), every rank takes the staged path;
+//! 1. each rank opens its device (rank 0 also makes the call board) and
+//!    binds its descriptor socket at a random name; ranks share their host,
+//!    device (PCI bus id), and the socket's name with their pid and uid
+//!    ([`super::fdpass::PeerAddr`]). Ranks on several hosts, or two ranks
+//!    on one device without [`CommOptions::share_devices`], are
+//!    [`Error::Unsupported`]; ranks of different uids, or a malformed
+//!    info, are [`Error::Bootstrap`]. A [`CommOptions::buffer_bytes`]
+//!    whose sizes overflow is [`Error::InvalidArgument`] (on every rank);
+//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`);
+//!    where one rank has no P2P to a peer (or asks for it,
+//!    [`CommOptions::path`]), every rank takes the staged path;
 //! 3. P2P: each rank allocates and zeroes its region in its device memory,
 //!    sends its descriptor to every peer and imports theirs
-//!    ([`super::fdpass`]). Staged: rank 0 makes one shared host buffer for
-//!    every rank's region and sends it; each rank registers it for its
-//!    device. Rank 0 also sends the call board;
+//!    ([`super::fdpass`]: a descriptor is taken only from a connection
+//!    whose credentials are the sending rank's published pid and this uid).
+//!    Staged: rank 0 makes one shared host buffer for every rank's region
+//!    and sends it; each rank registers it for its device. Rank 0 also
+//!    sends the call board. Shared host memory is sealed against resizing
+//!    and imported only with those seals and exactly the length this rank
+//!    computes for it;
 //! 4. unless [`CommOptions::verify`] is off, a small all-reduce of random
 //!    data on each lane (the SM stores into the peers' memory and loads of
 //!    their flags) and an all-gather (copies from the peers' staging
@@ -57,8 +66,8 @@
 //! one. A mismatch leaves it usable.
 
 use super::bootstrap::{Bootstrap, Exchange};
-use super::fdpass::{send_fd, FdListener};
-use super::shm::{board_bytes, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
+use super::fdpass::{send_fd, FdListener, PeerAddr};
+use super::shm::{board_bytes, region_len, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
 use crate::algorithms::oneshot::{lane_index, layout, LaneLayout};
 use crate::copy::{Path, PathPolicy};
@@ -111,7 +120,9 @@ pub struct CommOptions {
     pub check_calls: bool,
     /// Bytes of each rank's staging buffer (in its device memory, mapped by
     /// every peer) for the collectives other than all-reduce: they run in
-    /// chunks of half of it (rounded down to 256 bytes).
+    /// chunks of half of it (rounded down to 256 bytes). At least 1 KiB
+    /// (rounded up to 512 bytes); a size whose regions overflow or reach
+    /// 2^62 bytes is [`Error::InvalidArgument`] from [`Comm::new`].
     pub buffer_bytes: usize,
     /// Let ranks share a device (more processes than GPUs, as in testing);
     /// [`Comm::from_env`] then takes device `LOCAL_RANK` modulo the
@@ -176,7 +187,7 @@ impl CommOptions {
         self
     }
 
-    /// Sets [`Self::buffer_bytes`].
+    /// Sets [`Self::buffer_bytes`] (checked by [`Comm::new`]).
     pub fn buffer_bytes(mut self, buffer_bytes: usize) -> Self {
         self.buffer_bytes = buffer_bytes;
         self
@@ -266,21 +277,90 @@ impl std::fmt::Debug for Comm {
 struct RankInfo {
     host: String,
     bus: String,
+    /// Its staging buffer's bytes.
     region: usize,
     /// The device's multiprocessors (every rank's lanes take the fewest).
     sms: u32,
+    /// Where it receives descriptors, and its pid and uid.
+    fd: PeerAddr,
+}
+
+/// The longest info a rank may publish.
+const MAX_INFO_BYTES: usize = 4096;
+
+/// A decimal number of at most 20 digits, nothing else (no sign, no space).
+fn number<T: std::str::FromStr>(s: &str) -> Option<T> {
+    if s.is_empty() || s.len() > 20 || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
 }
 
 impl RankInfo {
+    /// One field a line, the host last (its identity may hold anything).
     fn encode(&self) -> String {
-        format!("{}\n{}\n{}\n{}", self.host, self.bus, self.region, self.sms)
+        format!("{}\n{}\n{}\n{}\n{}\n{}\n{}", self.bus, self.region, self.sms, self.fd.name, self.fd.pid, self.fd.uid, self.host)
     }
 
-    fn decode(s: &str) -> Option<RankInfo> {
-        let mut it = s.split('\n');
-        let (host, bus, region, sms) = (it.next()?, it.next()?, it.next()?.parse().ok()?, it.next()?.parse().ok()?);
-        Some(RankInfo { host: host.into(), bus: bus.into(), region, sms })
+    /// Rank `rank`'s info, every field present and well formed (else
+    /// [`Error::Bootstrap`] naming the field).
+    fn decode(rank: usize, s: &str) -> Result<RankInfo> {
+        let bad = |what: &str| Error::Bootstrap { op: "communicator: rank info", reason: format!("rank {rank} sent a malformed info ({what})") };
+        if s.len() > MAX_INFO_BYTES {
+            return Err(bad("too long"));
+        }
+        let mut it = s.splitn(7, '\n');
+        let mut field = |what: &'static str| it.next().ok_or_else(|| bad(what));
+        let (bus, region, sms, name, pid, uid, host) =
+            (field("bus")?, field("staging bytes")?, field("multiprocessors")?, field("socket")?, field("pid")?, field("uid")?, field("host")?);
+        if bus.is_empty() || bus.len() > 64 || !bus.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad("bus"));
+        }
+        let region = number::<usize>(region).filter(|&r| r >= 1024).ok_or_else(|| bad("staging bytes"))?;
+        let sms = number::<u32>(sms).filter(|&n| n > 0).ok_or_else(|| bad("multiprocessors"))?;
+        if !PeerAddr::valid_name(name) {
+            return Err(bad("socket"));
+        }
+        let pid = number::<u32>(pid).filter(|&p| p > 0 && p <= i32::MAX as u32).ok_or_else(|| bad("pid"))?;
+        let uid = number::<u32>(uid).ok_or_else(|| bad("uid"))?;
+        if host.is_empty() {
+            return Err(bad("host"));
+        }
+        Ok(RankInfo { host: host.into(), bus: bus.into(), region, sms, fd: PeerAddr { name: name.into(), pid, uid } })
     }
+}
+
+/// Each rank's staging buffer for [`CommOptions::buffer_bytes`]: at least
+/// 1 KiB, whole 512 bytes; [`Error::InvalidArgument`] where it would not
+/// fit (a region's length travels in a tag below [`HOST_TAG`]).
+fn staging_bytes(buffer_bytes: usize) -> Result<usize> {
+    buffer_bytes
+        .max(1024)
+        .checked_next_multiple_of(512)
+        .filter(|&b| (b as u64) < HOST_TAG)
+        .ok_or_else(|| Error::InvalidArgument(format!("CommOptions::buffer_bytes of {buffer_bytes} bytes is too large")))
+}
+
+/// The sizes of step 3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Sizes {
+    /// Each rank's region: its one-shot lanes, then its staging buffer.
+    region: usize,
+    /// On the staged path, each rank's share of the host buffer (whole pages).
+    per_rank: usize,
+    /// The staged path's host buffer, for `size` ranks.
+    host: usize,
+}
+
+/// The sizes of step 3 for `lane_bytes` of one-shot lanes, `staging` bytes
+/// of staging buffer and `size` ranks, in checked arithmetic:
+/// [`Error::InvalidArgument`] where one would not fit (below [`HOST_TAG`]).
+fn sizes(lane_bytes: usize, staging: usize, size: usize) -> Result<Sizes> {
+    let too_large = || Error::InvalidArgument(format!("regions of {lane_bytes} + {staging} bytes for {size} ranks are too large"));
+    let region = lane_bytes.checked_add(staging).ok_or_else(too_large)?;
+    let per_rank = region.checked_next_multiple_of(4096).ok_or_else(too_large)?;
+    let host = per_rank.checked_mul(size).filter(|&h| (h as u64) < HOST_TAG).ok_or_else(too_large)?;
+    Ok(Sizes { region, per_rank, host })
 }
 
 /// All-gathers each rank's outcome of a step: `Ok(values)` where every rank
@@ -356,34 +436,39 @@ impl Comm {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
         }
-        let staging = opts.buffer_bytes.max(1024).div_ceil(512) * 512;
 
-        // Step 1: device, identity, and (rank 0) the call board.
+        // Step 1: device, identity, descriptor socket, and (rank 0) the call
+        // board.
         let opened = (|| {
             if size > MAX_RANKS {
                 return Err(Error::Unsupported(format!("{size} ranks in one communicator (at most {MAX_RANKS})")));
             }
+            let staging = staging_bytes(opts.buffer_bytes)?;
             let ctx = crate::driver::context(device)?;
             let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
             let bus = crate::topology::device_info(device)?.pci_bus_id;
             let sms = crate::driver::multiprocessors(&ctx)?;
-            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms };
+            let listener = FdListener::bind(rank)?;
+            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms, fd: listener.addr() };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
-            Ok((ctx, stream, info, board))
+            Ok((ctx, stream, info, board, listener))
         })();
         let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.2.encode()).map_err(Clone::clone))?;
-        let (ctx, stream, _, board) = opened?;
-        let infos: Vec<RankInfo> = infos
-            .iter()
-            .enumerate()
-            .map(|(r, s)| RankInfo::decode(s).ok_or_else(|| Error::Bootstrap { op: "communicator", reason: format!("rank {r}: malformed info") }))
-            .collect::<Result<_>>()?;
+        let (ctx, stream, own_info, board, listener) = opened?;
+        let staging = own_info.region;
+        let infos: Vec<RankInfo> = infos.iter().enumerate().map(|(r, s)| RankInfo::decode(r, s)).collect::<Result<_>>()?;
         check_layout(&infos, opts.share_devices)?;
+        // Descriptors pass between the processes of one user only.
+        if let Some((r, i)) = infos.iter().enumerate().find(|(_, i)| i.fd.uid != own_info.fd.uid) {
+            return Err(Error::Bootstrap {
+                op: "communicator: opening the devices",
+                reason: format!("rank {r} runs as uid {}, rank {rank} as uid {}: every rank must run as one user", i.fd.uid, own_info.fd.uid),
+            });
+        }
+        let addrs: Vec<PeerAddr> = infos.iter().map(|i| i.fd.clone()).collect();
 
-        // Step 2: P2P to every peer's device (or the staged path), and this
-        // rank's socket.
-        let job = ex.job_id().to_string();
+        // Step 2: P2P to every peer's device (or the staged path).
         let listened = (|| {
             let mut verdict = "p2p";
             for (k, info) in infos.iter().enumerate().filter(|&(k, _)| k != rank) {
@@ -404,10 +489,10 @@ impl Comm {
                     verdict = "staged";
                 }
             }
-            Ok((verdict, FdListener::bind(&job, rank)?))
+            Ok(verdict)
         })();
-        let verdicts = agree(ex, "communicator: checking P2P", listened.as_ref().map(|l| l.0.to_string()).map_err(Clone::clone))?;
-        let listener = listened?.1;
+        let verdicts = agree(ex, "communicator: checking P2P", listened.as_ref().map(|v| v.to_string()).map_err(Clone::clone))?;
+        listened?;
         // One rank without P2P to a peer (or asking for it) stages every rank.
         let staged = verdicts.iter().any(|v| v == "staged");
         let sms = infos.iter().map(|i| i.sms).min().unwrap_or(1);
@@ -415,26 +500,28 @@ impl Comm {
 
         // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
+            let Sizes { region, per_rank, host: host_bytes } = sizes(bytes, staging, size)?;
+            let board_len = region_len(board_bytes(size)).ok_or_else(|| Error::Internal(format!("a call board for {size} ranks")))?;
             let own = if staged {
                 None
             } else {
-                let own = DeviceRegion::allocate(&ctx, bytes + staging)?;
+                let own = DeviceRegion::allocate(&ctx, region)?;
                 own.zero(&stream)?;
                 Some((own.export_fd()?, own))
             };
             // Staged: every rank's region in one shared host buffer of rank 0's.
-            let per_rank = (bytes + staging).div_ceil(4096) * 4096;
-            let host = if staged && rank == 0 { Some(SharedMemory::create(size * per_rank)?) } else { None };
-            for k in (0..size).filter(|&k| k != rank) {
+            let host = if staged && rank == 0 { Some(SharedMemory::create(host_bytes)?) } else { None };
+            for (k, peer) in addrs.iter().enumerate().filter(|&(k, _)| k != rank) {
                 if let Some((fd, own)) = &own {
-                    send_fd(&job, rank, k, fd.as_fd(), own.len() as u64, opts.timeout)?;
+                    send_fd(peer, rank, fd.as_fd(), own.len() as u64, opts.timeout)?;
                 }
                 if let Some(b) = &board {
-                    send_fd(&job, rank, k, b.fd(), BOARD_TAG | b.len() as u64, opts.timeout)?;
+                    send_fd(peer, rank, b.fd(), BOARD_TAG | b.len() as u64, opts.timeout)?;
                 }
                 if let Some(h) = &host {
-                    send_fd(&job, rank, k, h.fd(), HOST_TAG | h.len() as u64, opts.timeout)?;
+                    send_fd(peer, rank, h.fd(), HOST_TAG | h.len() as u64, opts.timeout)?;
                 }
+                log::debug!("cuda-peer: rank {rank} sent its descriptors to rank {k}");
             }
             let expected = if staged { 0 } else { size - 1 }
                 + if rank == 0 {
@@ -444,30 +531,32 @@ impl Comm {
                 } else {
                     1
                 };
-            let mut got = listener.receive(expected, opts.timeout)?;
-            let mut from_rank0 = |tag: u64, what: &str| -> Result<SharedMemory> {
+            let mut got = listener.receive(&addrs, expected, opts.timeout)?;
+            // Rank 0's shared memory, of exactly the length computed here.
+            let mut from_rank0 = |tag: u64, len: usize, what: &str| -> Result<SharedMemory> {
                 let i = got
                     .iter()
                     .position(|g| g.from == 0 && g.tag & (BOARD_TAG | HOST_TAG) == tag)
                     .ok_or_else(|| Error::Bootstrap { op: "communicator: descriptors", reason: format!("rank 0 sent no {what}") })?;
                 let g = got.remove(i);
-                SharedMemory::import(g.fd.as_fd(), (g.tag & !(BOARD_TAG | HOST_TAG)) as usize)
+                let claimed = g.tag & !(BOARD_TAG | HOST_TAG);
+                if claimed != len as u64 {
+                    return Err(Error::Bootstrap {
+                        op: "communicator: descriptors",
+                        reason: format!("rank 0's {what} has {claimed} bytes, {len} expected"),
+                    });
+                }
+                SharedMemory::import(g.fd.as_fd(), len)
             };
             let board = match board {
                 Some(b) => b,
-                None => from_rank0(BOARD_TAG, "call board")?,
+                None => from_rank0(BOARD_TAG, board_len, "call board")?,
             };
             let memory = if staged {
                 let host = match host {
                     Some(h) => h,
-                    None => from_rank0(HOST_TAG, "shared host buffer")?,
+                    None => from_rank0(HOST_TAG, host_bytes, "shared host buffer")?,
                 };
-                if host.len() < size * per_rank {
-                    return Err(Error::Bootstrap {
-                        op: "communicator: descriptors",
-                        reason: format!("rank 0's host buffer has {} bytes, {} expected", host.len(), size * per_rank),
-                    });
-                }
                 Memory::Host { reg: RegisteredMemory::register(&ctx, host)?, per_rank }
             } else {
                 got.sort_by_key(|g| g.from);
@@ -480,7 +569,11 @@ impl Comm {
                             reason: format!("unexpected descriptor from rank {} (tag {})", g.from, g.tag),
                         });
                     }
-                    peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), g.tag as usize)?);
+                    let claimed = usize::try_from(g.tag).map_err(|_| Error::Bootstrap {
+                        op: "communicator: descriptors",
+                        reason: format!("rank {} claims a region of {} bytes", g.from, g.tag),
+                    })?;
+                    peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), claimed)?);
                 }
                 let own = own.map(|o| o.1).ok_or_else(|| Error::Internal("no own region".into()))?;
                 Memory::Device { peers, own }
@@ -826,14 +919,107 @@ mod tests {
     use super::*;
 
     fn info(host: &str, bus: &str) -> RankInfo {
-        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20, sms: 132 }
+        let fd = PeerAddr { name: format!("cuda-peer/{}", "0123456789abcdef".repeat(2)), pid: 4242, uid: 1000 };
+        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20, sms: 132, fd }
+    }
+
+    fn malformed(r: Result<RankInfo>) -> bool {
+        matches!(r, Err(Error::Bootstrap { .. }))
     }
 
     #[test]
-    fn rank_info_round_trips() {
+    fn rank_info_round_trips_and_a_host_may_hold_newlines() {
         let i = info("node/1234", "0000:19:00.0");
-        assert_eq!(RankInfo::decode(&i.encode()), Some(i));
-        assert_eq!(RankInfo::decode("x\ny"), None);
+        assert_eq!(RankInfo::decode(0, &i.encode()), Ok(i));
+        let odd = info("a\nhost\nid", "0000:19:00.0");
+        assert_eq!(RankInfo::decode(0, &odd.encode()), Ok(odd));
+    }
+
+    #[test]
+    fn malformed_rank_infos_are_typed_errors() {
+        let good = info("node", "0000:19:00.0").encode();
+        let lines: Vec<&str> = good.split('\n').collect();
+        let with = |i: usize, v: &str| {
+            let mut l = lines.clone();
+            l[i] = v;
+            l.join("\n")
+        };
+        assert!(malformed(RankInfo::decode(0, "x\ny")));
+        assert!(malformed(RankInfo::decode(0, "")));
+        for (field, bad) in [
+            (0, ""),
+            (0, "bus with spaces"),
+            (1, "+2097152"),
+            (1, "100"),
+            (1, "99999999999999999999999"),
+            (2, "0"),
+            (2, "-1"),
+            (3, "cuda-peer/job/0"),
+            (3, "/tmp/socket"),
+            (4, "0"),
+            (4, "4294967295"),
+            (5, "x"),
+            (6, ""),
+        ] {
+            assert!(malformed(RankInfo::decode(3, &with(field, bad))), "field {field} = {bad:?}");
+        }
+        assert!(malformed(RankInfo::decode(0, &"9".repeat(MAX_INFO_BYTES + 1))));
+        match RankInfo::decode(5, &with(4, "0")) {
+            Err(Error::Bootstrap { reason, .. }) => assert!(reason.contains("rank 5") && reason.contains("pid"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Any text decodes to an info or a typed error, never a panic; an
+        /// info re-encodes to the same text.
+        #[test]
+        fn rank_info_decoding_never_panics(text in "[0-9a-z:./\n -]{0,120}") {
+            if let Ok(i) = RankInfo::decode(0, &text) {
+                proptest::prop_assert_eq!(i.encode(), text);
+            }
+        }
+
+        /// Infos of any field values: accepted exactly when every field is
+        /// in range, and then unchanged.
+        #[test]
+        fn rank_infos_of_any_values_decode_only_when_valid(region in proptest::prelude::any::<usize>(), sms in proptest::prelude::any::<u32>(),
+                                                           pid in proptest::prelude::any::<u32>(), uid in proptest::prelude::any::<u32>()) {
+            let mut i = info("node", "0000:19:00.0");
+            (i.region, i.sms, i.fd.pid, i.fd.uid) = (region, sms, pid, uid);
+            let valid = region >= 1024 && sms > 0 && pid > 0 && pid <= i32::MAX as u32;
+            match RankInfo::decode(0, &i.encode()) {
+                Ok(d) => proptest::prop_assert!(valid && d == i),
+                Err(e) => {
+                    let typed = matches!(e, Error::Bootstrap { .. });
+                    proptest::prop_assert!(!valid && typed, "{:?}", e);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn huge_buffer_bytes_are_invalid_arguments_not_overflows() {
+        assert_eq!(staging_bytes(0).unwrap(), 1024);
+        assert_eq!(staging_bytes(1025).unwrap(), 1536);
+        assert_eq!(staging_bytes(DEFAULT_BUFFER_BYTES).unwrap(), DEFAULT_BUFFER_BYTES);
+        for huge in [usize::MAX, usize::MAX - 511, 1 << 62] {
+            assert!(matches!(staging_bytes(huge), Err(Error::InvalidArgument(_))), "{huge}");
+        }
+        let opts = CommOptions::default().buffer_bytes(usize::MAX);
+        assert!(matches!(staging_bytes(opts.buffer_bytes), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn region_sizes_are_checked() {
+        assert_eq!(sizes(4096, 1024, 4).unwrap(), Sizes { region: 5120, per_rank: 8192, host: 4 * 8192 });
+        assert_eq!(sizes(0, 4096, 8).unwrap(), Sizes { region: 4096, per_rank: 4096, host: 8 * 4096 });
+        assert!(matches!(sizes(usize::MAX, 1024, 2), Err(Error::InvalidArgument(_))));
+        assert!(matches!(sizes(usize::MAX - 2000, 1024, 2), Err(Error::InvalidArgument(_))));
+        assert!(matches!(sizes(1 << 60, 1 << 60, 8), Err(Error::InvalidArgument(_))));
+        assert!(matches!(sizes(1 << 61, 0, 2), Err(Error::InvalidArgument(_))));
     }
 
     #[test]

@@ -2,17 +2,40 @@
 //! (`memfd_create`) of a few pages, mapped shared into each process, whose
 //! descriptor travels to the peers over [`super::fdpass`].
 //!
+//! The file is sealed before its descriptor leaves the process that made
+//! it: its size can never change (`F_SEAL_SHRINK`, `F_SEAL_GROW`) and no
+//! seal can be added or removed (`F_SEAL_SEAL`), so no process that holds
+//! the descriptor can truncate it under the others' mappings (which would
+//! kill them with `SIGBUS` on their next access). [`SharedMemory::import`]
+//! maps only a file that carries those seals and has exactly the expected
+//! size: an unsealed memfd, a regular file or a file of another size is
+//! [`Error::Bootstrap`].
+//!
 //! A [`Comm`](super::Comm) keeps its per-call descriptors here
 //! (its call board): each rank publishes what it is about to call, and every
 //! rank compares them before any data moves.
 
 use crate::error::{Error, Result};
+use rustix::fs::SealFlags;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 fn io_err(op: &'static str) -> impl FnOnce(rustix::io::Errno) -> Error {
     move |e| Error::Bootstrap { op, reason: e.to_string() }
+}
+
+/// The bytes of a page, the unit of a region's length.
+const PAGE: usize = 4096;
+
+/// The seals every region carries (and that [`SharedMemory::import`]
+/// requires): its size is fixed, and so are its seals.
+pub(crate) const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
+
+/// The length of a region of at least `bytes`: whole pages, at least one;
+/// `None` where that does not fit in `usize`.
+pub(crate) fn region_len(bytes: usize) -> Option<usize> {
+    bytes.max(1).checked_next_multiple_of(PAGE)
 }
 
 /// A region of host memory shared between processes, mapped read-write
@@ -32,19 +55,38 @@ unsafe impl Send for SharedMemory {}
 unsafe impl Sync for SharedMemory {}
 
 impl SharedMemory {
-    /// A new zeroed region of at least `bytes` (whole pages), mapped here.
+    /// A new zeroed region of at least `bytes` (whole pages), sealed (see
+    /// the module docs) and mapped here. [`Error::InvalidArgument`] where
+    /// that many bytes cannot be a region.
     pub fn create(bytes: usize) -> Result<SharedMemory> {
-        let len = bytes.max(1).div_ceil(4096) * 4096;
-        let fd = rustix::fs::memfd_create("cuda-peer-ipc", rustix::fs::MemfdFlags::CLOEXEC).map_err(io_err("memfd_create"))?;
-        rustix::fs::ftruncate(&fd, len as u64).map_err(io_err("ftruncate (shared memory)"))?;
+        let len = region_len(bytes).ok_or_else(|| Error::InvalidArgument(format!("shared memory of {bytes} bytes")))?;
+        let size = u64::try_from(len).map_err(|_| Error::InvalidArgument(format!("shared memory of {bytes} bytes")))?;
+        let fd = rustix::fs::memfd_create("cuda-peer-ipc", rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING)
+            .map_err(io_err("memfd_create"))?;
+        rustix::fs::ftruncate(&fd, size).map_err(io_err("ftruncate (shared memory)"))?;
+        rustix::fs::fcntl_add_seals(&fd, SEALS).map_err(io_err("sealing shared memory"))?;
         Self::map(fd, len)
     }
 
-    /// Maps the region of `len` bytes that a peer created and sent as `fd`.
+    /// Maps the region of exactly `len` bytes that a peer created and sent
+    /// as `fd`: [`Error::Bootstrap`] (saying what is wrong) unless `fd` is
+    /// a memfd with the seals of [`SharedMemory::create`] and `len` bytes.
     pub fn import(fd: BorrowedFd<'_>, len: usize) -> Result<SharedMemory> {
+        const OP: &str = "shared memory from a peer";
+        if len == 0 || !len.is_multiple_of(PAGE) {
+            return Err(Error::Bootstrap { op: OP, reason: format!("a region of {len} bytes expected (not whole pages)") });
+        }
+        let seals = rustix::fs::fcntl_get_seals(fd)
+            .map_err(|e| Error::Bootstrap { op: OP, reason: format!("the descriptor is not a sealable memfd (F_GET_SEALS: {e})") })?;
+        if !seals.contains(SEALS) {
+            return Err(Error::Bootstrap {
+                op: OP,
+                reason: format!("the memfd is not sealed against resizing (seals {seals:?}; SHRINK | GROW | SEAL required)"),
+            });
+        }
         let st = rustix::fs::fstat(fd).map_err(io_err("fstat (shared memory)"))?;
-        if len == 0 || !len.is_multiple_of(4096) || (st.st_size as u64) < len as u64 {
-            return Err(Error::Bootstrap { op: "shared memory", reason: format!("a peer's region has {} bytes, {len} expected", st.st_size) });
+        if u64::try_from(st.st_size).ok() != u64::try_from(len).ok() {
+            return Err(Error::Bootstrap { op: OP, reason: format!("the memfd has {} bytes, exactly {len} expected", st.st_size) });
         }
         let fd = fd.try_clone_to_owned().map_err(|e| Error::Bootstrap { op: "dup (shared memory)", reason: e.to_string() })?;
         Self::map(fd, len)
@@ -52,9 +94,11 @@ impl SharedMemory {
 
     fn map(fd: OwnedFd, len: usize) -> Result<SharedMemory> {
         use rustix::mm::{MapFlags, ProtFlags};
-        // SAFETY: a new shared mapping of `len` bytes of the file (which
-        // has at least `len` bytes) at an address the kernel picks: no
-        // existing memory is replaced.
+        // SAFETY: a new shared mapping of `len` bytes of the file at an
+        // address the kernel picks: no existing memory is replaced. The file
+        // has exactly `len` bytes and is sealed against shrinking (checked
+        // by `import`, done by `create`), so every page of the mapping stays
+        // backed while it lives.
         let p = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, &fd, 0) }
             .map_err(io_err("mmap (shared memory)"))?;
         Ok(SharedMemory { ptr: p.cast(), len, fd })
@@ -77,7 +121,7 @@ impl SharedMemory {
 
     /// Word `i` (of 8 bytes), as an atomic; `None` past the end.
     fn word(&self, i: usize) -> Option<&AtomicU64> {
-        if (i + 1) * 8 > self.len {
+        if i.checked_add(1).and_then(|n| n.checked_mul(8)).is_none_or(|end| end > self.len) {
             return None;
         }
         // SAFETY: in bounds (checked), 8-byte aligned (the mapping is page
@@ -230,7 +274,7 @@ pub(crate) struct CallBoard {
 
 /// The bytes of a board for `size` ranks.
 pub(crate) fn board_bytes(size: usize) -> usize {
-    size * SLOTS * WORDS * 8
+    size.saturating_mul(SLOTS * WORDS * 8)
 }
 
 impl CallBoard {
@@ -313,6 +357,102 @@ mod tests {
 
     fn desc(count: u64) -> CallDesc {
         CallDesc { kind: Kind::AllGather, dtype: 0, op: 255, root: u32::MAX, count }
+    }
+
+    /// The reason of an import's refusal (which must be a refusal).
+    fn refusal(r: Result<SharedMemory>) -> String {
+        match r {
+            Err(Error::Bootstrap { reason, .. }) => reason,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    /// Sends `fd` as rank 1 to rank 0 (threads of this process) and returns
+    /// the descriptor rank 0 received: what a peer's import would see.
+    fn through_fdpass(fd: BorrowedFd<'_>) -> OwnedFd {
+        use super::super::fdpass::{send_fd, FdListener};
+        let (a, b) = (FdListener::bind(0).unwrap(), FdListener::bind(1).unwrap());
+        let peers = [a.addr(), b.addr()];
+        send_fd(&peers[0], 1, fd, 4096, Duration::from_secs(5)).unwrap();
+        let mut got = a.receive(&peers, 1, Duration::from_secs(5)).unwrap();
+        assert_eq!(got[0].from, 1);
+        got.remove(0).fd
+    }
+
+    #[test]
+    fn a_created_region_is_sealed_and_cannot_be_truncated_or_resealed() {
+        let mem = SharedMemory::create(100).unwrap();
+        assert_eq!(mem.len(), PAGE);
+        let seals = rustix::fs::fcntl_get_seals(mem.fd()).unwrap();
+        assert!(seals.contains(SEALS), "{seals:?}");
+        // What a peer holding the descriptor would try.
+        let theirs = through_fdpass(mem.fd());
+        assert_eq!(rustix::fs::ftruncate(&theirs, 0), Err(rustix::io::Errno::PERM));
+        assert_eq!(rustix::fs::ftruncate(&theirs, 2 * PAGE as u64), Err(rustix::io::Errno::PERM));
+        assert_eq!(rustix::fs::fcntl_add_seals(&theirs, SealFlags::WRITE), Err(rustix::io::Errno::PERM));
+        assert_eq!(rustix::fs::fstat(&theirs).unwrap().st_size, PAGE as i64);
+        // The mapping still works, and the peer's import sees the same memory.
+        let peer = SharedMemory::import(theirs.as_fd(), PAGE).unwrap();
+        mem.word(3).unwrap().store(0xdead_beef, Ordering::Relaxed);
+        assert_eq!(peer.word(3).unwrap().load(Ordering::Relaxed), 0xdead_beef);
+        assert!(mem.word(PAGE / 8).is_none() && mem.word(usize::MAX).is_none());
+    }
+
+    #[test]
+    fn an_unsealed_memfd_sent_as_shared_memory_is_refused() {
+        use rustix::fs::{memfd_create, MemfdFlags};
+        // Sealable but not sealed: the attack's memfd, which its sender can
+        // truncate under the importer's mapping.
+        let unsealed = memfd_create("attack", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&unsealed, PAGE as u64).unwrap();
+        let received = through_fdpass(unsealed.as_fd());
+        let why = refusal(SharedMemory::import(received.as_fd(), PAGE));
+        assert!(why.contains("not sealed"), "{why}");
+        assert_eq!(rustix::fs::ftruncate(&unsealed, 0), Ok(()), "the refused memfd really was truncatable");
+        // Only partly sealed (it can still shrink).
+        let partly = memfd_create("attack", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&partly, PAGE as u64).unwrap();
+        rustix::fs::fcntl_add_seals(&partly, SealFlags::GROW | SealFlags::SEAL).unwrap();
+        assert!(refusal(SharedMemory::import(partly.as_fd(), PAGE)).contains("not sealed"));
+        // Made without ALLOW_SEALING: its only seal is SEAL.
+        let plain = memfd_create("attack", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&plain, PAGE as u64).unwrap();
+        assert!(refusal(SharedMemory::import(plain.as_fd(), PAGE)).contains("not sealed"));
+    }
+
+    #[test]
+    fn a_regular_file_sent_as_shared_memory_is_refused() {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(PAGE as u64).unwrap();
+        let received = through_fdpass(file.as_fd());
+        let why = refusal(SharedMemory::import(received.as_fd(), PAGE));
+        assert!(why.contains("not a sealable memfd"), "{why}");
+        // A file on tmpfs supports seals but is born with SEAL alone.
+        if std::path::Path::new("/dev/shm").is_dir() {
+            if let Ok(shm) = tempfile::tempfile_in("/dev/shm") {
+                shm.set_len(PAGE as u64).unwrap();
+                assert!(SharedMemory::import(shm.as_fd(), PAGE).is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn a_sealed_region_of_another_size_is_refused() {
+        let mem = SharedMemory::create(2 * PAGE).unwrap();
+        for len in [PAGE, 3 * PAGE, 0, 100, usize::MAX] {
+            let why = refusal(SharedMemory::import(mem.fd(), len));
+            assert!(why.contains("expected"), "{len}: {why}");
+        }
+        assert_eq!(SharedMemory::import(mem.fd(), 2 * PAGE).unwrap().len(), 2 * PAGE);
+    }
+
+    #[test]
+    fn sizes_past_usize_are_invalid_arguments_not_panics() {
+        assert!(matches!(SharedMemory::create(usize::MAX), Err(Error::InvalidArgument(_))));
+        assert_eq!(region_len(0), Some(PAGE));
+        assert_eq!(region_len(PAGE + 1), Some(2 * PAGE));
+        assert_eq!(region_len(usize::MAX - 1), None);
+        assert_eq!(board_bytes(usize::MAX), usize::MAX);
     }
 
     #[test]
