@@ -35,6 +35,7 @@
 //! connections side by side (none waits for another), each within its own
 //! short deadline.
 
+use super::wire::{deadline, io_err};
 use crate::error::{Error, Result};
 use rustix::net::{
     recvmsg, sendmsg, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage,
@@ -48,21 +49,6 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-
-/// The instant `timeout` from now, or a century from now where that is
-/// past what [`Instant`] can hold (`Duration::MAX`): never a panic.
-pub(crate) fn deadline(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-    [timeout, CENTURY, Duration::from_secs(24 * 3600)].into_iter().find_map(|d| now.checked_add(d)).unwrap_or(now)
-}
-
-fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
-    move |e| match e.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Bootstrap { op, reason: format!("timed out ({e})") },
-        _ => Error::Bootstrap { op, reason: e.to_string() },
-    }
-}
 
 fn errno(op: &'static str) -> impl Fn(rustix::io::Errno) -> Error {
     move |e| Error::Bootstrap { op, reason: e.to_string() }

@@ -45,7 +45,8 @@ pub(crate) const PROOF_MAX_BYTES: usize = TAG + 1 + 1024;
 /// not fit (`Duration::MAX` means "no bound" without overflowing).
 pub(crate) fn deadline(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    [timeout, CENTURY, Duration::from_secs(24 * 3600)].into_iter().find_map(|d| now.checked_add(d)).unwrap_or(now)
 }
 
 /// Time left until `deadline`, or a timeout error of step `op`.
