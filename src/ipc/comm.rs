@@ -47,9 +47,9 @@
 //!    sends the call board. Shared host memory is sealed against resizing
 //!    and imported only with those seals and exactly the length this rank
 //!    computes for it;
-//! 4. unless [`CommOptions::verify`] is off, a small all-reduce of random
-//!    data on each lane (the SM stores into the peers' memory and loads of
-//!    their flags) and an all-gather (copies from the peers' staging
+//! 4. unless [`CommOptions::verify`] is off, an all-reduce of random
+//!    data on each lane, in several rounds where the lane has them (the SM
+//!    stores into the peers' memory and loads of their flags) and an all-gather (copies from the peers' staging
 //!    buffers) are checked against a CPU reference on every rank, bounded
 //!    by [`CommOptions::timeout`].
 //!
@@ -69,7 +69,7 @@ use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener, PeerAddr};
 use super::shm::{board_bytes, region_len, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
-use crate::algorithms::oneshot::{lane_index, layout, LaneLayout};
+use crate::algorithms::oneshot::{check_counts, lane_index, layout, LaneLayout};
 use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -363,25 +363,12 @@ fn sizes(lane_bytes: usize, staging: usize, size: usize) -> Result<Sizes> {
     Ok(Sizes { region, per_rank, host })
 }
 
-/// All-gathers each rank's outcome of a step: `Ok(values)` where every rank
+/// All-gathers each rank's outcome of a step (`bootstrap::agree`, the one
+/// that every multi-process step uses): `Ok(values)` where every rank
 /// succeeded, else the first failing rank's error (this rank's own first).
 fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<Vec<String>> {
-    let blob = match &mine {
-        Ok(v) => format!("ok\n{v}"),
-        Err(e) => format!("err\n{e}"),
-    };
-    let all = ex.all_gather(blob.as_bytes())?;
-    mine?;
-    let mut values = Vec::with_capacity(all.len());
-    for (r, b) in all.iter().enumerate() {
-        let text = String::from_utf8_lossy(b);
-        match text.split_once('\n') {
-            Some(("ok", v)) => values.push(v.to_string()),
-            Some(("err", why)) => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} failed: {why}") }),
-            _ => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} sent a malformed reply") }),
-        }
-    }
-    Ok(values)
+    let all = super::bootstrap::agree(ex, step, mine.map(String::into_bytes))?;
+    Ok(all.into_iter().map(|v| String::from_utf8_lossy(&v).into_owned()).collect())
 }
 
 /// The checks of step 1 on every rank's info: one host, one device per rank.
@@ -659,9 +646,9 @@ impl Comm {
 
     /// Step 4: an all-reduce of seeded data per lane, checked on the host.
     fn verify(&self, timeout: Duration) -> Result<()> {
-        for (l, lane) in self.lanes.iter().enumerate() {
-            // A size that takes this lane, and not a multiple of 16 bytes.
-            let count = (lane.layout.max_bytes.min(256 << 10) / 4).saturating_sub(3).max(5);
+        // A size for each lane that takes it, in several rounds where it has them.
+        let counts = check_counts(&self.lanes.iter().map(|l| l.layout).collect::<Vec<_>>(), std::mem::size_of::<u32>());
+        for (l, count) in counts.into_iter().enumerate() {
             let inputs: Vec<Vec<u32>> = (0..self.size).map(|r| seeded(0x5eed_0000 + l as u64 * 64 + r as u64, count)).collect();
             let expected: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect();
             let mut buf = self.stream.clone_htod(&inputs[self.rank]).map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
