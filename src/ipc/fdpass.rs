@@ -170,46 +170,17 @@ struct Credentials {
 /// (the kernel reports pid 0 for a peer outside this pid namespace, which a
 /// non-zero pid type cannot hold).
 fn peer_credentials(fd: BorrowedFd<'_>) -> std::io::Result<Credentials> {
-    use std::ffi::{c_int, c_void};
     use std::os::fd::AsRawFd;
-    #[cfg(any(target_arch = "mips", target_arch = "mips64", target_arch = "mips32r6", target_arch = "mips64r6"))]
-    const OPT: (c_int, c_int) = (0xffff, 18);
-    #[cfg(any(target_arch = "sparc", target_arch = "sparc64"))]
-    const OPT: (c_int, c_int) = (0xffff, 0x40);
-    #[cfg(any(target_arch = "powerpc", target_arch = "powerpc64"))]
-    const OPT: (c_int, c_int) = (1, 21);
-    #[cfg(not(any(
-        target_arch = "mips",
-        target_arch = "mips64",
-        target_arch = "mips32r6",
-        target_arch = "mips64r6",
-        target_arch = "sparc",
-        target_arch = "sparc64",
-        target_arch = "powerpc",
-        target_arch = "powerpc64"
-    )))]
-    const OPT: (c_int, c_int) = (1, 17);
-    /// `struct ucred`.
-    #[repr(C)]
-    struct Ucred {
-        pid: i32,
-        uid: u32,
-        gid: u32,
-    }
-    extern "C" {
-        fn getsockopt(fd: c_int, level: c_int, name: c_int, value: *mut c_void, len: *mut u32) -> c_int;
-    }
-    let mut cred = Ucred { pid: 0, uid: u32::MAX, gid: u32::MAX };
-    let mut len = std::mem::size_of::<Ucred>() as u32;
-    // SAFETY: getsockopt (the C library's, linked by std on Linux) writes at
-    // most `len` bytes into `cred`, a live `struct ucred` of that size, and
-    // the new length into `len`; `fd` is open for the call. Every bit
-    // pattern is a valid `Ucred` (plain integers).
-    let rc = unsafe { getsockopt(fd.as_raw_fd(), OPT.0, OPT.1, (&mut cred as *mut Ucred).cast(), &mut len) };
+    let mut cred = libc::ucred { pid: 0, uid: u32::MAX, gid: u32::MAX };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a live
+    // `struct ucred` of that size, and the new length into `len`; `fd` is
+    // open for the call. Every bit pattern is a valid `ucred` (plain integers).
+    let rc = unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    if len as usize != std::mem::size_of::<Ucred>() {
+    if len as usize != std::mem::size_of::<libc::ucred>() {
         return Err(std::io::Error::other(format!("SO_PEERCRED returned {len} bytes")));
     }
     Ok(Credentials { pid: cred.pid, uid: cred.uid })
