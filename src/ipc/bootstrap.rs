@@ -25,6 +25,7 @@
 //! message is bounded in size ([`MAX_MESSAGE_BYTES`]) and must arrive whole
 //! within the bootstrap's timeout.
 
+use super::id::Id;
 use super::secret::{self, JobSecret};
 use super::wire::{self, Link, Refusal};
 use crate::error::{Error, Result};
@@ -192,6 +193,18 @@ impl Bootstrap {
         })
     }
 
+    /// Rank `rank` of `world_size` in the job of `id` (made by [`Id::new`]
+    /// on rank 0, its bytes sent to the others by the application): rank 0
+    /// listens where the id says (on the listener `Id::new` bound, when this
+    /// process made it), and every rank proves the id's secret. The ranks
+    /// may be on one host or several.
+    pub fn from_id(rank: usize, world_size: usize, id: &Id) -> Result<Bootstrap> {
+        let at = id.addr();
+        let mut b = Bootstrap::new(rank, world_size, 0, 1, &at.ip().to_string(), at.port())?;
+        b.secret = Some(id.secret());
+        Ok(b)
+    }
+
     /// The same bootstrap with every rendezvous step bounded by `timeout`.
     pub fn with_timeout(mut self, timeout: Duration) -> Bootstrap {
         self.timeout = timeout;
@@ -233,7 +246,10 @@ impl Bootstrap {
             return Ok(Rendezvous { rank: 0, size: 1, job: new_job_id()?, timeout: self.timeout, links: Mutex::new(Vec::new()) });
         }
         if self.rank == 0 {
-            let listener = self.listen()?;
+            let listener = match self.listen_addr().and_then(super::id::take_listener) {
+                Some(l) => l,
+                None => self.listen()?,
+            };
             self.serve_on(listener)
         } else {
             self.join()
@@ -265,6 +281,13 @@ impl Bootstrap {
                 self.local_world_size, self.world_size
             ),
         })
+    }
+
+    /// The one address rank 0 listens on, where it is an IP address (not a
+    /// name that needs resolving).
+    fn listen_addr(&self) -> Option<SocketAddr> {
+        let host = self.bind_addr.as_deref().unwrap_or(&self.master_addr);
+        host.parse::<std::net::IpAddr>().ok().map(|ip| SocketAddr::new(ip, self.master_port))
     }
 
     /// Rank 0's listener: on the bind address if given, else on an address
@@ -708,6 +731,36 @@ mod tests {
         let r = rv.all_gather(b"x");
         assert!(matches!(r, Err(Error::Bootstrap { .. })), "{r:?}");
         assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    /// Rank 0 makes an id, the others rebuild it from its bytes, and all
+    /// meet on the listener the id bound; a rank holding another job's id
+    /// does not get in.
+    #[test]
+    fn ranks_meet_through_an_id() {
+        let id = Id::with_addr(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+        let bytes = *id.as_bytes();
+        let n = 3;
+        let stranger = Id::with_addr(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+        let wrong = Bootstrap { master_port: id.addr().port(), ..Bootstrap::from_id(1, n, &stranger).unwrap() };
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let id = Id::from_bytes(&bytes).unwrap();
+                    let rv = Bootstrap::from_id(r, n, &id).unwrap().with_timeout(Duration::from_secs(20)).connect().unwrap();
+                    (rv.job_id().to_string(), rv.all_gather(&[r as u8]).unwrap())
+                })
+            })
+            .collect();
+        let intruder = wrong.with_timeout(Duration::from_millis(800)).connect();
+        assert!(matches!(intruder, Err(Error::Timeout { .. })), "{intruder:?}");
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for (job, all) in &results {
+            assert_eq!(job, &results[0].0);
+            assert_eq!(all, &vec![vec![0u8], vec![1], vec![2]]);
+        }
+        assert!(super::super::id::take_listener(id.addr()).is_none(), "rank 0 used the id's listener");
+        super::super::id::take_listener(stranger.addr());
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //!   `MASTER_ADDR`, `MASTER_PORT`) or given; [`Bootstrap::connect`] meets
 //!   the other ranks through a small TCP rendezvous that rank 0 serves
 //!   ([`Rendezvous`], an [`Exchange`]: all-gathers of small blobs), which
-//!   only ranks that prove the job's secret ([`secret`]) may join.
+//!   only ranks that prove the job's secret ([`secret`]) may join; or from
+//!   an [`Id`] that rank 0 makes and the application sends to the others
+//!   ([`Bootstrap::from_id`]).
 //! * [`fdpass`]: file descriptors between the processes of one host, over
 //!   Unix domain sockets (`SCM_RIGHTS`).
 //! * [`vmm`]: device memory another process can map ([`DeviceRegion`]).
@@ -36,6 +38,7 @@
 pub mod bootstrap;
 pub mod comm;
 pub mod fdpass;
+pub mod id;
 pub mod nccl;
 pub mod secret;
 pub(crate) mod shm;
@@ -46,6 +49,7 @@ pub mod world;
 
 pub use bootstrap::{Bootstrap, Exchange, Rendezvous};
 pub use comm::{Comm, CommOptions};
+pub use id::Id;
 pub use nccl::NcclComm;
 pub use secret::JobSecret;
 pub use vmm::DeviceRegion;

@@ -48,7 +48,12 @@ impl JobSecret {
     /// A new random secret: 32 bytes from the kernel's CSPRNG, as 64
     /// lowercase hex digits.
     pub fn generate() -> Result<JobSecret> {
-        Ok(JobSecret(hex(&random_bytes::<32>()?)))
+        Ok(Self::from_key(&random_bytes::<32>()?))
+    }
+
+    /// The secret of 32 key bytes: their 64 hex digits.
+    pub(crate) fn from_key(key: &[u8; 32]) -> JobSecret {
+        JobSecret(hex(key))
     }
 
     /// A secret from its text: [`MIN_SECRET_BYTES`] to 4,096 bytes of it.
