@@ -2,6 +2,11 @@
 //! before a child dies or hangs are kept, a hang becomes a timeout, a crash
 //! an error. No GPU needed.
 
+// The workspace's one way to say a test skipped (`SKIPPED <test>: <why>`,
+// past libtest's capture): tests/common/skip.rs.
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
 use cuda_peer_cli::gpu::{run_with_timeout, ChildLine};
 use cuda_peer_cli::rules::Outcome;
 use std::process::Command;
@@ -44,7 +49,7 @@ fn a_clean_child_has_no_failure() {
 #[test]
 fn the_hidden_check_without_a_driver_fails_cleanly() {
     if cuda_peer::driver::is_available() {
-        eprintln!("skipped: the CUDA driver loads here");
+        skip::skipped("the_hidden_check_without_a_driver_fails_cleanly", "the CUDA driver loads here; this test is for machines without one");
         return;
     }
     for kind in ["copy", "mesh", "oneshot"] {

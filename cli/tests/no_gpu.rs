@@ -1,13 +1,18 @@
 //! `cuda-peer doctor` without a GPU or driver: it still reports the system
 //! facts, says why there is no GPU, exits 2, and does not panic. Skipped
-//! (with a message) on a machine where the CUDA driver loads.
+//! (a `SKIPPED` line) on a machine where the CUDA driver loads.
+
+// The workspace's one way to say a test skipped (`SKIPPED <test>: <why>`,
+// past libtest's capture): tests/common/skip.rs.
+#[path = "../../tests/common/skip.rs"]
+mod skip;
 
 use std::path::Path;
 use std::process::Command;
 
-fn doctor(args: &[&str]) -> Option<(i32, String, String)> {
+fn doctor(test: &str, args: &[&str]) -> Option<(i32, String, String)> {
     if cuda_peer::driver::is_available() {
-        eprintln!("skipped: the CUDA driver loads here; this test is for machines without one");
+        skip::skipped(test, "the CUDA driver loads here; this test is for machines without one");
         return None;
     }
     let cache = tempfile::tempdir().expect("a private temporary directory");
@@ -19,7 +24,7 @@ fn doctor(args: &[&str]) -> Option<(i32, String, String)> {
 #[test]
 fn no_gpu_json_reports_facts_and_exits_2() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/h200-nvlink");
-    let Some((code, stdout, stderr)) = doctor(&["--json", "--root", root.to_str().unwrap()]) else {
+    let Some((code, stdout, stderr)) = doctor("no_gpu_json_reports_facts_and_exits_2", &["--json", "--root", root.to_str().unwrap()]) else {
         return;
     };
     assert_eq!(code, 2, "{stdout}\n{stderr}");
@@ -37,7 +42,7 @@ fn no_gpu_json_reports_facts_and_exits_2() {
 
 #[test]
 fn no_gpu_text_on_this_machine_exits_2() {
-    let Some((code, stdout, stderr)) = doctor(&["--wake"]) else {
+    let Some((code, stdout, stderr)) = doctor("no_gpu_text_on_this_machine_exits_2", &["--wake"]) else {
         return;
     };
     assert_eq!(code, 2, "{stdout}\n{stderr}");

@@ -1,6 +1,11 @@
 //! The text and JSON report of a GPU run, made from a fixture's facts and
 //! synthetic driver, check and speed results (the GPU path cannot run here).
 
+// The workspace's one way to say a test skipped (`SKIPPED <test>: <why>`,
+// past libtest's capture): tests/common/skip.rs.
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
 use cuda_peer_cli::gpu::Wake;
 use cuda_peer_cli::report::{render, GpuReport, PairReport, Report};
 use cuda_peer_cli::rules::{self, Checks, DriverPair, Outcome, PairInput, Speeds};
@@ -20,7 +25,7 @@ fn root() -> std::path::PathBuf {
 fn a_healthy_two_gpu_report_renders_and_round_trips() {
     let facts = SystemFacts::read(&root(), &["00000000:19:00.0".into(), "0000:3B:00.0".into()]);
     if facts.gpus.iter().any(|g| g.host_bridge.is_none()) {
-        eprintln!("skipped: the fixture's sysfs symlinks are not here");
+        skip::skipped("a_healthy_two_gpu_report_renders_and_round_trips", "the fixture's sysfs symlinks are not here");
         return;
     }
     let gpus: Vec<GpuReport> = facts

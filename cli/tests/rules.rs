@@ -1,6 +1,11 @@
 //! Parser and rule tests on the fixture trees in `tests/fixtures/`
 //! (written by `tests/fixtures/make.py`). No GPU needed.
 
+// The workspace's one way to say a test skipped (`SKIPPED <test>: <why>`,
+// past libtest's capture): tests/common/skip.rs.
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
 use cuda_peer_cli::cache::{self, Cache, CacheKey};
 use cuda_peer_cli::rules::{self, Checks, DriverPair, Level, Outcome, PairInput, Severity, Speeds, UsePath};
 use cuda_peer_cli::sysfs::{pair_path, AcsState, PciPath, RebarState, SystemFacts};
@@ -29,7 +34,7 @@ fn facts(name: &str) -> Option<SystemFacts> {
     let linked =
         std::fs::read_dir(&devices).ok().and_then(|mut d| d.next()).and_then(|e| e.ok()).is_some_and(|e| e.file_type().is_ok_and(|t| t.is_symlink()));
     if !linked {
-        eprintln!("skipped: fixture {} has no symlinked sysfs tree here", root.display());
+        skip::skipped(&format!("(a test of fixture {name})"), format!("fixture {} has no symlinked sysfs tree here", root.display()));
         return None;
     }
     Some(SystemFacts::read(&root, &[]))
