@@ -1,85 +1,65 @@
 //! GPU tests of the collectives against a CPU reference. Ranks are laid
-//! round-robin over the visible GPUs, so groups of 3-8 ranks run on one or
-//! two devices. Inputs are drawn afresh for every case, outputs poisoned
-//! before every run; integers must match exactly, floats within the bound
-//! in `tolerance`. Skips without GPUs; fails with CUDA_PEER_REQUIRE_GPU=1.
+//! round-robin over the visible GPUs, so groups of 2-8 ranks run on one
+//! device (the ring, every link local) or two. Inputs are drawn afresh for
+//! every case, outputs poisoned before every run; integers must match
+//! exactly, floats within the per-element bound of `common::num` (the
+//! largest error of any order of the reduction's steps), on inputs chosen
+//! so that a dropped rank or an average divided by `n - 1` lies outside it
+//! (`docs/testing.md`). CPU self-checks at the end plant those defects and
+//! check that the comparison and the back-to-back chains catch them. The
+//! GPU tests skip without a GPU (fail with CUDA_PEER_REQUIRE_GPU=1 then),
+//! and say which parts need two GPUs where only one is present.
 
 mod common;
 
-use common::gpus;
-use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{Algorithm, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
+use common::num::{self, Num};
+use common::{chain, gpus};
+use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView};
+use cuda_peer::{Algorithm, Error, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Element types under test: conversions, random draws and exact integer ops.
-trait TestElem: Element + PartialEq + std::fmt::Debug + Sync {
-    fn to_f64(self) -> f64;
-    fn random(rng: &mut impl Rng, op: ReduceOp) -> Self;
-    /// Exact combination for integer types (wrapping); None for floats.
-    fn exact(op: ReduceOp, a: Self, b: Self) -> Option<Self>;
+/// Element types under test: bitwise comparison, poison, and uniform draws.
+trait TestElem: Num {
+    /// Uniform over the type for integers; in [-1, 1) for floats.
+    fn random(rng: &mut impl Rng) -> Self;
     /// Bits, for bitwise comparison across ranks.
     fn bits(self) -> u64;
-    /// Unit roundoff.
-    const EPS: f64;
     fn poison() -> Self;
 }
 
 macro_rules! float_elem {
-    ($t:ty, $eps:expr, $from:expr, $to:expr, $bits:expr, $poison:expr) => {
+    ($t:ty, $bits:expr, $poison:expr) => {
         impl TestElem for $t {
-            fn to_f64(self) -> f64 {
-                ($to)(self)
-            }
-            fn random(rng: &mut impl Rng, op: ReduceOp) -> Self {
-                let v: f64 = match op {
-                    ReduceOp::Prod => rng.random_range(0.5..1.5),
-                    _ => rng.random_range(-1.0..1.0),
-                };
-                ($from)(v)
-            }
-            fn exact(_: ReduceOp, _: Self, _: Self) -> Option<Self> {
-                None
+            fn random(rng: &mut impl Rng) -> Self {
+                <$t as Num>::from_f64(rng.random_range(-1.0..1.0))
             }
             fn bits(self) -> u64 {
                 ($bits)(self)
             }
-            const EPS: f64 = $eps;
             fn poison() -> Self {
                 $poison
             }
         }
     };
 }
-float_elem!(f32, f32::EPSILON as f64, |v: f64| v as f32, |x: f32| x as f64, |x: f32| x.to_bits() as u64, f32::NAN);
-float_elem!(f64, f64::EPSILON, |v: f64| v, |x: f64| x, |x: f64| x.to_bits(), f64::NAN);
-float_elem!(f16, 0.000977, f16::from_f64, |x: f16| x.to_f64(), |x: f16| x.to_bits() as u64, f16::NAN);
-float_elem!(bf16, 0.0078125, bf16::from_f64, |x: bf16| x.to_f64(), |x: bf16| x.to_bits() as u64, bf16::NAN);
+float_elem!(f32, |x: f32| x.to_bits() as u64, f32::NAN);
+float_elem!(f64, |x: f64| x.to_bits(), f64::NAN);
+float_elem!(f16, |x: f16| x.to_bits() as u64, f16::NAN);
+float_elem!(bf16, |x: bf16| x.to_bits() as u64, bf16::NAN);
 
 macro_rules! int_elem {
     ($t:ty) => {
         impl TestElem for $t {
-            fn to_f64(self) -> f64 {
-                self as f64
-            }
-            fn random(rng: &mut impl Rng, _: ReduceOp) -> Self {
+            fn random(rng: &mut impl Rng) -> Self {
                 rng.random()
-            }
-            fn exact(op: ReduceOp, a: Self, b: Self) -> Option<Self> {
-                Some(match op {
-                    ReduceOp::Sum => a.wrapping_add(b),
-                    ReduceOp::Prod => a.wrapping_mul(b),
-                    ReduceOp::Min => a.min(b),
-                    ReduceOp::Max => a.max(b),
-                    ReduceOp::Avg => unreachable!("avg is refused on integers"),
-                })
             }
             fn bits(self) -> u64 {
                 self as u64
             }
-            const EPS: f64 = 0.0;
             fn poison() -> Self {
                 <$t>::MAX / 3 + 7
             }
@@ -93,10 +73,26 @@ int_elem!(u64);
 int_elem!(i8);
 int_elem!(u8);
 
-/// Checks `got[i]` against the reduction of `inputs[r][offset + i]` over r.
-/// Integers must match exactly (wrapping arithmetic). Floats are compared
-/// with the f64 reduction: |err| <= 2 * eps * N * sum|x| for sum (scaled by
-/// 1/N for avg), relative 2 * eps * (N + 1) for prod, exact for min/max.
+/// Most ranks a test group has (the column buffers below).
+const MAX_RANKS: usize = 8;
+
+/// Whether `got` is right for element `j` of the reduction of
+/// `inputs[r][j]` over the ranks r: integers exactly (wrapping, in rank
+/// order: every order gives the same), floats within `num::float_bound`.
+fn element_ok<T: TestElem>(op: ReduceOp, inputs: &[Vec<T>], j: usize, got: T) -> bool {
+    if T::BITS.is_none() {
+        let acc = inputs[1..].iter().fold(inputs[0][j], |a, v| T::combine(op, a, v[j]));
+        return got == acc;
+    }
+    let mut xs = [0f64; MAX_RANKS];
+    for (x, v) in xs.iter_mut().zip(inputs) {
+        *x = v[j].to_f64();
+    }
+    num::accepts(op, &xs[..inputs.len()], got)
+}
+
+/// Checks `got[i]` against the reduction of `inputs[r][offset + i]` over r
+/// (see [`element_ok`]); panics naming the wrong count and the first.
 fn check_all<T: TestElem>(what: &str, op: ReduceOp, inputs: &[Vec<T>], offset: usize, got: &[T]) {
     // Large outputs are checked on every core of the machine.
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(32);
@@ -111,43 +107,23 @@ fn check_all<T: TestElem>(what: &str, op: ReduceOp, inputs: &[Vec<T>], offset: u
     });
     if let Some(&(_, i)) = bad.first() {
         let wrong: usize = bad.iter().map(|b| b.0).sum();
-        panic!("{what}: {wrong} of {} elements wrong; first at {i}: got {:?}", got.len(), got[i]);
+        let xs: Vec<f64> = inputs.iter().map(|v| v[offset + i].to_f64()).collect();
+        let (want, bound) = (num::reference(op, &xs), T::BITS.map_or(0.0, |b| num::float_bound(op, &xs, b)));
+        panic!(
+            "{what}: {wrong} of {} elements wrong; first at {i}: got {:?}, expected {want} (within {bound:e}; f64 reference, integers wrap) from {xs:?}",
+            got.len(),
+            got[i]
+        );
     }
 }
 
 /// (wrong count, first wrong index in `got`) or None when all are right.
 fn check_range<T: TestElem>(op: ReduceOp, inputs: &[Vec<T>], offset: usize, got: &[T]) -> Option<(usize, usize)> {
-    let n = inputs.len() as f64;
+    assert!(inputs.len() <= MAX_RANKS, "{} ranks", inputs.len());
     let mut wrong = 0usize;
     let mut first = None;
     for (i, &g) in got.iter().enumerate() {
-        let j = offset + i;
-        let ok = if T::DTYPE.is_float() {
-            let (mut sum, mut abs, mut prod, mut lo, mut hi) = (0.0f64, 0.0f64, 1.0f64, f64::INFINITY, f64::NEG_INFINITY);
-            for v in inputs {
-                let x = v[j].to_f64();
-                sum += x;
-                abs += x.abs();
-                prod *= x;
-                lo = lo.min(x);
-                hi = hi.max(x);
-            }
-            let (want, tol) = match op {
-                ReduceOp::Sum => (sum, 2.0 * T::EPS * n * abs),
-                ReduceOp::Avg => (sum / n, 2.0 * T::EPS * (n + 1.0) * abs / n),
-                ReduceOp::Prod => (prod, 2.0 * T::EPS * (n + 1.0) * prod.abs()),
-                ReduceOp::Min => (lo, 0.0),
-                ReduceOp::Max => (hi, 0.0),
-            };
-            (g.to_f64() - want).abs() <= tol
-        } else {
-            let mut acc = inputs[0][j];
-            for v in &inputs[1..] {
-                acc = T::exact(op, acc, v[j]).unwrap();
-            }
-            g == acc
-        };
-        if !ok {
+        if !element_ok(op, inputs, offset + i, g) {
             wrong += 1;
             first.get_or_insert(i);
         }
@@ -199,8 +175,37 @@ fn download<T: TestElem>(s: &Setup, bufs: &[CudaSlice<T>]) -> Vec<Vec<T>> {
 }
 
 fn random_inputs<T: TestElem>(n: usize, count: usize, op: ReduceOp) -> Vec<Vec<T>> {
-    let mut rng = rand::rng();
-    (0..n).map(|_| (0..count).map(|_| T::random(&mut rng, op)).collect()).collect()
+    random_inputs_from(&mut rand::rng(), n, count, op)
+}
+
+/// Every rank's inputs for `op`, rank by rank. Integers are uniform over
+/// the type. Float sums and averages: each element's inputs share a random
+/// sign and have magnitudes in [1, 2], so that leaving out any rank moves a
+/// sum by at least 1, and dividing the average by `n - 1` moves it by at
+/// least `1 / (n - 1)`, both beyond the bound for every type up to 8 ranks
+/// (bf16's included: the CPU self-check below confirms it). Float
+/// products: magnitudes in [1.25, 2] with random signs (a dropped factor
+/// moves the product by 20% at least). Min, max and the data movements:
+/// uniform in [-1, 1).
+fn random_inputs_from<T: TestElem>(rng: &mut impl Rng, n: usize, count: usize, op: ReduceOp) -> Vec<Vec<T>> {
+    if T::BITS.is_none() {
+        return (0..n).map(|_| (0..count).map(|_| T::random(rng)).collect()).collect();
+    }
+    fn sign(rng: &mut impl Rng) -> f64 {
+        if rng.random::<bool>() {
+            1.0
+        } else {
+            -1.0
+        }
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => {
+            let signs: Vec<f64> = (0..count).map(|_| sign(rng)).collect();
+            (0..n).map(|_| signs.iter().map(|s| T::from_f64(s * rng.random_range(1.0..2.0))).collect()).collect()
+        }
+        ReduceOp::Prod => (0..n).map(|_| (0..count).map(|_| T::from_f64(sign(rng) * rng.random_range(1.25..2.0))).collect()).collect(),
+        ReduceOp::Min | ReduceOp::Max => (0..n).map(|_| (0..count).map(|_| T::random(rng)).collect()).collect(),
+    }
 }
 
 fn assert_ranks_identical<T: TestElem>(what: &str, outs: &[Vec<T>]) {
@@ -209,6 +214,19 @@ fn assert_ranks_identical<T: TestElem>(what: &str, outs: &[Vec<T>]) {
             panic!("{what}: rank {r} differs from rank 0 at element {i}: {:?} vs {:?}", o[i], outs[0][i]);
         }
     }
+}
+
+/// Checks every rank's all-reduce output: rank 0's against the reference,
+/// the others bit for bit against rank 0's (and, where one differs,
+/// against the reference too, for the count of wrong elements).
+fn check_all_ranks<T: TestElem>(what: &str, op: ReduceOp, inputs: &[Vec<T>], outs: &[Vec<T>]) {
+    check_all(what, op, inputs, 0, &outs[0]);
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        if o.iter().zip(&outs[0]).any(|(a, b)| a.bits() != b.bits()) {
+            check_all(&format!("{what}, rank {r}"), op, inputs, 0, o);
+        }
+    }
+    assert_ranks_identical(what, outs);
 }
 
 /// Every collective for one type, op, group and count.
@@ -221,22 +239,14 @@ fn run_all<T: TestElem>(s: &Setup, op: ReduceOp, count: usize, tag: &str) {
     let inputs = random_inputs::<T>(n, count, op);
     let mut bufs = upload(s, &inputs);
     s.group.all_reduce_in_place(&mut bufs, op).expect("all_reduce_in_place");
-    let outs = download(s, &bufs);
-    for o in &outs {
-        check_all(&what("all_reduce_in_place"), op, &inputs, 0, o);
-    }
-    assert_ranks_identical(&what("all_reduce_in_place"), &outs);
+    check_all_ranks(&what("all_reduce_in_place"), op, &inputs, &download(s, &bufs));
 
     // all-reduce, out of place (send must be unchanged)
     let inputs = random_inputs::<T>(n, count, op);
     let send = upload(s, &inputs);
     let mut recv = upload(s, &poison(count));
     s.group.all_reduce(&send, &mut recv, op).expect("all_reduce");
-    let outs = download(s, &recv);
-    for o in &outs {
-        check_all(&what("all_reduce"), op, &inputs, 0, o);
-    }
-    assert_ranks_identical(&what("all_reduce"), &outs);
+    check_all_ranks(&what("all_reduce"), op, &inputs, &download(s, &recv));
     assert!(download(s, &send) == inputs, "{}: send buffers changed", what("all_reduce"));
 
     // reduce-scatter: `count` elements in all (rounded up to n blocks of c)
@@ -246,7 +256,7 @@ fn run_all<T: TestElem>(s: &Setup, op: ReduceOp, count: usize, tag: &str) {
     let mut recv = upload(s, &poison(c));
     s.group.reduce_scatter(&send, &mut recv, op).expect("reduce_scatter");
     for (r, o) in download(s, &recv).iter().enumerate() {
-        check_all(&what("reduce_scatter"), op, &inputs, r * c, o);
+        check_all(&what(&format!("reduce_scatter, rank {r}")), op, &inputs, r * c, o);
     }
     assert!(download(s, &send) == inputs, "{}: send buffers changed", what("reduce_scatter"));
 
@@ -293,8 +303,12 @@ fn counts(n: usize) -> Vec<usize> {
 
 /// P2P ring, staged (Auto), a ring mixing both (Auto), and with one rank per
 /// GPU also the mesh, the one-shot over P2P and over host memory, and the
-/// staged ring forced (Auto picks the host one-shot there).
+/// staged ring forced (Auto picks the host one-shot there). On one GPU
+/// every link is local whatever its policy, so one set: the ring.
 fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
+    if gpus == 1 {
+        return vec![("one-device-ring", Vec::new(), Algorithm::Ring)];
+    }
     let mixed: Vec<PathPolicy> = (0..n).map(|r| if r % 2 == 0 { PathPolicy::P2pOnly } else { PathPolicy::StagedOnly }).collect();
     let mut sets = vec![
         ("p2p-ring", Vec::new(), Algorithm::Ring),
@@ -308,6 +322,16 @@ fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
         sets.push(("staged-ring", vec![PathPolicy::StagedOnly; n], Algorithm::Ring));
     }
     sets
+}
+
+/// Says (in a `SKIPPED` line) which path sets `n` ranks on `gpus` GPUs do
+/// not cover.
+fn say_uncovered(test: &str, n: usize, gpus: usize) {
+    if gpus == 1 {
+        common::skipped(test, format!("n={n}: the P2P, staged and mixed links and the mesh and one-shot need 2 GPUs, 1 present (the ring ran)"));
+    } else if n > gpus {
+        common::skipped(test, format!("n={n}: the mesh, the one-shots and the forced staged ring need {n} GPUs, {gpus} present"));
+    }
 }
 
 macro_rules! for_types {
@@ -325,20 +349,44 @@ macro_rules! for_types {
     }};
 }
 
+/// Every op on `T` (avg on floats; on integers, the refusal of avg).
 fn ops_for<T: TestElem>(s: &Setup, count: usize, tag: &str) {
     for op in ReduceOp::ALL {
-        if op == ReduceOp::Avg && !T::DTYPE.is_float() {
+        if op == ReduceOp::Avg && T::BITS.is_none() {
+            avg_is_refused::<T>(s, tag);
             continue;
         }
         run_all::<T>(s, op, count, tag);
     }
 }
 
+/// Avg on an integer type is `Error::UnsupportedOp` naming both, from
+/// every collective that reduces.
+fn avg_is_refused<T: TestElem>(s: &Setup, tag: &str) {
+    let n = s.group.size();
+    let bufs = |len: usize| -> Vec<CudaSlice<T>> { s.streams.iter().map(|st| st.clone_htod(&vec![T::poison(); len]).unwrap()).collect() };
+    let (send, mut recv, mut one) = (bufs(n), bufs(n), bufs(1));
+    let results = [
+        ("all_reduce_in_place", s.group.all_reduce_in_place(&mut recv, ReduceOp::Avg)),
+        ("all_reduce", s.group.all_reduce(&send, &mut recv, ReduceOp::Avg)),
+        ("reduce_scatter", s.group.reduce_scatter(&send, &mut one, ReduceOp::Avg)),
+        ("reduce", s.group.reduce(&send, &mut recv, 0, ReduceOp::Avg)),
+    ];
+    for (what, r) in results {
+        match r {
+            Err(Error::UnsupportedOp { op: "avg", dtype }) if dtype == T::DTYPE.name() => {}
+            other => panic!("{what} {tag} avg on {}: expected UnsupportedOp (avg, {}), got {other:?}", T::DTYPE, T::DTYPE.name()),
+        }
+    }
+}
+
 /// Every op and type, all collectives, for N = 2 and 3 over every path set.
 #[test]
 fn every_op_and_type_on_two_and_three_ranks() {
-    let Some(ctx) = gpus("every_op_and_type", 2) else { return };
+    let test = "every_op_and_type_on_two_and_three_ranks";
+    let Some(ctx) = gpus(test, 1) else { return };
     for n in [2, 3] {
+        say_uncovered(test, n, ctx.len());
         for set in path_sets(n, ctx.len()) {
             let tag = set.0;
             let s = setup(&ctx, n, set);
@@ -350,11 +398,14 @@ fn every_op_and_type_on_two_and_three_ranks() {
     }
 }
 
-/// Sum (and avg where defined) for every type, all collectives, N = 4, 5, 8.
+/// Sum for every type and avg for every float type, all collectives,
+/// N = 4, 5, 8.
 #[test]
 fn larger_rings_every_type() {
-    let Some(ctx) = gpus("larger_rings", 2) else { return };
+    let test = "larger_rings_every_type";
+    let Some(ctx) = gpus(test, 1) else { return };
     for n in [4, 5, 8] {
+        say_uncovered(test, n, ctx.len());
         for set in path_sets(n, ctx.len()) {
             let tag = set.0;
             let s = setup(&ctx, n, set);
@@ -363,7 +414,13 @@ fn larger_rings_every_type() {
                 for_types!(run_moves, &s, count, tag);
             }
             run_all::<f32>(&s, ReduceOp::Max, n + 1, tag);
-            run_all::<bf16>(&s, ReduceOp::Avg, 1_000_003, tag);
+            for count in [n + 1, 1_000_003] {
+                run_all::<f32>(&s, ReduceOp::Avg, count, tag);
+                run_all::<f64>(&s, ReduceOp::Avg, count, tag);
+                run_all::<f16>(&s, ReduceOp::Avg, count, tag);
+                run_all::<bf16>(&s, ReduceOp::Avg, count, tag);
+            }
+            avg_is_refused::<i32>(&s, tag);
         }
     }
 }
@@ -372,10 +429,11 @@ fn sum_only<T: TestElem>(s: &Setup, count: usize, tag: &str) {
     run_all::<T>(s, ReduceOp::Sum, count, tag);
 }
 
-/// 16M elements, f32 and bf16 sum, every N and path set.
+/// 16M elements, f32 and bf16 sum, every N and path set (two GPUs: on one,
+/// the ring at these sizes is what `larger_rings_every_type` runs at 1M).
 #[test]
 fn sixteen_million_elements() {
-    let Some(ctx) = gpus("sixteen_million", 2) else { return };
+    let Some(ctx) = gpus("sixteen_million_elements", 2) else { return };
     for n in [2, 3, 4, 5, 8] {
         for set in path_sets(n, ctx.len()) {
             let tag = set.0;
@@ -387,43 +445,61 @@ fn sixteen_million_elements() {
     }
 }
 
-/// 100 all-reduces back to back with no host synchronisation: wrapping u32
-/// sums make any race or missed step visible exactly.
+/// Runs `calls` (a chain: `common::chain`) of in-place sums on `bufs`,
+/// refilling the rank each call names from `refill` first, on its stream.
+fn run_chain(s: &Setup, bufs: &mut [CudaSlice<u32>], refill: &[CudaSlice<u32>], calls: &[chain::Call], what: &str) {
+    for (k, (range, refilled)) in calls.iter().enumerate() {
+        assert_eq!(range.start, 0, "whole buffers only");
+        if let Some(p) = *refilled {
+            s.streams[p].memcpy_dtod(&refill[p], &mut bufs[p]).unwrap();
+        }
+        s.group.all_reduce_in_place(bufs, ReduceOp::Sum).unwrap_or_else(|e| panic!("{what}: call {k}: {e}"));
+    }
+}
+
+/// Every rank's buffer against the chain's expected one.
+fn check_chain(s: &Setup, bufs: &[CudaSlice<u32>], want: &[Vec<u32>], what: &str) {
+    for (r, o) in download(s, bufs).iter().enumerate() {
+        if let Some((first, bad)) = common::diff(o, &want[r]) {
+            panic!("{what}: rank {r} has {bad} of {} wrong elements, first at {first}: {} instead of {}", o.len(), o[first], want[r][first]);
+        }
+    }
+}
+
+/// 100 all-reduces back to back with no host synchronisation: a chain of
+/// wrapping u32 sums (`common::chain`), so that any race or missed step,
+/// in any call, is visible exactly at the end for every rank count.
 #[test]
 fn hundred_back_to_back_all_reduces() {
-    let Some(ctx) = gpus("hundred_back_to_back", 2) else { return };
+    let Some(ctx) = gpus("hundred_back_to_back_all_reduces", 1) else { return };
+    let count = 1_000_003;
     for n in [2, 3, 8] {
+        let start = random_inputs::<u32>(n, count, ReduceOp::Sum);
+        let refill = random_inputs::<u32>(n, count, ReduceOp::Sum);
+        let calls = chain::calls(n, 0..count, 100);
+        let want = chain::simulate(&start, &refill, &calls);
+        chain::assert_informative(&format!("n={n}"), &want[0]);
         for set in path_sets(n, ctx.len()) {
             let tag = set.0;
             let s = setup(&ctx, n, set);
-            let count = 1_000_003;
-            let inputs = random_inputs::<u32>(n, count, ReduceOp::Sum);
-            let mut want: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
-            for _ in 1..100 {
-                for w in want.iter_mut() {
-                    *w = w.wrapping_mul(n as u32);
-                }
-            }
-            let mut bufs = upload(&s, &inputs);
-            for _ in 0..100 {
-                s.group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap();
-            }
-            for (r, o) in download(&s, &bufs).iter().enumerate() {
-                let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
-                assert_eq!(bad, 0, "{tag} n={n}: rank {r} has {bad} wrong elements after 100 all-reduces");
-            }
+            let mut bufs = upload(&s, &start);
+            let refills = upload(&s, &refill);
+            let what = format!("{tag} n={n}, 100 all-reduces");
+            run_chain(&s, &mut bufs, &refills, &calls, &what);
+            check_chain(&s, &bufs, &want, &what);
         }
     }
 }
 
 /// Calls of different sizes interleaved with no host synchronisation, so
 /// that consecutive calls take different one-shot lanes (and algorithms
-/// under Auto), with out-of-place calls between them: wrapping u32 sums make
-/// any race between them exact. Each set runs with launcher threads
-/// spinning, without them, and with them parked at every call.
+/// under Auto), with out-of-place calls between them: chains of wrapping
+/// u32 sums (`common::chain`) make any race between them exact. Each set
+/// runs with launcher threads spinning, without them, and with them parked
+/// at every call.
 #[test]
 fn interleaved_sizes_back_to_back() {
-    let Some(ctx) = gpus("interleaved_sizes", 2) else { return };
+    let Some(ctx) = gpus("interleaved_sizes_back_to_back", 2) else { return };
     let n = 2;
     // 4 KB, 40 KB, 240 KB, 4 MB and 40 MB per rank.
     let sizes = [1_000, 10_000, 60_000, 1_000_003, 10_000_000];
@@ -440,49 +516,50 @@ fn interleaved_sizes_back_to_back() {
         let tag = format!("{} launch_spin {spin:?}", set.0);
         let s = setup_with(&ctx, n, set, spin);
         let inputs: Vec<Vec<Vec<u32>>> = sizes.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
+        let refill: Vec<Vec<Vec<u32>>> = sizes.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
         let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
-        let mut calls = vec![0u32; sizes.len()];
+        let refills: Vec<Vec<CudaSlice<u32>>> = refill.iter().map(|i| upload(&s, i)).collect();
+        let mut calls: Vec<Vec<chain::Call>> = vec![Vec::new(); sizes.len()];
         // Out of place too: a pair of 40 KB buffers, each call reducing one
-        // into the other (ping-pong), between the in-place calls.
+        // into the other (ping-pong), between the in-place calls; a chain
+        // whose refilled rank sends its refill buffer instead.
         let pp_count = 10_000;
         let pp_inputs = random_inputs::<u32>(n, pp_count, ReduceOp::Sum);
+        let pp_refill = random_inputs::<u32>(n, pp_count, ReduceOp::Sum);
+        let pp_refills = upload(&s, &pp_refill);
         let mut pp = [upload(&s, &pp_inputs), upload(&s, &vec![vec![u32::MAX; pp_count]; n])];
-        let mut pp_calls = 0u32;
+        let mut pp_calls: Vec<chain::Call> = Vec::new();
         // 40 calls, 8 of each size, each size followed by every other one.
         for k in 0..40 {
             let which = (k * 7 + k / 5) % sizes.len();
+            let refilled = chain::refilled(n, calls[which].len());
+            if let Some(p) = refilled {
+                s.streams[p].memcpy_dtod(&refills[which][p], &mut bufs[which][p]).unwrap();
+            }
             s.group.all_reduce_in_place(&mut bufs[which], ReduceOp::Sum).unwrap();
-            calls[which] += 1;
+            calls[which].push((0..sizes[which], refilled));
             if k % 3 == 0 {
+                let j = pp_calls.len();
+                let refilled = chain::refilled(n, j);
                 let [a, b] = &mut pp;
-                let (from, to) = if pp_calls.is_multiple_of(2) { (&*a, b) } else { (&*b, a) };
-                s.group.all_reduce(from, to, ReduceOp::Sum).unwrap();
-                pp_calls += 1;
+                let (from, to) = if j.is_multiple_of(2) { (&*a, b) } else { (&*b, a) };
+                let send: Vec<CudaView<u32>> =
+                    (0..n).map(|r| if Some(r) == refilled { pp_refills[r].slice(..) } else { from[r].slice(..) }).collect();
+                s.group.all_reduce(&send, to, ReduceOp::Sum).unwrap();
+                pp_calls.push((0..pp_count, refilled));
             }
         }
-        // The last call wrote pp[pp_calls % 2]: the sum times n^(pp_calls - 1).
-        let mut want: Vec<u32> = (0..pp_count).map(|i| pp_inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
-        for x in want.iter_mut() {
-            for _ in 1..pp_calls {
-                *x = x.wrapping_mul(n as u32);
-            }
-        }
-        for (r, o) in download(&s, &pp[(pp_calls % 2) as usize]).iter().enumerate() {
-            let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
-            assert_eq!(bad, 0, "{tag}: out-of-place ping-pong, rank {r}: {bad} wrong elements after {pp_calls} calls");
-        }
+        // The last call wrote pp[m % 2]; the one before, the other buffer.
+        let m = pp_calls.len();
+        let want = chain::simulate(&pp_inputs, &pp_refill, &pp_calls);
+        chain::assert_informative(&format!("{tag}: ping-pong"), &want[0]);
+        check_chain(&s, &pp[m % 2], &want, &format!("{tag}: out-of-place ping-pong after {m} calls"));
+        let before = chain::simulate(&pp_inputs, &pp_refill, &pp_calls[..m - 1]);
+        check_chain(&s, &pp[(m + 1) % 2], &before, &format!("{tag}: out-of-place ping-pong after {} calls", m - 1));
         for (w, &c) in sizes.iter().enumerate() {
-            // After the first call every rank holds the sum; each later call multiplies it by n.
-            let mut want: Vec<u32> = (0..c).map(|i| inputs[w].iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
-            for _ in 1..calls[w] {
-                for x in want.iter_mut() {
-                    *x = x.wrapping_mul(n as u32);
-                }
-            }
-            for (r, o) in download(&s, &bufs[w]).iter().enumerate() {
-                let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
-                assert_eq!(bad, 0, "{tag}: size {c}, rank {r}: {bad} wrong elements after {} calls", calls[w]);
-            }
+            let want = chain::simulate(&inputs[w], &refill[w], &calls[w]);
+            chain::assert_informative(&format!("{tag}: size {c}"), &want[0]);
+            check_chain(&s, &bufs[w], &want, &format!("{tag}: size {c} after {} calls", calls[w].len()));
         }
     }
 }
@@ -490,9 +567,7 @@ fn interleaved_sizes_back_to_back() {
 /// Bad input is a typed error, never a panic.
 #[test]
 fn bad_input_is_refused() {
-    use cuda_peer::Error;
-    let Some(ctx) = gpus("collectives_bad_input", 2) else { return };
-    assert!(matches!(Group::new(Vec::new(), &GroupOptions::default()), Err(Error::EmptyGroup)));
+    let Some(ctx) = gpus("bad_input_is_refused", 2) else { return };
     let s = setup(&ctx, 2, ("p2p", Vec::new(), Algorithm::Auto));
     let shared: Vec<_> = (0..3).map(|r| ctx[r % 2].new_stream().unwrap()).collect();
     let mesh_opts = GroupOptions::default().algorithm(Algorithm::Mesh);
@@ -517,13 +592,18 @@ fn bad_input_is_refused() {
     let send = vec![s.streams[0].alloc_zeros::<i32>(20).unwrap(), s.streams[1].alloc_zeros::<i32>(20).unwrap()];
     let mut recv = vec![s.streams[0].alloc_zeros::<i32>(11).unwrap(), s.streams[1].alloc_zeros::<i32>(11).unwrap()];
     assert!(matches!(s.group.reduce_scatter(&send, &mut recv, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
-    let _ = DType::F32;
+}
+
+/// A group of no rank is refused before any driver call (no GPU needed).
+#[test]
+fn an_empty_group_is_refused() {
+    assert!(matches!(Group::new(Vec::new(), &GroupOptions::default()), Err(Error::EmptyGroup)));
 }
 
 /// A group of one rank is the identity (avg too).
 #[test]
 fn single_rank_group_is_identity() {
-    let Some(ctx) = gpus("single_rank", 1) else { return };
+    let Some(ctx) = gpus("single_rank_group_is_identity", 1) else { return };
     let s = setup(&ctx[..1], 1, ("single", Vec::new(), Algorithm::Auto));
     for count in [0, 1, 1000] {
         run_all::<f32>(&s, ReduceOp::Avg, count, "single");
@@ -534,11 +614,12 @@ fn single_rank_group_is_identity() {
 
 /// All-reduces of several sizes (one-shot, mesh and ring under Auto) and
 /// unaligned views, interleaved back to back with no host synchronisation:
-/// wrapping u32 sums show any slot reused too early or any race between
+/// chains of wrapping u32 sums (`common::chain`, over the whole buffer or
+/// the view's elements) show any slot reused too early or any race between
 /// algorithms exactly.
 #[test]
 fn interleaved_sizes_and_algorithms() {
-    let Some(ctx) = gpus("interleaved_sizes", 2) else { return };
+    let Some(ctx) = gpus("interleaved_sizes_and_algorithms", 2) else { return };
     let n = 2;
     let sets: Vec<PathSet> = vec![("p2p-auto", Vec::new(), Algorithm::Auto), ("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto)];
     for set in sets {
@@ -549,45 +630,139 @@ fn interleaved_sizes_and_algorithms() {
         eprintln!("  {tag}: algorithms {algos:?}");
         assert_eq!(algos[0], Selected::OneShot, "{tag}: the smallest buffer (and its unaligned view) must take the one-shot");
         let inputs: Vec<Vec<Vec<u32>>> = counts.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
+        let refill: Vec<Vec<Vec<u32>>> = counts.iter().map(|&c| random_inputs::<u32>(n, c, ReduceOp::Sum)).collect();
         let mut bufs: Vec<Vec<CudaSlice<u32>>> = inputs.iter().map(|i| upload(&s, i)).collect();
+        let refills: Vec<Vec<CudaSlice<u32>>> = refill.iter().map(|i| upload(&s, i)).collect();
+        let mut calls: Vec<Vec<chain::Call>> = vec![Vec::new(); counts.len()];
         let mut rounds = [0u32; 5];
         for step in 0..50 {
             let k = (step * 7 + step / 3) % 5;
-            if k < 3 {
-                s.group.all_reduce_in_place(&mut bufs[k], ReduceOp::Sum).unwrap();
+            // Unaligned views (4 bytes in) of the largest buffer (mesh
+            // or ring) and of the smallest (the one-shot's element path).
+            let (b, from) = match k {
+                3 => (2, 1),
+                4 => (0, 1),
+                _ => (k, 0),
+            };
+            let refilled = chain::refilled(n, calls[b].len());
+            if let Some(p) = refilled {
+                s.streams[p].memcpy_dtod(&refills[b][p].slice(from..), &mut bufs[b][p].slice_mut(from..)).unwrap();
+            }
+            if from == 0 {
+                s.group.all_reduce_in_place(&mut bufs[b], ReduceOp::Sum).unwrap();
             } else {
-                // Unaligned views (4 bytes in) of the largest buffer (mesh
-                // or ring) and of the smallest (the one-shot's element path).
-                let b = if k == 3 { 2 } else { 0 };
-                let mut views: Vec<_> = bufs[b].iter_mut().map(|b| b.slice_mut(1..)).collect();
+                let mut views: Vec<_> = bufs[b].iter_mut().map(|b| b.slice_mut(from..)).collect();
                 s.group.all_reduce_in_place(&mut views, ReduceOp::Sum).unwrap();
             }
+            calls[b].push((from..counts[b], refilled));
             rounds[k] += 1;
         }
         for (k, &c) in counts.iter().enumerate() {
-            let mut want: Vec<u32> = (0..c).map(|i| inputs[k].iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
-            let mul = |w: &mut [u32], times: u32| {
-                for x in w.iter_mut() {
-                    for _ in 1..times {
-                        *x = x.wrapping_mul(n as u32);
-                    }
-                }
-            };
-            mul(&mut want, rounds[k]);
-            // The view's elements were reduced rounds[3] or rounds[4] more times.
-            let extra = match k {
+            let want = chain::simulate(&inputs[k], &refill[k], &calls[k]);
+            chain::assert_informative(&format!("{tag}: buffer of {c} elements"), &want[0]);
+            let views = match k {
                 2 => rounds[3],
                 0 => rounds[4],
                 _ => 0,
             };
-            for x in want[1..].iter_mut() {
-                for _ in 0..extra {
-                    *x = x.wrapping_mul(n as u32);
+            check_chain(&s, &bufs[k], &want, &format!("{tag}: buffer of {c} elements after {} whole + {views} view all-reduces", rounds[k]));
+        }
+    }
+}
+
+// ---- CPU self-checks (no GPU): the planted defects must be caught ----
+
+/// The float comparison (`check_range`, as every GPU test above uses it)
+/// accepts a right reduction in every order the kernels may take, and
+/// rejects, on every element, a rank dropped and an average divided by
+/// `n - 1`, for every float type and 2 to 8 ranks, on the inputs
+/// `random_inputs` draws.
+#[test]
+fn the_float_comparison_rejects_a_dropped_rank_and_avg_by_n_minus_1() {
+    fn for_type<T: TestElem>(rng: &mut StdRng) {
+        let count = 1000;
+        for n in 2..=MAX_RANKS {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod] {
+                let inputs = random_inputs_from::<T>(rng, n, count, op);
+                let column = |i: usize| -> Vec<T> { inputs.iter().map(|v| v[i]).collect() };
+                let what = |case: &str| format!("{} {op} n={n}: {case}", T::DTYPE);
+                let cases = num::right_results(op, &column(0), 0).len();
+                for c in 0..cases {
+                    let got: Vec<T> = (0..count).map(|i| num::right_results(op, &column(i), i % n)[c].1).collect();
+                    let name = num::right_results(op, &column(0), 0)[c].0;
+                    if let Some((wrong, first)) = check_range(op, &inputs, 0, &got) {
+                        panic!("{}: {wrong} of {count} rejected, first at {first}: {:?} from {:?}", what(name), got[first], column(first));
+                    }
+                }
+                let defects = num::planted_defects(op, &column(0), 0).len();
+                assert!(defects >= 1);
+                for d in 0..defects {
+                    let got: Vec<T> = (0..count).map(|i| num::planted_defects(op, &column(i), i % n)[d].1).collect();
+                    let name = num::planted_defects(op, &column(0), 0)[d].0;
+                    match check_range(op, &inputs, 0, &got) {
+                        Some((wrong, _)) if wrong == count => {}
+                        other => panic!("{}: not rejected on every element ({other:?}: (wrong, first wrong))", what(name)),
+                    }
                 }
             }
-            for (r, o) in download(&s, &bufs[k]).iter().enumerate() {
-                let bad = o.iter().zip(&want).filter(|(a, b)| a != b).count();
-                assert_eq!(bad, 0, "{tag}: buffer of {c} elements, rank {r}: {bad} wrong after {} + {extra} all-reduces", rounds[k]);
+        }
+    }
+    let mut rng = StdRng::seed_from_u64(0x5eed_0f10);
+    for_type::<f32>(&mut rng);
+    for_type::<f64>(&mut rng);
+    for_type::<f16>(&mut rng);
+    for_type::<bf16>(&mut rng);
+}
+
+/// The back-to-back chains (`common::chain`, as the GPU tests above run
+/// them) carry a defect planted in any call, early or late, to every
+/// element of the end result, for 2 to 8 ranks: a rank dropped from a sum,
+/// a call that wrote zeros, a call that did not run, one rank's output off
+/// by one (on a rank whose output the chain carries). The expected results
+/// are informative (no zeros).
+#[test]
+fn back_to_back_chains_carry_every_calls_error_to_the_end() {
+    let mut rng = StdRng::seed_from_u64(0xc4a1_0b2b);
+    let (count, calls_n) = (1024, 100);
+    for n in 2..=MAX_RANKS {
+        let start = random_inputs_from::<u32>(&mut rng, n, count, ReduceOp::Sum);
+        let refill = random_inputs_from::<u32>(&mut rng, n, count, ReduceOp::Sum);
+        let calls = chain::calls(n, 0..count, calls_n);
+        let want = chain::simulate(&start, &refill, &calls);
+        chain::assert_informative(&format!("n={n}"), &want[0]);
+        assert!(want.iter().all(|w| *w == want[0]), "n={n}: ranks end differently");
+        for at in [0, 1, calls_n / 2, calls_n - 2, calls_n - 1] {
+            let q = at % n;
+            // A rank whose output of call `at` the next call reads.
+            let carried = chain::refilled(n, at + 1).map_or(q, |p| (p + 1) % n);
+            type Defect = Box<dyn Fn(&[u32], &mut [u32]) + Sync>;
+            let defects: Vec<(&str, Defect, bool)> = vec![
+                (
+                    "a rank dropped",
+                    Box::new(move |v: &[u32], out: &mut [u32]| {
+                        let s = out[0].wrapping_sub(v[q]);
+                        out.fill(s)
+                    }),
+                    true,
+                ),
+                ("zeros written", Box::new(|_: &[u32], out: &mut [u32]| out.fill(0)), true),
+                ("the call not run", Box::new(|v: &[u32], out: &mut [u32]| out.copy_from_slice(v)), true),
+                ("one rank's output off by one", Box::new(move |_: &[u32], out: &mut [u32]| out[carried] = out[carried].wrapping_add(1)), false),
+            ];
+            for (name, defect, every_rank) in &defects {
+                let got = chain::simulate_with(&start, &refill, &calls, |k, v, out| {
+                    if k == at {
+                        defect(v, out)
+                    }
+                });
+                let lost = (0..count).filter(|&i| (0..n).all(|r| got[r][i] == want[r][i])).count();
+                assert_eq!(lost, 0, "n={n}, {name} at call {at}: {lost} of {count} elements end right");
+                if *every_rank {
+                    for r in 0..n {
+                        let lost = (0..count).filter(|&i| got[r][i] == want[r][i]).count();
+                        assert_eq!(lost, 0, "n={n}, {name} at call {at}: rank {r} ends right in {lost} of {count} elements");
+                    }
+                }
             }
         }
     }

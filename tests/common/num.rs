@@ -1,40 +1,307 @@
-//! Element types as numbers, for CPU references of small exact values.
+//! Element types as numbers: CPU references, the kernels' arithmetic, and
+//! the comparison of a reduction's result with its reference.
+//!
+//! The rule (docs/testing.md): integers, and float results whose every
+//! partial result is exactly representable, must match exactly; other
+//! float results must lie within [`float_bound`] of the f64 reference, the
+//! largest error any order of binary steps can make, computed per element
+//! from that element's inputs.
 #![allow(dead_code)]
 
-use cuda_peer::Element;
+use cuda_peer::{Element, ReduceOp};
 use half::{bf16, f16};
 
 /// An element type that holds small integers exactly (every cuda-peer type
 /// does up to 127), converted through `f64` for CPU references.
-pub trait Num: Element + Copy + std::fmt::Debug + PartialEq {
+pub trait Num: Element + Copy + std::fmt::Debug + PartialEq + Send + Sync {
     /// `x` in this type (rounded as `as` or `half` round).
     fn from_f64(x: f64) -> Self;
     /// This value as `f64`.
     fn to_f64(self) -> f64;
+    /// Significand bits of a float type, its implicit bit included (24 for
+    /// f32, 53 for f64, 11 for f16, 8 for bf16); `None` for integers.
+    const BITS: Option<u32>;
+    /// `op`'s binary step as the kernels compute it: integers wrap, f32 and
+    /// f64 natively, f16 and bf16 in f32 rounded back to nearest
+    /// (`kernels/reduce.cu`). `Avg` sums.
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
+    /// `x / n` as the kernels turn a sum into an average: f32, f16 and
+    /// bf16 in f32 (rounded back), f64 in f64. Integers truncate (they have
+    /// no average; for self-checks only).
+    fn divide(x: Self, n: usize) -> Self;
 }
 
-macro_rules! num {
+macro_rules! int_num {
     ($($t:ty),*) => {$(impl Num for $t {
         fn from_f64(x: f64) -> Self { x as $t }
         fn to_f64(self) -> f64 { self as f64 }
+        const BITS: Option<u32> = None;
+        fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                ReduceOp::Prod => a.wrapping_mul(b),
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+            }
+        }
+        fn divide(x: Self, n: usize) -> Self { x / (n as $t) }
     })*};
 }
-num!(f32, f64, i32, i64, u32, u64, i8, u8);
+int_num!(i32, i64, u32, u64, i8, u8);
 
-impl Num for f16 {
-    fn from_f64(x: f64) -> Self {
-        f16::from_f64(x)
-    }
-    fn to_f64(self) -> f64 {
-        f16::to_f64(self)
+macro_rules! float_num {
+    ($t:ty, $bits:expr, $from:expr, $to:expr, $via:ty, $back:expr, $div:expr) => {
+        impl Num for $t {
+            fn from_f64(x: f64) -> Self {
+                ($from)(x)
+            }
+            fn to_f64(self) -> f64 {
+                ($to)(self)
+            }
+            const BITS: Option<u32> = Some($bits);
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                let (x, y): ($via, $via) = (<$via>::from(a), <$via>::from(b));
+                ($back)(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => x + y,
+                    ReduceOp::Prod => x * y,
+                    // No NaN among the inputs of the tests; ties keep the first.
+                    ReduceOp::Min => {
+                        if y < x {
+                            y
+                        } else {
+                            x
+                        }
+                    }
+                    ReduceOp::Max => {
+                        if y > x {
+                            y
+                        } else {
+                            x
+                        }
+                    }
+                })
+            }
+            fn divide(x: Self, n: usize) -> Self {
+                ($div)(x, n)
+            }
+        }
+    };
+}
+float_num!(f32, 24, |x: f64| x as f32, |x: f32| x as f64, f32, |v: f32| v, |x: f32, n: usize| x / n as f32);
+float_num!(f64, 53, |x: f64| x, |x: f64| x, f64, |v: f64| v, |x: f64, n: usize| x / n as f64);
+float_num!(f16, 11, f16::from_f64, f16::to_f64, f32, f16::from_f32, |x: f16, n: usize| f16::from_f32(x.to_f32() / n as f32));
+float_num!(bf16, 8, bf16::from_f64, bf16::to_f64, f32, bf16::from_f32, |x: bf16, n: usize| bf16::from_f32(x.to_f32() / n as f32));
+
+/// The exact result of `op` over one element's inputs `xs` (one per rank),
+/// in f64.
+pub fn reference(op: ReduceOp, xs: &[f64]) -> f64 {
+    match op {
+        ReduceOp::Sum => xs.iter().sum(),
+        ReduceOp::Prod => xs.iter().product(),
+        ReduceOp::Min => xs.iter().copied().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg => xs.iter().sum::<f64>() / xs.len() as f64,
     }
 }
 
-impl Num for bf16 {
-    fn from_f64(x: f64) -> Self {
-        bf16::from_f64(x)
+/// The relative error of one binary step of the kernels in a float type
+/// of `bits` significand bits: its unit roundoff `2^-bits` (round to
+/// nearest), plus f32's where a 16-bit type is computed in f32 first.
+pub fn step_roundoff(bits: u32) -> f64 {
+    let u = 2f64.powi(-(bits as i32));
+    if bits < 24 {
+        u + 2f64.powi(-24)
+    } else {
+        u
     }
-    fn to_f64(self) -> f64 {
-        bf16::to_f64(self)
+}
+
+/// The sum, over the `n - 1` partial results of a sum of `xs` taken in the
+/// worst order, of their magnitudes: `sum_{k=2..n}` (the sum of the `k`
+/// largest `|x|`). Every order of binary additions (a chain in any rank
+/// order, as the ring; rank order, as the one-shot and the mesh; a tree)
+/// has partial results whose magnitudes sum to at most this.
+pub fn worst_partials(xs: &[f64]) -> f64 {
+    let mut buf = [0f64; 16];
+    let mut heap;
+    let a: &mut [f64] = if xs.len() <= buf.len() {
+        &mut buf[..xs.len()]
+    } else {
+        heap = vec![0f64; xs.len()];
+        &mut heap[..]
+    };
+    for (d, x) in a.iter_mut().zip(xs) {
+        *d = x.abs();
+    }
+    a.sort_unstable_by(|x, y| y.total_cmp(x));
+    let (mut top, mut partials) = (0.0, 0.0);
+    for (k, v) in a.iter().enumerate() {
+        top += v;
+        if k >= 1 {
+            partials += top;
+        }
+    }
+    partials
+}
+
+/// Whether every partial result of `op` over `xs` in any order is exactly
+/// representable in a float type of `bits` significand bits (integer
+/// inputs whose magnitudes sum, or multiply, to at most `2^bits`).
+fn exact_in(op: ReduceOp, xs: &[f64], bits: u32) -> bool {
+    let limit = 2f64.powi(bits as i32);
+    let integers = xs.iter().all(|x| x.fract() == 0.0);
+    match op {
+        ReduceOp::Sum => integers && xs.iter().map(|x| x.abs()).sum::<f64>() <= limit,
+        ReduceOp::Prod => integers && xs.iter().map(|x| x.abs()).product::<f64>() <= limit,
+        ReduceOp::Min | ReduceOp::Max => true,
+        ReduceOp::Avg => false,
+    }
+}
+
+/// The largest error of `op` over one element's inputs `xs` (one per rank)
+/// computed by the kernels in a float type of `bits` significand bits,
+/// against [`reference`]:
+///
+/// * min, max, and sums and products whose partial results are all exact:
+///   0;
+/// * sum: `u * worst_partials(xs)`, where `u` is one step's roundoff
+///   ([`step_roundoff`]) plus f64's (the reference is rounded too);
+/// * avg: the sum's bound plus the division's rounding (or NCCL's
+///   pre-multiplication of every input by `1/n`: `2u` per input), over `n`;
+/// * prod: `(n - 1) u` relative;
+///
+/// each widened by `1 + 2(n + 1)u` for the second-order terms. One rank is
+/// the identity: 0.
+pub fn float_bound(op: ReduceOp, xs: &[f64], bits: u32) -> f64 {
+    let n = xs.len();
+    if n <= 1 && op != ReduceOp::Avg {
+        return 0.0;
+    }
+    if exact_in(op, xs, bits) {
+        return 0.0;
+    }
+    let u = step_roundoff(bits) + 2f64.powi(-53);
+    let widen = 1.0 + 2.0 * (n as f64 + 1.0) * u;
+    let abs: f64 = xs.iter().map(|x| x.abs()).sum();
+    match op {
+        ReduceOp::Sum => u * worst_partials(xs) * widen,
+        ReduceOp::Avg if n == 1 => 0.0,
+        ReduceOp::Avg => (u * worst_partials(xs) + (2.0 * u + 2f64.powi(-22)) * abs) * widen / n as f64,
+        ReduceOp::Prod => (n as f64 - 1.0) * u * reference(ReduceOp::Prod, xs).abs() * widen,
+        ReduceOp::Min | ReduceOp::Max => 0.0,
+    }
+}
+
+/// The largest number of ranks the column helpers gather without allocating.
+const MAX_RANKS: usize = 16;
+
+/// Whether `got` is a right result of `op` over one element's inputs `xs`
+/// (one per rank): exactly the reference for integers (no wrapping: small
+/// inputs), within [`float_bound`] of it for floats. NaN is never right.
+pub fn accepts<T: Num>(op: ReduceOp, xs: &[f64], got: T) -> bool {
+    let want = reference(op, xs);
+    let g = got.to_f64();
+    match T::BITS {
+        None => g == want,
+        Some(bits) => (g - want).abs() <= float_bound(op, xs, bits),
+    }
+}
+
+/// [`accepts`] for element `i` of every rank's inputs `ins[rank]`.
+pub fn accepts_at<T: Num>(op: ReduceOp, ins: &[Vec<f64>], i: usize, got: T) -> bool {
+    let mut buf = [0f64; MAX_RANKS];
+    let n = ins.len();
+    assert!(n <= MAX_RANKS, "{n} ranks");
+    for (d, x) in buf.iter_mut().zip(ins) {
+        *d = x[i];
+    }
+    accepts(op, &buf[..n], got)
+}
+
+/// `op` over `xs` as the kernels compute it, combining in `order` (rank
+/// indices; every rank once), `Avg` divided once at the end.
+pub fn kernel_reduce<T: Num>(op: ReduceOp, xs: &[T], order: &[usize]) -> T {
+    let v = order[1..].iter().fold(xs[order[0]], |acc, &r| T::combine(op, acc, xs[r]));
+    if op == ReduceOp::Avg {
+        T::divide(v, xs.len())
+    } else {
+        v
+    }
+}
+
+/// `op` over `xs` combined as a balanced tree (pairs of neighbours, then
+/// pairs of pairs), `Avg` divided once at the end.
+pub fn kernel_tree<T: Num>(op: ReduceOp, xs: &[T]) -> T {
+    let mut level: Vec<T> = xs.to_vec();
+    while level.len() > 1 {
+        level = level.chunks(2).map(|p| if p.len() == 2 { T::combine(op, p[0], p[1]) } else { p[0] }).collect();
+    }
+    if op == ReduceOp::Avg {
+        T::divide(level[0], xs.len())
+    } else {
+        level[0]
+    }
+}
+
+/// An average as NCCL computes it for floats: every input multiplied by
+/// `1/n` (in the type) first, then summed in rank order.
+pub fn premultiplied_avg<T: Num>(xs: &[T]) -> T {
+    let scale = T::from_f64(1.0 / xs.len() as f64);
+    let scaled: Vec<T> = xs.iter().map(|&x| T::combine(ReduceOp::Prod, x, scale)).collect();
+    scaled[1..].iter().fold(scaled[0], |a, &x| T::combine(ReduceOp::Sum, a, x))
+}
+
+/// Right results of `op` over `xs` that kernels may give: the reduction in
+/// rank order, in reverse, in a cyclic order from `start`, largest
+/// magnitude first, as a tree, and (avg) NCCL's pre-multiplied form.
+pub fn right_results<T: Num>(op: ReduceOp, xs: &[T], start: usize) -> Vec<(&'static str, T)> {
+    let n = xs.len();
+    let forward: Vec<usize> = (0..n).collect();
+    let backward: Vec<usize> = (0..n).rev().collect();
+    let cyclic: Vec<usize> = (0..n).map(|k| (start + k) % n).collect();
+    let mut largest_first = forward.clone();
+    largest_first.sort_by(|&a, &b| xs[b].to_f64().abs().total_cmp(&xs[a].to_f64().abs()));
+    let mut out = vec![
+        ("rank order", kernel_reduce(op, xs, &forward)),
+        ("reverse order", kernel_reduce(op, xs, &backward)),
+        ("cyclic order", kernel_reduce(op, xs, &cyclic)),
+        ("largest first", kernel_reduce(op, xs, &largest_first)),
+        ("tree", kernel_tree(op, xs)),
+    ];
+    if op == ReduceOp::Avg {
+        out.push(("pre-multiplied (NCCL)", premultiplied_avg(xs)));
+    }
+    out
+}
+
+/// Planted defects: results of a wrong reduction of `op` over `xs` that a
+/// comparison must reject: rank `dropped` left out (of the sum, and of the
+/// average's sum, still divided by `n`), and the average divided by
+/// `n - 1`.
+pub fn planted_defects<T: Num>(op: ReduceOp, xs: &[T], dropped: usize) -> Vec<(&'static str, T)> {
+    let n = xs.len();
+    let others: Vec<usize> = (0..n).filter(|&r| r != dropped).collect();
+    let mut out = Vec::new();
+    if n > 1 {
+        let v = others[1..].iter().fold(xs[others[0]], |acc, &r| T::combine(op, acc, xs[r]));
+        out.push(("one rank dropped", if op == ReduceOp::Avg { T::divide(v, n) } else { v }));
+    }
+    if op == ReduceOp::Avg && n > 1 {
+        let all: Vec<usize> = (0..n).collect();
+        let sum = kernel_reduce(ReduceOp::Sum, xs, &all);
+        out.push(("avg divided by n - 1", T::divide(sum, n - 1)));
+    }
+    out
+}
+
+/// Inputs of the multi-process tests for `op`: small integers from the
+/// seeded stream `x`, so that every sum, product, min and max of up to 8
+/// ranks is exact in every type; for sum and avg in 4..=8, bounded away
+/// from zero, so that a rank dropped, or an average divided by `n - 1`,
+/// is further from the right result than [`float_bound`]; else 1..=5.
+pub fn small_input(op: ReduceOp, x: u64) -> f64 {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => (4 + x % 5) as f64,
+        _ => (1 + x % 5) as f64,
     }
 }
