@@ -3,15 +3,19 @@
 //! its socket transport (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`), as
 //! between two hosts. Every collective of [`NcclComm`] is checked against a
 //! CPU reference on fresh random data; a peer that dies mid-job fails the
-//! survivor in bounded time with its context still usable. Skipped (a
-//! `SKIPPED <name>` line) with fewer than two GPUs; a missing NCCL library
+//! survivor in bounded time with its context still usable. Integers, and
+//! float results whose partial results are all exact, match exactly; float
+//! averages lie within `common::num`'s per-element bound. The parent checks
+//! that every child ran its test and printed its result line
+//! (`common::procs`). Skipped (a `SKIPPED <name>` line) with fewer than
+//! two GPUs (NCCL takes one device per rank); a missing GPU or NCCL library
 //! fails the test only under `CUDA_PEER_REQUIRE_GPU=1`.
 #![cfg(target_os = "linux")]
 
 mod common;
 
-use common::num::Num;
-use common::procs::{all_succeeded, child, rank, spawn};
+use common::num::{self, Num};
+use common::procs::{all_succeeded, child, passes, rank, spawn, End};
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
 use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, world::Engine, Bootstrap, CommOptions, NcclComm, WorldComm};
 use cuda_peer::{Element, Error, ReduceOp};
@@ -41,9 +45,9 @@ fn host_env(r: usize, seed: u64) -> Vec<(&'static str, String)> {
     hosts_env(r, 1, seed)
 }
 
-/// Two GPUs and an NCCL library, or `None` after saying why the test skips.
+/// Two GPUs and an NCCL library, or `false` after saying why the test skips.
 fn ready(test: &str) -> bool {
-    if common::gpus(test, 2).is_none() {
+    if common::gpu_count(test, 2).is_none() {
         return false;
     }
     match nccl_version() {
@@ -53,7 +57,7 @@ fn ready(test: &str) -> bool {
         }
         Err(e) if common::required() => panic!("{test}: CUDA_PEER_REQUIRE_GPU=1 but NCCL cannot be loaded: {e}"),
         Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
+            common::skipped(test, format!("NCCL cannot be loaded: {e}"));
             false
         }
     }
@@ -111,31 +115,27 @@ macro_rules! coll {
 }
 coll!(NcclComm, WorldComm);
 
-/// Every rank's input for call `call`.
-fn inputs<T: Num>(call: u64, n: usize, count: usize) -> Vec<Vec<T>> {
-    (0..n).map(|r| seeded(seed() * 1000 + call * 16 + r as u64, count).into_iter().map(|x| T::from_f64((x % 5 + 1) as f64)).collect()).collect()
-}
-
-fn reduce(op: ReduceOp, xs: impl Iterator<Item = f64>, n: usize) -> f64 {
-    let xs: Vec<f64> = xs.collect();
-    match op {
-        ReduceOp::Sum => xs.iter().sum(),
-        ReduceOp::Prod => xs.iter().product(),
-        ReduceOp::Min => xs.iter().cloned().fold(f64::INFINITY, f64::min),
-        ReduceOp::Max => xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
-        ReduceOp::Avg => xs.iter().sum::<f64>() / n as f64,
-    }
+/// Every rank's input for call `call` of `op`: small integers
+/// (`num::small_input`), exact in every reduction but avg's division.
+fn inputs<T: Num>(call: u64, n: usize, count: usize, op: ReduceOp) -> Vec<Vec<T>> {
+    (0..n)
+        .map(|r| seeded(seed() * 1000 + call * 16 + r as u64, count).into_iter().map(|x| T::from_f64(num::small_input(op, x as u64))).collect())
+        .collect()
 }
 
 fn poison<T: Num>(stream: &Arc<CudaStream>, count: usize) -> cuda_peer::cudarc::driver::CudaSlice<T> {
     stream.clone_htod(&vec![T::from_f64(77.0); count]).unwrap()
 }
 
-fn assert_close<T: Num>(what: &str, got: &[T], want: &[f64]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let w = *w;
-        assert!((g.to_f64() - w).abs() <= 1e-2 * w.abs().max(1.0), "{what} {}: [{i}] = {g:?}, expected {w}", T::DTYPE.name());
+/// Asserts that `got[i]` is right for `op` over element `offset + i` of
+/// every rank's inputs: exactly for integers (and exact float results),
+/// within `num::float_bound` otherwise.
+fn assert_reduced<T: Num>(what: &str, op: ReduceOp, ins: &[Vec<T>], offset: usize, got: &[T]) {
+    let ins: Vec<Vec<f64>> = ins.iter().map(|x| x[offset..offset + got.len()].iter().map(|v| v.to_f64()).collect()).collect();
+    if let Some(i) = (0..got.len()).find(|&i| !num::accepts_at(op, &ins, i, got[i])) {
+        let xs: Vec<f64> = ins.iter().map(|x| x[i]).collect();
+        let bound = T::BITS.map_or(0.0, |b| num::float_bound(op, &xs, b));
+        panic!("{what} {}: [{i}] = {:?}, expected {} (within {bound:e}) from {xs:?}", T::DTYPE.name(), got[i], num::reference(op, &xs));
     }
 }
 
@@ -145,40 +145,37 @@ fn check_all<C: Coll, T: Num>(comm: &C, op: ReduceOp, mut call: u64) -> u64 {
     let count = 4099;
     // all-reduce, out of place and in place
     call += 1;
-    let ins = inputs::<T>(call, n, count);
-    let want: Vec<f64> = (0..count).map(|i| reduce(op, ins.iter().map(|x| x[i].to_f64()), n)).collect();
+    let ins = inputs::<T>(call, n, count, op);
     let send = s.clone_htod(&ins[r]).unwrap();
     let mut recv = poison::<T>(&s, count);
     comm.all_reduce(&send, &mut recv, op).unwrap();
     let mut inplace = s.clone_htod(&ins[r]).unwrap();
     comm.all_reduce_in_place(&mut inplace, op).unwrap();
     comm.synchronize().unwrap();
-    assert_close::<T>(&format!("all_reduce {op:?}"), &s.clone_dtoh(&recv).unwrap(), &want);
-    assert_close::<T>(&format!("all_reduce_in_place {op:?}"), &s.clone_dtoh(&inplace).unwrap(), &want);
+    assert_reduced::<T>(&format!("all_reduce {op:?}"), op, &ins, 0, &s.clone_dtoh(&recv).unwrap());
+    assert_reduced::<T>(&format!("all_reduce_in_place {op:?}"), op, &ins, 0, &s.clone_dtoh(&inplace).unwrap());
     assert_eq!(s.clone_dtoh(&send).unwrap(), ins[r], "all_reduce changed its input");
 
     // reduce-scatter
     call += 1;
-    let ins = inputs::<T>(call, n, count * n);
+    let ins = inputs::<T>(call, n, count * n, op);
     let send = s.clone_htod(&ins[r]).unwrap();
     let mut recv = poison::<T>(&s, count);
     comm.reduce_scatter(&send, &mut recv, op).unwrap();
     comm.synchronize().unwrap();
-    let want: Vec<f64> = (r * count..(r + 1) * count).map(|i| reduce(op, ins.iter().map(|x| x[i].to_f64()), n)).collect();
-    assert_close::<T>(&format!("reduce_scatter {op:?}"), &s.clone_dtoh(&recv).unwrap(), &want);
+    assert_reduced::<T>(&format!("reduce_scatter {op:?}"), op, &ins, r * count, &s.clone_dtoh(&recv).unwrap());
 
     // reduce to the last rank (the root is not rank 0)
     call += 1;
     let root = n - 1;
-    let ins = inputs::<T>(call, n, count);
+    let ins = inputs::<T>(call, n, count, op);
     let send = s.clone_htod(&ins[r]).unwrap();
     let mut recv = poison::<T>(&s, count);
     comm.reduce(&send, &mut recv, root, op).unwrap();
     comm.synchronize().unwrap();
     let got = s.clone_dtoh(&recv).unwrap();
     if r == root {
-        let want: Vec<f64> = (0..count).map(|i| reduce(op, ins.iter().map(|x| x[i].to_f64()), n)).collect();
-        assert_close::<T>(&format!("reduce {op:?}"), &got, &want);
+        assert_reduced::<T>(&format!("reduce {op:?}"), op, &ins, 0, &got);
     } else {
         assert!(got.iter().all(|&g| g == T::from_f64(77.0)), "reduce wrote a non-root's recv");
     }
@@ -190,7 +187,7 @@ fn check_moves<C: Coll, T: Num>(comm: &C, mut call: u64) -> u64 {
     let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
     let count = 3001;
     call += 1;
-    let ins = inputs::<T>(call, n, count);
+    let ins = inputs::<T>(call, n, count, ReduceOp::Sum);
     let send = s.clone_htod(&ins[r]).unwrap();
     let mut recv = poison::<T>(&s, count * n);
     comm.all_gather(&send, &mut recv).unwrap();
@@ -199,7 +196,7 @@ fn check_moves<C: Coll, T: Num>(comm: &C, mut call: u64) -> u64 {
 
     call += 1;
     let root = 1 % n;
-    let ins = inputs::<T>(call, n, count);
+    let ins = inputs::<T>(call, n, count, ReduceOp::Sum);
     let mut buf = s.clone_htod(&ins[r]).unwrap();
     comm.broadcast(&mut buf, root).unwrap();
     comm.synchronize().unwrap();
@@ -229,7 +226,7 @@ fn every_collective<C: Coll>(comm: &C) {
     assert!(matches!(comm.all_reduce(&a, &mut b, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
     assert!(matches!(comm.broadcast(&mut b, 5), Err(Error::RootOutOfRange { .. })));
     let mut i = s.alloc_zeros::<i32>(4).unwrap();
-    assert!(matches!(comm.all_reduce_in_place(&mut i, ReduceOp::Avg), Err(Error::UnsupportedOp { .. })));
+    assert!(matches!(comm.all_reduce_in_place(&mut i, ReduceOp::Avg), Err(Error::UnsupportedOp { op: "avg", dtype: "i32" })));
     comm.synchronize().unwrap();
 }
 
@@ -249,7 +246,23 @@ fn two_simulated_hosts_run_every_collective_on_nccl() {
         return;
     }
     let seed: u64 = rand::random::<u32>() as u64;
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(240), |r| host_env(r, seed)));
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(240), |r| host_env(r, seed)), passes("every collective right between simulated hosts"));
+}
+
+/// Whether `e` is how NCCL reports a dead peer: the collective's own
+/// error (`Error::Nccl`, naming the call and a failing NCCL result), or the
+/// communicator aborted (`Error::GroupFailed`) for NCCL's asynchronous
+/// error or for work that did not finish within the communicator's
+/// timeout.
+fn is_dead_peer_error(e: &Error) -> bool {
+    match e {
+        Error::Nccl { op, code, message } => op.starts_with("nccl") && *code != 0 && !message.is_empty(),
+        Error::GroupFailed { reason } => {
+            reason.starts_with("NCCL communicator aborted: ")
+                && (reason.contains("failed: NCCL result ") || reason.contains("(a peer died or stopped calling?) did not complete within"))
+        }
+        _ => false,
+    }
 }
 
 fn dead_peer_child() {
@@ -258,21 +271,32 @@ fn dead_peer_child() {
     let mut x = s.clone_htod(&vec![1.0f32; 1 << 16]).unwrap();
     comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
     comm.synchronize().unwrap();
+    assert_eq!(s.clone_dtoh(&x).unwrap(), vec![2.0f32; 1 << 16], "rank {}: the first all-reduce", comm.rank());
     if comm.rank() == 1 {
         // Dies with its communicator open, between two collectives.
+        println!("rank 1: leaving with the communicator open");
         std::process::exit(0);
     }
     std::thread::sleep(Duration::from_millis(500));
     let start = Instant::now();
     let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.synchronize());
     let took = start.elapsed();
-    assert!(r.is_err(), "rank 0: an all-reduce with a dead peer succeeded");
+    let first = match r {
+        Err(e) if is_dead_peer_error(&e) => e,
+        other => panic!("rank 0: an all-reduce with a dead peer: expected Error::Nccl or Error::GroupFailed (NCCL aborted), got {other:?}"),
+    };
     assert!(took < Duration::from_secs(60), "rank 0: the error took {took:?}");
-    // Later calls fail at once; the context still works.
-    assert!(comm.all_reduce_in_place(&mut x, ReduceOp::Sum).is_err(), "a failed communicator ran another call");
+    // Later calls fail at once (an aborted communicator: with the same
+    // error); the context still works.
+    let again = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+    match (&first, &again) {
+        (Error::GroupFailed { .. }, Err(e)) => assert_eq!(e, &first, "rank 0: a call on the aborted communicator"),
+        (_, Err(e)) => assert!(is_dead_peer_error(e), "rank 0: a call after the failure: {e:?}"),
+        (_, Ok(())) => panic!("rank 0: a failed communicator ran another call"),
+    }
     let y = s.clone_htod(&[5u32, 6, 7]).unwrap();
     assert_eq!(s.clone_dtoh(&y).unwrap(), vec![5, 6, 7], "rank 0's context is not usable after the abort");
-    println!("rank 0: {:?} after {took:?}; context usable", r.err());
+    println!("rank 0: {first:?} after {took:?}; context usable");
 }
 
 #[test]
@@ -284,7 +308,8 @@ fn a_dead_host_fails_the_survivor_in_bounded_time() {
     if !ready(name) {
         return;
     }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, 1)));
+    let end = |r: usize| if r == 1 { End::Exits("rank 1: leaving with the communicator open".into()) } else { End::Passes("rank 0: ".into()) };
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, 1)), end);
 }
 
 /// A `WorldComm` child: checks the engine it picked, then an all-reduce and
@@ -296,7 +321,7 @@ fn world_child(want_nccl: bool) {
     assert_eq!(engine == Engine::Nccl, want_nccl, "rank {}: engine {engine:?}", comm.rank());
     let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
     let count = 5003;
-    let ins = inputs::<u32>(900, n, count);
+    let ins = inputs::<u32>(900, n, count, ReduceOp::Sum);
     let mut buf = s.clone_htod(&ins[r]).unwrap();
     comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
     let send = s.clone_htod(&ins[r]).unwrap();
@@ -319,8 +344,8 @@ fn world_comm_picks_nccl_across_hosts_and_cuda_peer_within_one() {
         return;
     }
     let seed: u64 = rand::random::<u32>() as u64;
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, seed)));
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |_| vec![(SEED, seed.to_string())]));
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, seed)), passes("WorldComm on Nccl right"));
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |_| vec![(SEED, seed.to_string())]), passes("WorldComm on Host("));
 }
 
 /// Two simulated hosts of two ranks each (4 processes on the 2 GPUs):
@@ -341,5 +366,5 @@ fn two_simulated_hosts_of_two_ranks_run_every_collective_in_two_tiers() {
         return;
     }
     let seed: u64 = rand::random::<u32>() as u64;
-    all_succeeded(name, &spawn(name, 4, Duration::from_secs(300), |r| hosts_env(r, 2, seed)));
+    all_succeeded(name, &spawn(name, 4, Duration::from_secs(300), |r| hosts_env(r, 2, seed)), passes("every collective right in two tiers"));
 }

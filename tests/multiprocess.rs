@@ -1,16 +1,22 @@
-//! One process per GPU, on the GPU: each test re-executes this test binary
+//! One process per rank, on the GPU: each test re-executes this test binary
 //! as N children (filtered to itself, with torchrun's variables and
 //! `CUDA_PEER_MP_CHILD` set), which create a `Comm` and check their results
-//! against a CPU reference; the parent checks that every child succeeded in
-//! time. Skipped (a `SKIPPED <name>` line) with fewer GPUs than needed.
+//! against a CPU reference; the parent checks that every child ran that
+//! test and printed its result line, in time (`common::procs`). With fewer
+//! GPUs than ranks the ranks share the GPUs (`CommOptions::share_devices`),
+//! so one GPU runs them all; without a GPU a test skips (a `SKIPPED <name>`
+//! line; it fails with CUDA_PEER_REQUIRE_GPU=1). Integers and float sums,
+//! products, minima and maxima of the small integer inputs are exact; float
+//! averages lie within `common::num`'s per-element bound. The tests of the
+//! bootstrap alone, of the comparison and of the harness need no GPU.
 #![cfg(target_os = "linux")]
 
 mod common;
 
-use common::num::Num;
-use common::procs::{all_succeeded, child, rank, spawn};
+use common::num::{self, Num};
+use common::procs::{self, all_succeeded, child, passes, rank, spawn, End};
 
-use cuda_peer::cudarc::driver::CudaStream;
+use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
 use cuda_peer::ipc::{comm::seeded, Bootstrap, Comm, CommOptions};
 use cuda_peer::{Error, Path, PathPolicy, ReduceOp};
 use half::{bf16, f16};
@@ -23,11 +29,16 @@ const SHARE: &str = "CUDA_PEER_MP_SHARE";
 /// Set in a child: the staged path (shared host memory), forced.
 const STAGED: &str = "CUDA_PEER_MP_STAGED";
 
+/// Whether the parent asked this child's ranks to share the GPUs.
+fn shared() -> bool {
+    std::env::var_os(SHARE).is_some()
+}
+
 /// The children's options: `share_devices` and the staged path where the
 /// parent asked.
 fn child_opts() -> CommOptions {
     let path = if std::env::var_os(STAGED).is_some() { PathPolicy::StagedOnly } else { PathPolicy::Auto };
-    CommOptions::default().timeout(Duration::from_secs(30)).share_devices(std::env::var_os(SHARE).is_some()).path(path)
+    CommOptions::default().timeout(Duration::from_secs(30)).share_devices(shared()).path(path)
 }
 
 /// The communicator of a child, on the path the parent asked for.
@@ -38,61 +49,89 @@ fn child_comm(opts: &CommOptions) -> Comm {
     comm
 }
 
-/// Runs test `name` as three processes: on fewer than three GPUs, two of
-/// them share a device (`CommOptions::share_devices`).
-fn three_processes(name: &str) {
-    three_processes_with(name, vec![]);
+/// Runs test `name` as `n` processes with `env` set in every child, on the
+/// GPUs there are: with fewer than `n`, ranks share them. Every rank must
+/// pass, printing `rank N: <line>`.
+fn processes(name: &str, n: usize, deadline: Duration, env: Vec<(&'static str, String)>, line: &str) {
+    processes_ending(name, n, deadline, env, passes(line));
 }
 
-/// As [`three_processes`], with `env` set in every child.
-fn three_processes_with(name: &str, env: Vec<(&'static str, String)>) {
-    let Some(gpus) = gpu_count(name, 2) else {
+/// As [`processes`], each rank ending as `end(rank)` says.
+fn processes_ending(name: &str, n: usize, deadline: Duration, env: Vec<(&'static str, String)>, end: impl Fn(usize) -> End) {
+    let Some(gpus) = common::gpu_count(name, 1) else {
         return;
     };
-    let mut share = env;
-    if gpus < 3 {
-        share.push((SHARE, "1".into()));
+    let mut env = env;
+    if gpus < n {
+        env.push((SHARE, "1".into()));
+        common::skipped(name, format!("one device per rank (P2P between devices): needs {n} GPUs, {gpus} present; the {n} ranks share them"));
     }
-    if gpus < 3 {
-        eprintln!("{name}: {gpus} GPUs: ranks 0 and 2 share device 0");
+    all_succeeded(name, &spawn(name, n, deadline, |_| env.clone()), end);
+}
+
+/// Rank r's inputs for `op`: small integers (`num::small_input`), so that
+/// every reduction of up to 8 ranks is exact in every type except the
+/// division of avg.
+fn inputs(seed: u64, n: usize, count: usize, op: ReduceOp) -> Vec<Vec<f64>> {
+    (0..n).map(|r| seeded(seed * 16 + r as u64, count).into_iter().map(|x| num::small_input(op, x as u64)).collect()).collect()
+}
+
+/// The reductions the test runs on `T`: every op, avg on floats only (the
+/// test's own knowledge of the types, not the library's check).
+fn ops<T: Num>() -> Vec<ReduceOp> {
+    ReduceOp::ALL.into_iter().filter(|&op| op != ReduceOp::Avg || T::BITS.is_some()).collect()
+}
+
+/// Asserts that `r` refuses avg on the integer type `T` (and names both).
+fn refuses_avg<T: Num>(what: &str, r: cuda_peer::Result<()>) {
+    match r {
+        Err(Error::UnsupportedOp { op: "avg", dtype }) if dtype == T::DTYPE.name() => {}
+        other => panic!("rank {}: {what} avg on {}: expected UnsupportedOp (avg, {}), got {other:?}", rank(), T::DTYPE.name(), T::DTYPE.name()),
     }
-    all_succeeded(name, &spawn(name, 3, Duration::from_secs(400), |_| share.clone()));
 }
 
-fn gpu_count(test: &str, min: usize) -> Option<usize> {
-    common::gpus(test, min).map(|g| g.len())
+/// Asserts that every element of `got` is right for `op` over `ins`,
+/// element `offset + i` of every rank's inputs for `got[i]`.
+fn assert_reduced<T: Num>(what: &str, op: ReduceOp, ins: &[Vec<f64>], offset: usize, got: &[T]) {
+    if let Some(i) = (0..got.len()).find(|&i| !num::accepts_at(op, ins, offset + i, got[i])) {
+        let xs: Vec<f64> = ins.iter().map(|x| x[offset + i]).collect();
+        let bound = T::BITS.map_or(0.0, |b| num::float_bound(op, &xs, b));
+        panic!(
+            "rank {}: {} {op:?} {what}: [{i}] = {:?}, expected {} (within {bound:e}) from {xs:?}",
+            rank(),
+            T::DTYPE.name(),
+            got[i],
+            num::reference(op, &xs)
+        );
+    }
 }
 
-/// Rank r's input: small non-negative integers (1..=5), so that every
-/// reduction of up to 8 ranks is exact in every type except Avg's division.
-fn inputs(seed: u64, n: usize, count: usize) -> Vec<Vec<f64>> {
-    (0..n).map(|r| seeded(seed * 16 + r as u64, count).into_iter().map(|x| (x % 5 + 1) as f64).collect()).collect()
-}
-
-fn reference(op: ReduceOp, ins: &[Vec<f64>], i: usize) -> f64 {
-    let xs = ins.iter().map(|x| x[i]);
-    match op {
-        ReduceOp::Sum => xs.sum(),
-        ReduceOp::Prod => xs.product(),
-        ReduceOp::Min => xs.fold(f64::INFINITY, f64::min),
-        ReduceOp::Max => xs.fold(f64::NEG_INFINITY, f64::max),
-        ReduceOp::Avg => xs.sum::<f64>() / ins.len() as f64,
+/// Asserts that `got` is exactly `want(i)` at every element.
+fn assert_exact<T: Num>(what: &str, got: &[T], want: impl Fn(usize) -> f64) {
+    for (i, g) in got.iter().enumerate() {
+        let w = T::from_f64(want(i));
+        assert!(*g == w, "rank {}: {} {what}: [{i}] = {g:?}, expected {w:?}", rank(), T::DTYPE.name());
     }
 }
 
 /// Every op on `T`, in place and out of place, at sizes on the small, the
-/// middle and the large lane, and over several rounds of the large lane.
+/// middle and the large lane, and over several rounds of the large lane;
+/// avg on an integer type refused.
 fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
     let n = comm.size();
     // Two rounds and a bit of the large lane's slots (32 MiB: four sets of one slot per rank).
     let big = (32usize << 20) / (4 * n) / T::DTYPE.size() * 2 + 7;
-    for op in ReduceOp::ALL {
-        if op.check(T::DTYPE).is_err() {
-            continue;
-        }
+    if T::BITS.is_none() {
+        let host = vec![T::from_f64(1.0); 100];
+        let send = stream.clone_htod(&host).unwrap();
+        let mut recv = stream.clone_htod(&host).unwrap();
+        refuses_avg::<T>("all_reduce", comm.all_reduce(&send, &mut recv, ReduceOp::Avg));
+        refuses_avg::<T>("all_reduce_in_place", comm.all_reduce_in_place(&mut recv, ReduceOp::Avg));
+    }
+    for op in ops::<T>() {
         for count in [1usize, 1000, 70_000 / T::DTYPE.size() * 4 + 3, big] {
             *seed += 1;
-            let ins = inputs(*seed, n, count);
+            let ins = inputs(*seed, n, count, op);
             let host: Vec<T> = ins[comm.rank()].iter().map(|&x| T::from_f64(x)).collect();
             let send = stream.clone_htod(&host).unwrap();
             let mut recv = stream.clone_htod(&vec![T::from_f64(0.0); count]).unwrap();
@@ -101,11 +140,7 @@ fn check_type<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: &mut u64) {
             comm.all_reduce_in_place(&mut inplace, op).unwrap();
             for (what, buf) in [("out of place", &recv), ("in place", &inplace)] {
                 let got = stream.clone_dtoh(buf).unwrap();
-                for (i, g) in got.iter().enumerate() {
-                    let want = T::from_f64(reference(op, &ins, i)).to_f64();
-                    let tol = if op == ReduceOp::Avg { 1e-2 * want.abs().max(1.0) } else { 0.0 };
-                    assert!((g.to_f64() - want).abs() <= tol, "{} {op:?} {what}, {count} elements: [{i}] = {g:?}, expected {want}", T::DTYPE.name());
-                }
+                assert_reduced(&format!("{what}, {count} elements"), op, &ins, 0, &got);
             }
         }
     }
@@ -130,16 +165,14 @@ fn all_reduce_child() {
     println!("rank {}: every type and op right", comm.rank());
 }
 
+const ALL_REDUCE_LINE: &str = "every type and op right";
+
 #[test]
 fn two_processes_all_reduce_every_type_and_op() {
     if child() {
         return all_reduce_child();
     }
-    let name = "two_processes_all_reduce_every_type_and_op";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| vec![]));
+    processes("two_processes_all_reduce_every_type_and_op", 2, Duration::from_secs(300), vec![], ALL_REDUCE_LINE);
 }
 
 #[test]
@@ -147,26 +180,28 @@ fn three_processes_all_reduce_every_type_and_op() {
     if child() {
         return all_reduce_child();
     }
-    let name = "three_processes_all_reduce_every_type_and_op";
-    three_processes(name);
+    processes("three_processes_all_reduce_every_type_and_op", 3, Duration::from_secs(400), vec![], ALL_REDUCE_LINE);
 }
 
+/// Two ranks on one device without `share_devices` are refused on both.
 #[test]
 fn two_ranks_on_one_device_are_a_typed_error() {
     if child() {
         let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(30)).connect().unwrap();
         match Comm::new(Box::new(rv), 0, &CommOptions::default()) {
-            Err(Error::Unsupported(m)) if m.contains("same device") => return,
+            Err(Error::Unsupported(m)) if m.contains("same device") => return println!("rank {}: Unsupported (same device): {m}", rank()),
             other => panic!("rank {}: expected Error::Unsupported (same device), got {other:?}", rank()),
         }
     }
     let name = "two_ranks_on_one_device_are_a_typed_error";
-    if gpu_count(name, 2).is_none() {
+    if common::gpu_count(name, 1).is_none() {
         return;
     }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]), passes("Unsupported (same device)"));
 }
 
+/// A peer that meets rank 0 and exits before creating its communicator:
+/// rank 0's creation fails at its first exchange, naming the peer, in time.
 #[test]
 fn a_peer_that_exits_at_creation_fails_the_survivor_in_time() {
     if child() {
@@ -174,49 +209,64 @@ fn a_peer_that_exits_at_creation_fails_the_survivor_in_time() {
             // Meets rank 0, then dies before creating the communicator.
             let rv = Bootstrap::from_env().unwrap().connect().unwrap();
             drop(rv);
+            println!("rank 1: leaving after the rendezvous");
             std::process::exit(0);
         }
         let start = Instant::now();
         let r = Comm::from_env(&CommOptions::default().timeout(Duration::from_secs(10)));
-        assert!(r.is_err(), "rank 0 created a communicator without its peer");
-        assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
-        println!("rank 0: {:?} after {:?}", r.err(), start.elapsed());
+        let took = start.elapsed();
+        match &r {
+            Err(Error::Bootstrap { op: "all-gather", reason }) if reason.starts_with("rank 1: ") => {}
+            other => panic!("rank 0: expected Error::Bootstrap (all-gather, naming rank 1), got {:?}", other.as_ref().map(|_| "a communicator")),
+        }
+        assert!(took < Duration::from_secs(30), "took {took:?}");
+        println!("rank 0: {:?} after {took:?}", r.err());
         return;
     }
     let name = "a_peer_that_exits_at_creation_fails_the_survivor_in_time";
-    if gpu_count(name, 2).is_none() {
+    // Rank 0 alone opens a device.
+    if common::gpu_count(name, 1).is_none() {
         return;
     }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+    let end =
+        |r: usize| if r == 1 { End::Exits("rank 1: leaving after the rendezvous".into()) } else { End::Passes("rank 0: Some(Bootstrap".into()) };
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]), end);
 }
 
+/// The rendezvous alone (TCP, no GPU): a rank whose peer never starts
+/// times out in bounded time.
 #[test]
 fn a_peer_that_never_starts_is_a_timeout() {
     if child() {
         let start = Instant::now();
         let r = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(3)).connect();
-        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::Timeout { op: "rendezvous (waiting for every rank to connect)", after }) if after == Duration::from_secs(3)),
+            "{r:?}"
+        );
         assert!(start.elapsed() < Duration::from_secs(20));
+        println!("rank 0: {:?} after {:?}", r.err(), start.elapsed());
         return;
     }
     let name = "a_peer_that_never_starts_is_a_timeout";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
     // One child of a world of two.
     let results = spawn(name, 1, Duration::from_secs(60), |_| vec![("WORLD_SIZE", "2".into()), ("LOCAL_WORLD_SIZE", "2".into())]);
-    all_succeeded(name, &results);
+    all_succeeded(name, &results, passes("Some(Timeout"));
 }
 
+/// Rank 1 leaves after one call: rank 0's next call times out before
+/// anything is enqueued, and the communicator refuses the calls after.
 #[test]
 fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
     if child() {
-        let opts = CommOptions::default().timeout(Duration::from_secs(30)).barrier_timeout(Duration::from_secs(2));
+        let opts = CommOptions::default().timeout(Duration::from_secs(30)).barrier_timeout(Duration::from_secs(2)).share_devices(shared());
         let comm = Comm::from_env(&opts).unwrap();
         let mut x = comm.stream().clone_htod(&[1.0f32; 1000]).unwrap();
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
         comm.synchronize().unwrap();
+        assert_eq!(comm.stream().clone_dtoh(&x).unwrap(), vec![comm.size() as f32; 1000], "rank {}: the first call", comm.rank());
         if comm.rank() == 1 {
+            println!("rank 1: leaving after one call");
             std::process::exit(0);
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -226,17 +276,17 @@ fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
         println!("rank 0: {r:?} after {:?}", start.elapsed());
         assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
         assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+        // Nothing was enqueued: the buffer still holds the first call's result.
+        assert_eq!(comm.stream().clone_dtoh(&x).unwrap(), vec![2.0f32; 1000], "rank 0: the refused call changed its buffer");
         // The communicator failed: later calls are refused at once.
         let mut y = comm.stream().clone_htod(&[1u8; 10]).unwrap();
         let again = comm.broadcast(&mut y, 0);
         assert!(matches!(again, Err(Error::Timeout { .. })), "{again:?}");
+        println!("rank 0: timed out, then refused");
         std::process::exit(0); // the peer is gone: no collective drop
     }
-    let name = "a_peer_that_exits_after_creation_fails_the_next_checked_call";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+    let end = |r: usize| End::Exits(if r == 1 { "rank 1: leaving after one call".into() } else { "rank 0: timed out, then refused".into() });
+    processes_ending("a_peer_that_exits_after_creation_fails_the_next_checked_call", 2, Duration::from_secs(120), vec![], end);
 }
 
 /// Without the per-call check, the survivor's kernel waits for the dead
@@ -246,10 +296,15 @@ fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
 #[test]
 fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
     if child() {
-        let opts = CommOptions::default().timeout(Duration::from_secs(30)).barrier_timeout(Duration::from_millis(500)).check_calls(false);
+        let opts = CommOptions::default()
+            .timeout(Duration::from_secs(30))
+            .barrier_timeout(Duration::from_millis(500))
+            .check_calls(false)
+            .share_devices(shared());
         let comm = Comm::from_env(&opts).unwrap();
         comm.exchange().barrier().unwrap();
         if comm.rank() == 1 {
+            println!("rank 1: leaving after the barrier");
             std::process::exit(0);
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -263,13 +318,13 @@ fn a_peer_that_exits_after_creation_times_out_an_unchecked_call() {
         // The context survived: plain copies still work.
         let back = comm.stream().clone_dtoh(&x).unwrap();
         assert_eq!(back.len(), 1000);
+        let y = comm.stream().clone_htod(&[5u32, 6, 7]).unwrap();
+        assert_eq!(comm.stream().clone_dtoh(&y).unwrap(), vec![5, 6, 7], "rank 0's context after the timeout");
+        println!("rank 0: timed out, context usable");
         std::process::exit(0); // the peer is gone: no collective drop
     }
-    let name = "a_peer_that_exits_after_creation_times_out_an_unchecked_call";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+    let end = |r: usize| End::Exits(if r == 1 { "rank 1: leaving after the barrier".into() } else { "rank 0: timed out, context usable".into() });
+    processes_ending("a_peer_that_exits_after_creation_times_out_an_unchecked_call", 2, Duration::from_secs(120), vec![], end);
 }
 
 /// Asserts that `r` is a mismatch error.
@@ -317,16 +372,14 @@ fn mismatch_child() {
     println!("rank {me}: every mismatch reported, then right");
 }
 
+const MISMATCH_LINE: &str = "every mismatch reported, then right";
+
 #[test]
 fn mismatched_calls_are_an_error_on_every_rank_then_the_comm_works() {
     if child() {
         return mismatch_child();
     }
-    let name = "mismatched_calls_are_an_error_on_every_rank_then_the_comm_works";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+    processes("mismatched_calls_are_an_error_on_every_rank_then_the_comm_works", 2, Duration::from_secs(120), vec![], MISMATCH_LINE);
 }
 
 #[test]
@@ -334,68 +387,64 @@ fn three_processes_mismatched_calls_are_an_error_on_every_rank() {
     if child() {
         return mismatch_child();
     }
-    three_processes("three_processes_mismatched_calls_are_an_error_on_every_rank");
+    processes("three_processes_mismatched_calls_are_an_error_on_every_rank", 3, Duration::from_secs(400), vec![], MISMATCH_LINE);
 }
 
-/// The value that poisons outputs (the inputs are 1..=5).
+/// The value that poisons outputs (the inputs are at most 8).
 const POISON: f64 = 99.0;
 
-fn upload<T: Num>(s: &Arc<CudaStream>, xs: &[f64]) -> cuda_peer::cudarc::driver::CudaSlice<T> {
+fn upload<T: Num>(s: &Arc<CudaStream>, xs: &[f64]) -> CudaSlice<T> {
     s.clone_htod(&xs.iter().map(|&x| T::from_f64(x)).collect::<Vec<_>>()).unwrap()
-}
-
-fn assert_close<T: Num>(what: &str, got: &[T], want: impl Fn(usize) -> f64, tol: f64) {
-    for (i, g) in got.iter().enumerate() {
-        let w = T::from_f64(want(i)).to_f64();
-        assert!((g.to_f64() - w).abs() <= tol * w.abs().max(1.0), "rank {}: {} {what}: [{i}] = {g:?}, expected {w}", rank(), T::DTYPE.name());
-    }
 }
 
 /// Reduce-scatter, all-gather, broadcast and reduce of `T`, every op and
 /// root, at one element, an odd size, and sizes of several chunks, against
-/// a CPU reference; outputs poisoned first.
+/// a CPU reference; outputs poisoned first; avg on an integer type refused.
 fn check_collectives<T: Num>(comm: &Comm, seed: &mut u64) {
     let (me, n, s) = (comm.rank(), comm.size(), comm.stream());
     let chunk = comm.chunk_bytes() / T::DTYPE.size();
+    if T::BITS.is_none() {
+        let send = upload::<T>(s, &vec![1.0; n * 4]);
+        let mut recv = upload::<T>(s, &[POISON; 4]);
+        refuses_avg::<T>("reduce_scatter", comm.reduce_scatter(&send, &mut recv, ReduceOp::Avg));
+        let send = upload::<T>(s, &[1.0; 4]);
+        refuses_avg::<T>("reduce", comm.reduce(&send, &mut recv, 0, ReduceOp::Avg));
+        assert_exact("recv after the refused calls", &s.clone_dtoh(&recv).unwrap(), |_| POISON);
+    }
     for count in [1usize, 1001, 2 * chunk + 13] {
         // All-gather: c = count.
         *seed += 1;
-        let ins = inputs(*seed, n, count);
+        let ins = inputs(*seed, n, count, ReduceOp::Sum);
         let mut recv = upload::<T>(s, &vec![POISON; n * count]);
         comm.all_gather(&upload::<T>(s, &ins[me]), &mut recv).unwrap();
-        assert_close(&format!("all_gather of {count}"), &s.clone_dtoh(&recv).unwrap(), |i| ins[i / count][i % count], 0.0);
+        assert_exact(&format!("all_gather of {count}"), &s.clone_dtoh(&recv).unwrap(), |i| ins[i / count][i % count]);
         // Broadcast from every root.
         for root in 0..n {
             *seed += 1;
-            let ins = inputs(*seed, n, count);
+            let ins = inputs(*seed, n, count, ReduceOp::Sum);
             let mut buf = upload::<T>(s, &ins[me]);
             comm.broadcast(&mut buf, root).unwrap();
-            assert_close(&format!("broadcast of {count} from {root}"), &s.clone_dtoh(&buf).unwrap(), |i| ins[root][i], 0.0);
+            assert_exact(&format!("broadcast of {count} from {root}"), &s.clone_dtoh(&buf).unwrap(), |i| ins[root][i]);
         }
-        for op in ReduceOp::ALL {
-            if op.check(T::DTYPE).is_err() {
-                continue;
-            }
-            let tol = if op == ReduceOp::Avg { 1e-2 } else { 0.0 };
+        for op in ops::<T>() {
             // Reduce-scatter: c = count, send n * count.
             *seed += 1;
-            let ins = inputs(*seed, n, n * count);
+            let ins = inputs(*seed, n, n * count, op);
             let mut recv = upload::<T>(s, &vec![POISON; count]);
             comm.reduce_scatter(&upload::<T>(s, &ins[me]), &mut recv, op).unwrap();
-            let what = format!("reduce_scatter {op:?} of {count}");
-            assert_close(&what, &s.clone_dtoh(&recv).unwrap(), |i| reference(op, &ins, me * count + i), tol);
+            assert_reduced(&format!("reduce_scatter of {count}"), op, &ins, me * count, &s.clone_dtoh(&recv).unwrap());
             // Reduce to each root; the others' recv untouched.
             for root in 0..n {
                 *seed += 1;
-                let ins = inputs(*seed, n, count);
+                let ins = inputs(*seed, n, count, op);
                 let mut recv = upload::<T>(s, &vec![POISON; count]);
                 comm.reduce(&upload::<T>(s, &ins[me]), &mut recv, root, op).unwrap();
                 let got = s.clone_dtoh(&recv).unwrap();
-                let what = format!("reduce {op:?} of {count} to {root}");
+                let what = format!("reduce of {count} to {root}");
                 if me == root {
-                    assert_close(&what, &got, |i| reference(op, &ins, i), tol);
+                    assert_reduced(&what, op, &ins, 0, &got);
                 } else {
-                    assert_close(&what, &got, |_| POISON, 0.0);
+                    assert_exact(&what, &got, |_| POISON);
                 }
             }
         }
@@ -422,16 +471,14 @@ fn collectives_child() {
     println!("rank {}: every collective, type and op right (chunks of {} bytes)", comm.rank(), comm.chunk_bytes());
 }
 
+const COLLECTIVES_LINE: &str = "every collective, type and op right";
+
 #[test]
 fn two_processes_every_collective_type_and_op() {
     if child() {
         return collectives_child();
     }
-    let name = "two_processes_every_collective_type_and_op";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| vec![]));
+    processes("two_processes_every_collective_type_and_op", 2, Duration::from_secs(300), vec![], COLLECTIVES_LINE);
 }
 
 #[test]
@@ -439,8 +486,7 @@ fn three_processes_every_collective_type_and_op() {
     if child() {
         return collectives_child();
     }
-    let name = "three_processes_every_collective_type_and_op";
-    three_processes(name);
+    processes("three_processes_every_collective_type_and_op", 3, Duration::from_secs(400), vec![], COLLECTIVES_LINE);
 }
 
 /// The staged path between processes (shared pinned host memory), forced.
@@ -453,11 +499,7 @@ fn two_processes_staged_every_collective_type_and_op() {
     if child() {
         return collectives_child();
     }
-    let name = "two_processes_staged_every_collective_type_and_op";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| staged()));
+    processes("two_processes_staged_every_collective_type_and_op", 2, Duration::from_secs(300), staged(), COLLECTIVES_LINE);
 }
 
 #[test]
@@ -465,11 +507,7 @@ fn two_processes_staged_all_reduce_every_type_and_op() {
     if child() {
         return all_reduce_child();
     }
-    let name = "two_processes_staged_all_reduce_every_type_and_op";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(300), |_| staged()));
+    processes("two_processes_staged_all_reduce_every_type_and_op", 2, Duration::from_secs(300), staged(), ALL_REDUCE_LINE);
 }
 
 #[test]
@@ -477,23 +515,22 @@ fn three_processes_staged_every_collective_type_and_op() {
     if child() {
         return collectives_child();
     }
-    three_processes_with("three_processes_staged_every_collective_type_and_op", staged());
+    processes("three_processes_staged_every_collective_type_and_op", 3, Duration::from_secs(400), staged(), COLLECTIVES_LINE);
 }
+
+const GRAPH_LINE: &str = "graph replays right";
 
 #[test]
 fn two_processes_staged_replay_a_captured_graph() {
     if child() {
         return graph_child();
     }
-    let name = "two_processes_staged_replay_a_captured_graph";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| staged()));
+    processes("two_processes_staged_replay_a_captured_graph", 2, Duration::from_secs(120), staged(), GRAPH_LINE);
 }
 
 /// A graph captured on each process's communicator stream (an all-reduce,
-/// then an all-gather of its result), replayed on fresh inputs.
+/// then an all-gather of its result), replayed on fresh inputs; then eager
+/// calls, checked, on the same buffers.
 fn graph_child() {
     use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let comm = child_comm(&child_opts());
@@ -522,9 +559,13 @@ fn graph_child() {
         assert_eq!(s.clone_dtoh(&x).unwrap(), want, "rank {me}: replay {replay}: all-reduce");
         assert_eq!(s.clone_dtoh(&g).unwrap(), want.repeat(n), "rank {me}: replay {replay}: all-gather");
     }
-    // Eager calls still agree after the replays.
+    // Eager calls still agree after the replays: a max of fresh inputs.
+    let ins: Vec<Vec<u32>> = (0..n).map(|r| seeded(9000 + r as u64, count)).collect();
+    s.memcpy_htod(&ins[me], &mut x).unwrap();
     comm.all_reduce_in_place(&mut x, ReduceOp::Max).unwrap();
     comm.synchronize().unwrap();
+    let want: Vec<u32> = (0..count).map(|i| ins.iter().map(|v| v[i]).max().unwrap()).collect();
+    assert_eq!(s.clone_dtoh(&x).unwrap(), want, "rank {me}: an eager max after the replays");
     println!("rank {me}: graph replays right");
 }
 
@@ -533,11 +574,7 @@ fn two_processes_replay_a_captured_graph() {
     if child() {
         return graph_child();
     }
-    let name = "two_processes_replay_a_captured_graph";
-    if gpu_count(name, 2).is_none() {
-        return;
-    }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+    processes("two_processes_replay_a_captured_graph", 2, Duration::from_secs(120), vec![], GRAPH_LINE);
 }
 
 #[test]
@@ -545,21 +582,95 @@ fn three_processes_replay_a_captured_graph() {
     if child() {
         return graph_child();
     }
-    three_processes("three_processes_replay_a_captured_graph");
+    processes("three_processes_replay_a_captured_graph", 3, Duration::from_secs(400), vec![], GRAPH_LINE);
 }
 
 /// The exchange is usable by the caller after creation, and ranks agree.
 #[test]
 fn the_exchange_serves_the_caller() {
     if child() {
-        let comm = Comm::from_env(&CommOptions::default()).unwrap();
+        let comm = Comm::from_env(&CommOptions::default().share_devices(shared())).unwrap();
         let all = comm.exchange().all_gather(&[comm.rank() as u8]).unwrap();
         assert_eq!(all, (0..comm.size()).map(|r| vec![r as u8]).collect::<Vec<_>>());
-        return;
+        return println!("rank {}: the exchange right", comm.rank());
     }
-    let name = "the_exchange_serves_the_caller";
-    if gpu_count(name, 2).is_none() {
-        return;
+    processes("the_exchange_serves_the_caller", 2, Duration::from_secs(120), vec![], "the exchange right");
+}
+
+// ---- CPU self-checks (no GPU) ----
+
+/// The comparison the children use (`num::accepts`, through
+/// `assert_reduced`) takes every right result of the kernels' orders and
+/// rejects, on every element, a rank dropped and an average divided by
+/// `n - 1`, on this file's inputs, for every type and 2 to 8 ranks.
+#[test]
+fn the_comparison_rejects_a_dropped_rank_and_avg_by_n_minus_1() {
+    fn for_type<T: Num>() {
+        let count = 500;
+        for n in 2..=8 {
+            for op in ops::<T>().into_iter().filter(|&op| matches!(op, ReduceOp::Sum | ReduceOp::Avg)) {
+                let ins = inputs(n as u64 * 31 + 5, n, count, op);
+                let column = |i: usize| -> Vec<T> { ins.iter().map(|x| T::from_f64(x[i])).collect() };
+                let what = |case: &str| format!("{} {op:?} n={n}: {case}", T::DTYPE.name());
+                for i in 0..count {
+                    for (name, got) in num::right_results(op, &column(i), i % n) {
+                        assert!(num::accepts_at(op, &ins, i, got), "{}: [{i}] = {got:?} rejected", what(name));
+                    }
+                    let defects = num::planted_defects(op, &column(i), i % n);
+                    assert!(!defects.is_empty());
+                    for (name, got) in defects {
+                        assert!(!num::accepts_at(op, &ins, i, got), "{}: [{i}] = {got:?} accepted", what(name));
+                    }
+                }
+            }
+        }
     }
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), |_| vec![]));
+    for_type::<f32>();
+    for_type::<f64>();
+    for_type::<f16>();
+    for_type::<bf16>();
+    for_type::<i32>();
+    for_type::<u8>();
+}
+
+/// A child of the harness self-check below: prints its line and passes,
+/// or (as `CUDA_PEER_MP_PROBE` asks) panics, or ends its process itself.
+const PROBE: &str = "CUDA_PEER_MP_PROBE";
+
+/// The harness (`common::procs`) takes a child that ran its test and
+/// printed its line, and refuses one that ran no test (a name that matches
+/// none: libtest runs nothing and exits 0), printed another line, failed,
+/// or ended its process where it should have passed. No GPU needed.
+#[test]
+fn the_harness_requires_each_child_to_run_its_test_and_print_its_line() {
+    let name = "the_harness_requires_each_child_to_run_its_test_and_print_its_line";
+    if child() {
+        match std::env::var(PROBE).as_deref() {
+            Ok("panic") => panic!("rank {}: a planted failure", rank()),
+            Ok("exit") => {
+                println!("rank {}: probe right", rank());
+                std::process::exit(0);
+            }
+            _ => return println!("rank {}: probe right", rank()),
+        }
+    }
+    let deadline = Duration::from_secs(60);
+    let good = spawn(name, 2, deadline, |_| vec![]);
+    all_succeeded(name, &good, passes("probe right"));
+    let fails = |results: &[(Option<i32>, String)], test: &str, end: End| -> String {
+        let (code, out) = &results[0];
+        procs::failure(test, *code, out, &end).unwrap_or_else(|| panic!("{test}: the harness took a planted failure ({end:?}); its output:\n{out}"))
+    };
+    let line = End::Passes("rank 0: probe right".into());
+    let why = fails(&good, name, End::Passes("rank 0: another line".into()));
+    assert!(why.contains("never printed"), "{why}");
+    let none = "no_test_has_this_name";
+    let why = fails(&spawn(none, 1, deadline, |_| vec![]), none, line.clone());
+    assert!(why.contains("did not run exactly one test"), "{why}");
+    let why = fails(&spawn(name, 1, deadline, |_| vec![(PROBE, "panic".into())]), name, line.clone());
+    assert!(why.contains("exited with Some(101)"), "{why}");
+    let exited = spawn(name, 1, deadline, |_| vec![(PROBE, "exit".into())]);
+    let why = fails(&exited, name, line);
+    assert!(why.contains("test result: ok. 1 passed"), "{why}");
+    all_succeeded(name, &exited, |r| End::Exits(format!("rank {r}: probe right")));
 }

@@ -1,9 +1,17 @@
 //! Tests that run as several processes: the test binary re-executes itself
-//! as N children (filtered to one test, with torchrun's variables and
-//! `CUDA_PEER_MP_CHILD` set); the parent checks that every child succeeded
-//! in time.
+//! as N children (filtered to one test, with torchrun's variables,
+//! `CUDA_PEER_MP_CHILD` and a new job secret set); the parent checks that
+//! every child ran exactly that test and reached its end in time.
+//!
+//! An exit code alone proves nothing: a filter that matches no test runs
+//! nothing and exits 0 ("running 0 tests"). So [`all_succeeded`] requires,
+//! of every child, exit status 0, libtest's `running 1 test`, and the line
+//! the test body prints at its end (`rank N: ... right`); of a child that
+//! returns from the test, libtest's `test result: ok. 1 passed` too (a
+//! child that ends its process itself, [`End::Exits`], prints no summary).
 #![allow(dead_code)]
 
+use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -19,8 +27,19 @@ pub fn rank() -> usize {
     std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)
 }
 
+/// Reads all of `from` on a thread of its own (so that a child that writes
+/// more than a pipe holds does not block until the deadline).
+fn drain(mut from: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let _ = from.read_to_end(&mut all);
+        all
+    })
+}
+
 /// Runs `test` as `n` children of this binary with `extra(rank)` env vars;
-/// returns each child's exit code (None: killed at the deadline) and output.
+/// returns each child's exit code (None: killed at the deadline) and output
+/// (stdout, then stderr).
 pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> Vec<(&'static str, String)>) -> Vec<(Option<i32>, String)> {
     let exe = std::env::current_exe().expect("current_exe");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -43,13 +62,16 @@ pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> 
             for (k, v) in extra(r) {
                 cmd.env(k, v);
             }
-            cmd.spawn().expect("spawn a child")
+            let mut child = cmd.spawn().expect("spawn a child");
+            let out = drain(child.stdout.take().expect("a child's stdout"));
+            let err = drain(child.stderr.take().expect("a child's stderr"));
+            (child, out, err)
         })
         .collect();
     let start = Instant::now();
     let mut codes: Vec<Option<Option<i32>>> = vec![None; n];
     while codes.iter().any(Option::is_none) && start.elapsed() < deadline {
-        for (c, code) in children.iter_mut().zip(codes.iter_mut()) {
+        for ((c, _, _), code) in children.iter_mut().zip(codes.iter_mut()) {
             if code.is_none() {
                 if let Ok(Some(s)) = c.try_wait() {
                     *code = Some(s.code());
@@ -61,23 +83,67 @@ pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> 
     children
         .into_iter()
         .zip(codes)
-        .map(|(mut c, code)| {
+        .map(|((mut c, out, err), code)| {
             let code = code.unwrap_or_else(|| {
                 let _ = c.kill();
+                let _ = c.wait();
                 None
             });
-            let out = c
-                .wait_with_output()
-                .map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-                .unwrap_or_default();
-            (code, out)
+            let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
+            (code, format!("{}{}", String::from_utf8_lossy(&out), String::from_utf8_lossy(&err)))
         })
         .collect()
 }
 
-/// Asserts that every child exited 0.
-pub fn all_succeeded(test: &str, results: &[(Option<i32>, String)]) {
-    for (r, (code, out)) in results.iter().enumerate() {
-        assert_eq!(*code, Some(0), "{test}: rank {r} exited with {code:?} (None: killed at the deadline); its output:\n{out}");
+/// How a child ends, and the line its test body prints at the end (a
+/// prefix of one of its output lines).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// The test returns: libtest then prints `test result: ok. 1 passed`.
+    Passes(String),
+    /// The child ends its process itself (`std::process::exit(0)`, as a
+    /// rank that plays a dead peer, or one whose peer is gone), after the
+    /// line: no libtest summary follows.
+    Exits(String),
+}
+
+/// Why a child's outcome (exit code, output) is not that of a child that
+/// ran `test` and ended as `end` (`None`: it did).
+pub fn failure(test: &str, code: Option<i32>, out: &str, end: &End) -> Option<String> {
+    if code != Some(0) {
+        return Some(format!("exited with {code:?} (None: killed at the deadline)"));
     }
+    if !out.lines().any(|l| l.trim_end() == "running 1 test") {
+        return Some("did not run exactly one test (no `running 1 test` line: the name matched no test, or several)".into());
+    }
+    let (line, summary) = match end {
+        End::Passes(l) => (l, true),
+        End::Exits(l) => (l, false),
+    };
+    // With one test thread libtest prints `test <name> ... ` before the
+    // test runs, so the test's first line of output follows it.
+    let started = format!("test {test} ... ");
+    if !out.lines().any(|l| l.strip_prefix(started.as_str()).unwrap_or(l).starts_with(line.as_str())) {
+        return Some(format!("never printed its result line `{line}`"));
+    }
+    if summary && !out.lines().any(|l| l.starts_with("test result: ok. 1 passed;")) {
+        return Some("has no `test result: ok. 1 passed` line (its test did not pass)".into());
+    }
+    None
+}
+
+/// Asserts that every child exited 0 after running exactly `test` and
+/// reaching its end: `end(rank)` says how rank `rank` ends and the line it
+/// prints there.
+pub fn all_succeeded(test: &str, results: &[(Option<i32>, String)], end: impl Fn(usize) -> End) {
+    for (r, (code, out)) in results.iter().enumerate() {
+        if let Some(why) = failure(test, *code, out, &end(r)) {
+            panic!("{test}: rank {r} {why}; its output:\n{out}");
+        }
+    }
+}
+
+/// Every rank passes, printing `rank N: <what>`.
+pub fn passes(what: &str) -> impl Fn(usize) -> End + '_ {
+    move |r| End::Passes(format!("rank {r}: {what}"))
 }
