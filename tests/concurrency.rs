@@ -1,10 +1,11 @@
-//! Two groups on the same streams, called from two threads at once (issue
-//! 16, item 8). Each all-reduce is one kernel per rank with a device-side
-//! barrier; if the two groups' kernels were enqueued in opposite orders on
-//! the two streams, each would wait on the device for the other. Groups
-//! that share a stream serialise their enqueues, so every call completes
-//! and every result is exact. Skips without two GPUs; fails with
-//! CUDA_PEER_REQUIRE_GPU=1.
+//! Two groups on the same streams, called from two threads at once. Each
+//! all-reduce is one kernel per rank with a device-side barrier; if the
+//! two groups' kernels were enqueued in opposite orders on the two
+//! streams, each would wait on the device for the other. Groups that share
+//! a stream serialise their enqueues, so every call completes and every
+//! result is exact (each element its own value, so that one moved is
+//! caught too). Skips without two GPUs, saying so (fails with
+//! CUDA_PEER_REQUIRE_GPU=1 where there is no GPU at all).
 
 mod common;
 
@@ -13,6 +14,23 @@ use cuda_peer::cudarc::driver::CudaSlice;
 use cuda_peer::{Group, GroupOptions, ReduceOp};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Rank r's starting buffer: element i is `2i + r + 1`, distinct per
+/// element and rank, so that after k sums element i is `(4i + 3) 2^(k-1)`:
+/// exact in f64, and a lost or repeated call, or an element moved, changes
+/// it.
+fn initial(r: usize, count: usize) -> Vec<f64> {
+    (0..count).map(|i| (2 * i + r + 1) as f64).collect()
+}
+
+/// Rank r's buffer after `calls` all-reduces of [`initial`]'s buffers.
+fn check_rank(what: &str, r: usize, got: &[f64], calls: u32) {
+    let scale = 2f64.powi(calls as i32 - 1);
+    let want: Vec<f64> = (0..got.len()).map(|i| (4 * i + 3) as f64 * scale).collect();
+    if let Some((first, wrong)) = common::diff(got, &want) {
+        panic!("{what} rank {r}: {wrong} of {} elements wrong, first at {first}: {} instead of {}", got.len(), got[first], want[first]);
+    }
+}
 
 /// Two groups on the same two streams (the second with its ranks in the
 /// reverse order), `CALLS` in-place all-reduces each, from two threads at
@@ -30,15 +48,10 @@ fn two_groups(test: &str, threads: bool, spin: Option<std::time::Duration>) {
     const CALLS: u32 = 300;
     let count = 1024;
     let start = Instant::now();
-    // Ranks start from 1 and 2, so after k all-reduces each element is
-    // 3 * 2^(k-1): exact in f64, and a lost or repeated call changes it.
-    let bufs =
-        |order: [usize; 2]| -> Vec<CudaSlice<f64>> { (0..2).map(|r| streams[order[r]].clone_htod(&vec![(r + 1) as f64; count]).unwrap()).collect() };
+    let bufs = |order: [usize; 2]| -> Vec<CudaSlice<f64>> { (0..2).map(|r| streams[order[r]].clone_htod(&initial(r, count)).unwrap()).collect() };
     let check = |what: &str, order: [usize; 2], bufs: &[CudaSlice<f64>]| {
-        let want = 3.0 * 2f64.powi(CALLS as i32 - 1);
         for (r, &d) in order.iter().enumerate() {
-            let got = streams[d].clone_dtoh(&bufs[r]).unwrap();
-            assert!(got.iter().all(|&x| x == want), "{what} rank {r}: {:?} instead of {want}", &got[..4]);
+            check_rank(&format!("{test}: {what}"), r, &streams[d].clone_dtoh(&bufs[r]).unwrap(), CALLS);
         }
     };
     let (mut ba, mut bb) = (bufs([0, 1]), bufs([1, 0]));
@@ -93,14 +106,12 @@ fn two_groups_on_the_same_streams_buffers_made_on_the_threads() {
     let b = Group::new(vec![streams[1].clone(), streams[0].clone()], &GroupOptions::default()).unwrap();
     const CALLS: u32 = 300;
     let run = |group: &Group, order: [usize; 2], name: &str| {
-        let mut bufs: Vec<CudaSlice<f64>> = (0..2).map(|r| streams[order[r]].clone_htod(&vec![(r + 1) as f64; 1024]).unwrap()).collect();
+        let mut bufs: Vec<CudaSlice<f64>> = (0..2).map(|r| streams[order[r]].clone_htod(&initial(r, 1024)).unwrap()).collect();
         for k in 0..CALLS {
             group.all_reduce_in_place(&mut bufs, ReduceOp::Sum).unwrap_or_else(|e| panic!("{test}: group {name}, call {k}: {e}"));
         }
-        let want = 3.0 * 2f64.powi(CALLS as i32 - 1);
         for (r, &d) in order.iter().enumerate() {
-            let got = streams[d].clone_dtoh(&bufs[r]).unwrap();
-            assert!(got.iter().all(|&x| x == want), "{test}: group {name} rank {r}: {:?} instead of {want}", &got[..4]);
+            check_rank(&format!("{test}: group {name}"), r, &streams[d].clone_dtoh(&bufs[r]).unwrap(), CALLS);
         }
     };
     std::thread::scope(|s| {
