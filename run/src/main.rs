@@ -1,7 +1,9 @@
 //! `cuda-peer-run -n N -- program args...`: starts `program` as N
 //! processes (ranks) with torchrun's variables set (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1` and a free
-//! `MASTER_PORT`) and a new random job secret (`CUDA_PEER_JOB_SECRET`,
+//! `MASTER_PORT`, whose listening socket the launcher binds and hands to
+//! rank 0 as an inherited descriptor, `CUDA_PEER_LISTEN_FD`, so that no
+//! other process can take the port in between) and a new random job secret (`CUDA_PEER_JOB_SECRET`,
 //! unless the environment already has one), forwards SIGINT and SIGTERM to them, and when one exits
 //! with a failure, stops the others (SIGTERM, then SIGKILL after a grace
 //! period). Exits with the first failure's code (128 + the signal for a
@@ -51,8 +53,28 @@ fn new_secret() -> std::io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// Rank 0's rendezvous listener, on `port` (0: a free one).
+fn listener(port: u16) -> std::io::Result<(std::net::TcpListener, u16)> {
+    let l = std::net::TcpListener::bind(("127.0.0.1", port))?;
+    let port = l.local_addr()?.port();
+    Ok((l, port))
+}
+
+/// Lets the next child `cmd` inherit `l` and names its descriptor in the
+/// child's `CUDA_PEER_LISTEN_FD`; false (nothing handed) where the
+/// descriptor cannot be made inheritable.
+fn hand_over(l: &std::net::TcpListener, cmd: &mut Command) -> bool {
+    use std::os::fd::AsRawFd;
+    match rustix::io::fcntl_setfd(l, rustix::io::FdFlags::empty()) {
+        Ok(()) => {
+            cmd.env("CUDA_PEER_LISTEN_FD", l.as_raw_fd().to_string());
+            true
+        }
+        Err(e) => {
+            eprintln!("cuda-peer-run: rank 0 binds the port itself ({e})");
+            false
+        }
+    }
 }
 
 /// The exit code that stands for `status`: its code, or 128 + the signal.
@@ -78,10 +100,10 @@ fn main() {
 
 fn run(args: &Args) -> i32 {
     let n = args.nproc as usize;
-    let port = match args.master_port.map(Ok).unwrap_or_else(free_port) {
-        Ok(p) => p,
+    let (rendezvous, port) = match listener(args.master_port.unwrap_or(0)) {
+        Ok(l) => l,
         Err(e) => {
-            eprintln!("cuda-peer-run: no free port: {e}");
+            eprintln!("cuda-peer-run: cannot listen on a rendezvous port: {e}");
             return 1;
         }
     };
@@ -112,7 +134,17 @@ fn run(args: &Args) -> i32 {
             .env("MASTER_PORT", port.to_string())
             .env("CUDA_PEER_JOB_SECRET", &secret)
             .process_group(0);
-        match cmd.spawn() {
+        // Rank 0 inherits the listener (at the same descriptor number); the
+        // others do not.
+        let handed = rank == 0 && hand_over(&rendezvous, &mut cmd);
+        let spawned = cmd.spawn();
+        if handed {
+            if let Err(e) = rustix::io::fcntl_setfd(&rendezvous, rustix::io::FdFlags::CLOEXEC) {
+                eprintln!("cuda-peer-run: cannot keep the listener from the other ranks: {e}");
+                return 1;
+            }
+        }
+        match spawned {
             Ok(c) => children.push((c, None)),
             Err(e) => {
                 eprintln!("cuda-peer-run: cannot start rank {rank} ({}): {e}", args.command[0]);
@@ -124,6 +156,8 @@ fn run(args: &Args) -> i32 {
             }
         }
     }
+    // Rank 0 holds the listener now.
+    drop(rendezvous);
     let grace = Duration::from_secs_f64(args.grace.max(0.0));
     let mut first_failure: Option<i32> = None;
     let mut interrupted: Option<i32> = None;

@@ -28,6 +28,20 @@ fn every_rank_gets_torchrun_variables() {
     }
 }
 
+/// Rank 0, and only rank 0, inherits the rendezvous listener, bound to
+/// MASTER_PORT and listening, at the descriptor CUDA_PEER_LISTEN_FD names.
+#[test]
+fn rank_0_inherits_the_listening_socket() {
+    let script = r#"if [ -n "$CUDA_PEER_LISTEN_FD" ]; then echo "$RANK:$(readlink /proc/$$/fd/$CUDA_PEER_LISTEN_FD)"; else echo "$RANK:none"; fi"#;
+    let out = launcher().args(["-n", "3", "--", "sh", "-c", script]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut lines: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
+    lines.sort();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines[0].starts_with("0:socket:["), "{lines:?}");
+    assert_eq!(&lines[1..], ["1:none", "2:none"]);
+}
+
 /// Every rank gets the same new secret, 64 hex digits, and another run
 /// another one; a secret already in the environment is passed on.
 #[test]

@@ -246,6 +246,7 @@ impl Bootstrap {
             return Ok(Rendezvous { rank: 0, size: 1, job: new_job_id()?, timeout: self.timeout, links: Mutex::new(Vec::new()) });
         }
         if self.rank == 0 {
+            super::id::adopt_inherited_listener(self.master_port);
             let listener = match self.listen_addr().and_then(super::id::take_listener) {
                 Some(l) => l,
                 None => self.listen()?,

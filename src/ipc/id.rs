@@ -146,8 +146,60 @@ impl Id {
     }
 }
 
-/// The listener [`Id::new`] bound for `at` in this process, if any (taken:
-/// rank 0 uses it once).
+/// The environment variable through which a launcher (`cuda-peer-run`)
+/// hands rank 0 the rendezvous listener it bound: the number of an
+/// inherited file descriptor. Rank 0 then serves on it, so no other process
+/// can take `MASTER_PORT` between the launcher choosing it and rank 0
+/// listening.
+pub const LISTEN_FD_ENV: &str = "CUDA_PEER_LISTEN_FD";
+
+/// Takes, once per process, the listener a launcher handed this process
+/// ([`LISTEN_FD_ENV`]) for [`take_listener`], where it is a listening TCP
+/// socket on `port`; anything else is left alone (and logged).
+pub(crate) fn adopt_inherited_listener(port: u16) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Some(fd) = std::env::var(LISTEN_FD_ENV).ok().and_then(|v| v.trim().parse::<i32>().ok()) {
+            if let Err(why) = adopt_listener_fd(fd, port) {
+                log::warn!("cuda-peer: {LISTEN_FD_ENV}={fd} not used: {why}");
+            }
+        }
+    });
+}
+
+/// Takes descriptor `fd` as the listener on `port` for [`take_listener`]
+/// where it is one: open, a listening TCP socket, bound to that port.
+/// Ownership moves here only then (the descriptor is closed when the
+/// listener is dropped); the caller must not use `fd` again.
+fn adopt_listener_fd(fd: i32, port: u16) -> std::result::Result<(), String> {
+    use std::os::fd::{BorrowedFd, FromRawFd, OwnedFd};
+    if fd < 3 {
+        return Err("not a descriptor a launcher would hand over".into());
+    }
+    // SAFETY: fcntl(F_GETFD) on any number only reads the descriptor table.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err("not an open descriptor".into());
+    }
+    // SAFETY: `fd` is open (checked above) and stays open while borrowed:
+    // nothing here closes it.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    let stream = rustix::net::sockopt::socket_type(borrowed).map_err(|e| format!("not a socket ({e})"))?;
+    let listening = rustix::net::sockopt::socket_acceptconn(borrowed).map_err(|e| e.to_string())?;
+    let at = rustix::net::getsockname(borrowed).map_err(|e| e.to_string())?;
+    let at = SocketAddr::try_from(at).map_err(|_| "not an IP socket".to_string())?;
+    if stream != rustix::net::SocketType::STREAM || !listening || at.port() != port {
+        return Err(format!("not a TCP listener on port {port} ({at}, listening: {listening})"));
+    }
+    // SAFETY: an open descriptor (checked), which the launcher handed to this
+    // process alone for this use; taken once (`adopt_inherited_listener`'s
+    // `Once`), so nothing else here owns it.
+    let listener = TcpListener::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    LISTENERS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashMap::new).insert(at, listener);
+    Ok(())
+}
+
+/// The listener [`Id::new`] (or a launcher, [`LISTEN_FD_ENV`]) bound for
+/// `at` in this process, if any (taken: rank 0 uses it once).
 pub(crate) fn take_listener(at: SocketAddr) -> Option<TcpListener> {
     LISTENERS.lock().unwrap_or_else(|p| p.into_inner()).as_mut()?.remove(&at)
 }
@@ -196,6 +248,27 @@ mod tests {
         let mut b = *id.as_bytes();
         b[6..8].copy_from_slice(&[0, 0]);
         assert!(Id::from_bytes(&b).is_err(), "port 0");
+    }
+
+    /// A listener handed over by descriptor number is served on; anything
+    /// else is refused and left open.
+    #[test]
+    fn a_handed_over_listener_is_adopted_and_nothing_else() {
+        use std::os::fd::{AsRawFd, IntoRawFd};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let fd = l.into_raw_fd();
+        assert!(adopt_listener_fd(fd, at.port() ^ 1).is_err(), "another port");
+        adopt_listener_fd(fd, at.port()).unwrap();
+        let got = take_listener(at).expect("adopted");
+        assert_eq!(got.local_addr().unwrap(), at);
+        // A regular file, a connected socket, a closed number: refused, and still open.
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        assert!(adopt_listener_fd(f.as_raw_fd(), 80).is_err());
+        let c = std::net::TcpStream::connect(at).unwrap();
+        assert!(adopt_listener_fd(c.as_raw_fd(), c.local_addr().unwrap().port()).is_err());
+        assert!(adopt_listener_fd(1 << 20, at.port()).is_err());
+        assert!(f.metadata().is_ok() && c.peer_addr().is_ok());
     }
 
     proptest! {
