@@ -136,7 +136,10 @@ fn main() {
         }
         Err(_) => cuda_peer::PathPolicy::Auto,
     };
-    let comm = match WorldComm::from_env(&CommOptions::default().path(path)) {
+    // More ranks on this host than GPUs (as on a one-GPU machine): the ranks share them.
+    let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1);
+    let share = cuda_peer::driver::device_count().is_ok_and(|d| d < local);
+    let comm = match WorldComm::from_env(&CommOptions::default().path(path).share_devices(share)) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("multiprocess_allreduce: cannot create the communicator: {e}");
