@@ -71,7 +71,13 @@ pub(crate) fn load_module(ctx: &Arc<CudaContext>, m: Module) -> Result<Arc<CudaM
             (ctx.load_module(cudarc::nvrtc::Ptx::from_src(module.ptx())).map_err(cudarc_err("cuModuleLoadData (kernels)"))?, "PTX (JIT)".to_string())
         }
     };
-    log::debug!("cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms", ctx.ordinal(), module.name, start.elapsed().as_secs_f64() * 1e3);
+    log::debug!(
+        "cuda-peer: GPU{}: kernel module {} loaded from {how} in {:.1} ms ({})",
+        ctx.ordinal(),
+        module.name,
+        start.elapsed().as_secs_f64() * 1e3,
+        kernels::BUILT_WITH
+    );
     let mut map = MODULE_CACHES[index].lock().unwrap_or_else(|p| p.into_inner());
     Ok(map.entry(key).or_insert(m).clone())
 }

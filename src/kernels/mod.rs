@@ -1,13 +1,36 @@
 //! Embedded reduction kernels (PTX, and machine code for common GPUs) and
 //! their naming scheme.
 //!
+//! # Building the kernels from source
+//!
+//! By default the crate embeds the committed kernels described below, and its
+//! build script runs no compiler: it only checks that the committed files are
+//! exactly the modules and architectures of `src/kernels/list.rs`. With the
+//! cargo feature `kernels-from-source` (or `CUDA_PEER_KERNELS_FROM_SOURCE=1` in
+//! the build's environment), the build script compiles `kernels/reduce.cu`
+//! with the local CUDA toolchain instead and embeds the result: the PTX with
+//! `nvcc -ptx` (nvcc found through `CUDA_PATH`, `CUDA_HOME`, `PATH` or
+//! `/usr/local/cuda`; target `compute_70`, or the oldest the toolkit has where it
+//! has no `compute_70`, as CUDA 13), or with NVRTC through
+//! `kernels/nvrtc_compile.py` where `CUDA_PEER_NVRTC` names a libnvrtc; the
+//! cubins with ptxas (`CUDA_PEER_PTXAS`, or the one beside nvcc) for the
+//! architectures in `CUDA_PEER_ARCHS` (default: the committed ones; e.g.
+//! `CUDA_PEER_ARCHS=sm_89,sm_121` for machine code the committed set lacks,
+//! `none` for the PTX only). The loading is the same in both modes. With no
+//! toolkit, `eval "$(kernels/gen.sh --env)"` installs the PyPI wheels the
+//! committed kernels were built with (NVRTC 12.0, ptxas 12.9) and sets those two
+//! variables; a build with them reproduces the committed files byte for byte.
+//!
+//! # The committed kernels
+//!
 //! The kernels are written in CUDA C in `kernels/reduce.cu`, compiled to PTX
 //! with NVRTC from CUDA 12.0 (`kernels/gen.sh`, target `compute_70`, PTX ISA
 //! 8.0) and committed as `src/kernels/*.ptx`: one module of reduction
 //! kernels for the ring (`reduce.ptx`) and one module per element type for
 //! the fused all-reduces (`mesh_{ty}.ptx`). The same PTX is assembled by
-//! `ptxas` (CUDA 12.9) into machine code (cubins) for [`CUBIN_ARCHS`],
-//! committed zstd-compressed as `src/kernels/cubin/sm_XY/{module}.cubin.zst`.
+//! `ptxas` (CUDA 12.9) into machine code (cubins) for sm_70, sm_80, sm_90,
+//! sm_100 and sm_120 (the embedded set: [`CUBIN_ARCHS`]), committed
+//! zstd-compressed as `src/kernels/cubin/sm_XY/{module}.cubin.zst`.
 //! At module load ([`cubin_for`]) a device whose major architecture has a
 //! cubin of the same major and an equal or lower minor gets the cubin (no
 //! JIT: a cubin for sm_XY runs on every sm_XZ with Z >= Y); any other
@@ -59,73 +82,28 @@ pub(crate) mod load;
 
 use crate::dtype::{DType, ReduceOp};
 
-/// Architectures with embedded cubins, `(major, minor)`, in the order of
-/// [`KernelModule`]'s cubins (keep in step with `CUBIN_ARCHS` in
-/// `kernels/gen.sh`).
-pub(crate) const CUBIN_ARCHS: [(u32, u32); 5] = [(7, 0), (8, 0), (9, 0), (10, 0), (12, 0)];
-
 /// One embedded kernel module: its PTX and its cubins.
 pub(crate) struct KernelModule {
     /// File name without extension (`reduce`, `mesh_f32`, ...).
     pub(crate) name: &'static str,
     /// Its PTX text.
     ptx: fn() -> &'static str,
-    /// Its compressed cubins, in the order of [`CUBIN_ARCHS`].
+    /// Its cubins, in the order of [`CUBIN_ARCHS`].
     cubins: fn() -> [&'static [u8]; CUBIN_ARCHS.len()],
 }
 
-/// The embedded files, one module of plain functions per kernel module.
-/// Functions that are never inlined: a static or const holding the bytes
-/// (or an inlinable function) would also be written into the rlib's
-/// metadata, doubling its size.
-macro_rules! embedded {
-    ($($file:ident => $name:literal,)*) => {
-        mod files {
-            use super::CUBIN_ARCHS;
-            $(
-                pub(super) mod $file {
-                    use super::CUBIN_ARCHS;
-                    #[inline(never)]
-                    pub(in super::super) fn ptx() -> &'static str {
-                        include_str!(concat!($name, ".ptx"))
-                    }
-                    #[inline(never)]
-                    pub(in super::super) fn cubins() -> [&'static [u8]; CUBIN_ARCHS.len()] {
-                        [
-                            include_bytes!(concat!("cubin/sm_70/", $name, ".cubin.zst")),
-                            include_bytes!(concat!("cubin/sm_80/", $name, ".cubin.zst")),
-                            include_bytes!(concat!("cubin/sm_90/", $name, ".cubin.zst")),
-                            include_bytes!(concat!("cubin/sm_100/", $name, ".cubin.zst")),
-                            include_bytes!(concat!("cubin/sm_120/", $name, ".cubin.zst")),
-                        ]
-                    }
-                }
-            )*
-            const _: usize = CUBIN_ARCHS.len();
-        }
+// The table build.rs writes from `src/kernels/list.rs`: `BUILT_WITH` (for the
+// logs), `CUBIN_ARCHS`, `CUBINS_COMPRESSED` (the committed cubins are zstd frames,
+// those built from source ELF images), `MODULES` (the embedded files of every
+// module, in never-inlined functions: a static or const holding the bytes, or an
+// inlinable function, would also be written into the rlib's metadata), and for the
+// tests `FROM_SOURCE` and `PTX_TARGET`.
+include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
-        /// Every embedded module, in the order of [`Module::index`]: the
-        /// reduction module first, then the mesh modules in the order of
-        /// `DType::ALL`.
-        pub(crate) fn modules() -> &'static [KernelModule; 11] {
-            static MODULES: [KernelModule; 11] = [$(KernelModule { name: $name, ptx: files::$file::ptx, cubins: files::$file::cubins }),*];
-            &MODULES
-        }
-    };
-}
-
-embedded! {
-    reduce => "reduce",
-    mesh_f32 => "mesh_f32",
-    mesh_f64 => "mesh_f64",
-    mesh_f16 => "mesh_f16",
-    mesh_bf16 => "mesh_bf16",
-    mesh_i32 => "mesh_i32",
-    mesh_i64 => "mesh_i64",
-    mesh_u32 => "mesh_u32",
-    mesh_u64 => "mesh_u64",
-    mesh_i8 => "mesh_i8",
-    mesh_u8 => "mesh_u8",
+/// Every embedded module, in the order of [`Module::index`]: the reduction
+/// module first, then the mesh modules in the order of `DType::ALL`.
+pub(crate) fn modules() -> &'static [KernelModule; 11] {
+    &MODULES
 }
 
 /// PTX text of the reduction kernels (for tests that read it).
@@ -284,7 +262,12 @@ impl Kernel {
 /// the device's (a cubin for sm_XY runs on sm_XZ for Z >= Y, never across
 /// majors); `None` where only the PTX can serve.
 pub(crate) fn cubin_for(major: u32, minor: u32) -> Option<usize> {
-    (0..CUBIN_ARCHS.len()).filter(|&i| CUBIN_ARCHS[i].0 == major && CUBIN_ARCHS[i].1 <= minor).max_by_key(|&i| CUBIN_ARCHS[i].1)
+    cubin_in(&CUBIN_ARCHS, major, minor)
+}
+
+/// [`cubin_for`] among `archs`.
+fn cubin_in(archs: &[(u32, u32)], major: u32, minor: u32) -> Option<usize> {
+    (0..archs.len()).filter(|&i| archs[i].0 == major && archs[i].1 <= minor).max_by_key(|&i| archs[i].1)
 }
 
 /// `sm_XY` for the [`CUBIN_ARCHS`] entry `arch`.
@@ -298,13 +281,16 @@ impl KernelModule {
         (self.ptx)()
     }
 
-    /// The cubin for the [`CUBIN_ARCHS`] entry `arch`, decompressed.
+    /// The cubin for the [`CUBIN_ARCHS`] entry `arch` (decompressed).
     pub(crate) fn cubin(&self, arch: usize) -> Result<Vec<u8>, String> {
         use std::io::Read;
-        let what = || format!("{}.cubin.zst for {}", self.name, arch_name(arch));
-        let frame = (self.cubins)().get(arch).copied().filter(|f| !f.is_empty()).ok_or_else(|| format!("no {}", what()))?;
-        let mut decoder = ruzstd::decoding::StreamingDecoder::new(frame).map_err(|e| format!("{}: {e}", what()))?;
-        let mut out = Vec::with_capacity(frame.len() * 12);
+        let what = || format!("{} cubin for {}", self.name, arch_name(arch));
+        let image = (self.cubins)().get(arch).copied().filter(|f| !f.is_empty()).ok_or_else(|| format!("no {}", what()))?;
+        if !CUBINS_COMPRESSED {
+            return Ok(image.to_vec());
+        }
+        let mut decoder = ruzstd::decoding::StreamingDecoder::new(image).map_err(|e| format!("{}: {e}", what()))?;
+        let mut out = Vec::with_capacity(image.len() * 12);
         decoder.read_to_end(&mut out).map_err(|e| format!("{}: {e}", what()))?;
         Ok(out)
     }
@@ -358,6 +344,12 @@ pub(crate) const MESH_FLAG_WORDS: usize = 2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS +
 
 /// Recommended block size (threads per block) for all kernels.
 pub(crate) const BLOCK_SIZE: u32 = 256;
+
+/// `src/kernels/list.rs`, which build.rs reads.
+#[cfg(test)]
+mod list {
+    include!("list.rs");
+}
 
 #[cfg(test)]
 mod tests {
@@ -470,9 +462,16 @@ mod tests {
             let version = directive(ptx, ".version").expect("no .version in PTX");
             let (major, minor) = version.split_once('.').expect("bad .version");
             let v = (major.parse::<u32>().unwrap(), minor.parse::<u32>().unwrap());
-            assert!(v <= (8, 0), "PTX .version {version} is newer than 8.0 (CUDA 12.0)");
-            assert_eq!(directive(ptx, ".target"), Some("sm_70"));
+            // The committed PTX is JIT-compiled by every driver from CUDA 12.0 on; PTX
+            // built from source has the ISA of the compiler that built it.
+            if !FROM_SOURCE {
+                assert!(v <= (8, 0), "PTX .version {version} is newer than 8.0 (CUDA 12.0)");
+            }
+            assert_eq!(directive(ptx, ".target"), Some(PTX_TARGET));
             assert_eq!(directive(ptx, ".address_size"), Some("64"));
+        }
+        if !FROM_SOURCE {
+            assert_eq!(PTX_TARGET, "sm_70");
         }
     }
 
@@ -496,23 +495,75 @@ mod tests {
         }
     }
 
+    /// `sm_XY` as `(X, Y)`.
+    fn parse_arch(arch: &str) -> (u32, u32) {
+        let digits = arch.strip_prefix("sm_").unwrap_or_else(|| panic!("{arch}"));
+        let (major, minor) = digits.split_at(digits.len() - 1);
+        (major.parse().unwrap(), minor.parse().unwrap())
+    }
+
+    /// The committed architectures, `(major, minor)`.
+    fn committed_archs() -> Vec<(u32, u32)> {
+        list::COMMITTED_ARCHS.iter().map(|a| parse_arch(a)).collect()
+    }
+
     #[test]
     fn cubin_choice_follows_the_compatibility_rule() {
-        let arch = |ma, mi| cubin_for(ma, mi).map(arch_name);
-        assert_eq!(arch(7, 0).as_deref(), Some("sm_70"));
-        assert_eq!(arch(7, 5).as_deref(), Some("sm_70"));
-        assert_eq!(arch(8, 0).as_deref(), Some("sm_80"));
-        assert_eq!(arch(8, 6).as_deref(), Some("sm_80"));
-        assert_eq!(arch(8, 9).as_deref(), Some("sm_80"));
-        assert_eq!(arch(9, 0).as_deref(), Some("sm_90"));
-        assert_eq!(arch(10, 0).as_deref(), Some("sm_100"));
-        assert_eq!(arch(10, 3).as_deref(), Some("sm_100"));
-        assert_eq!(arch(12, 0).as_deref(), Some("sm_120"));
-        assert_eq!(arch(12, 1).as_deref(), Some("sm_120"));
+        let committed = committed_archs();
+        let arch = |ma, mi| cubin_in(&committed, ma, mi).map(|i| list::COMMITTED_ARCHS[i]);
+        assert_eq!(arch(7, 0), Some("sm_70"));
+        assert_eq!(arch(7, 5), Some("sm_70"));
+        assert_eq!(arch(8, 0), Some("sm_80"));
+        assert_eq!(arch(8, 6), Some("sm_80"));
+        assert_eq!(arch(8, 9), Some("sm_80"));
+        assert_eq!(arch(9, 0), Some("sm_90"));
+        assert_eq!(arch(10, 0), Some("sm_100"));
+        assert_eq!(arch(10, 3), Some("sm_100"));
+        assert_eq!(arch(12, 0), Some("sm_120"));
+        assert_eq!(arch(12, 1), Some("sm_120"));
         // Other majors (older, or newer than the cubins) take the PTX.
         assert_eq!(arch(6, 1), None);
         assert_eq!(arch(11, 0), None);
         assert_eq!(arch(13, 0), None);
+        // Several minors of one major (a from-source build for sm_89, say): the
+        // highest not above the device's.
+        let with_89 = [(8, 0), (8, 9), (12, 0), (12, 1)];
+        assert_eq!(cubin_in(&with_89, 8, 6), Some(0));
+        assert_eq!(cubin_in(&with_89, 8, 9), Some(1));
+        assert_eq!(cubin_in(&with_89, 12, 0), Some(2));
+        assert_eq!(cubin_in(&with_89, 12, 1), Some(3));
+        // The embedded set: each architecture gets its own cubins.
+        for (i, &(ma, mi)) in CUBIN_ARCHS.iter().enumerate() {
+            assert_eq!(cubin_for(ma, mi), Some(i), "{}", arch_name(i));
+        }
+        assert!(CUBIN_ARCHS.windows(2).all(|w| w[0] < w[1]), "CUBIN_ARCHS ascending");
+        if !FROM_SOURCE {
+            assert_eq!(CUBIN_ARCHS.to_vec(), committed);
+        }
+    }
+
+    /// `src/kernels/list.rs`, build.rs's list, is the Rust code's modules and
+    /// `kernels/gen.sh`'s, and names the defines of `kernels/reduce.cu`.
+    #[test]
+    fn the_kernel_list_is_the_code_s_and_gen_sh_s() {
+        for (m, (name, _)) in Module::all().into_iter().zip(list::MODULES) {
+            assert_eq!(m.files().name, name);
+        }
+        let gen = include_str!("../../kernels/gen.sh");
+        let value = |key: &str| gen.lines().find_map(|l| l.strip_prefix(key)).unwrap_or_else(|| panic!("no {key} in kernels/gen.sh"));
+        let archs: Vec<&str> = value("CUBIN_ARCHS=\"").trim_end_matches('"').split_whitespace().collect();
+        assert_eq!(archs, list::COMMITTED_ARCHS, "CUBIN_ARCHS in kernels/gen.sh");
+        let first = value("MODULES=\"").trim_end_matches('"');
+        let tys = value("for ty in ").split_once(';').expect("for ty in ...; do").0;
+        assert!(value("for ty in ").contains("MODULES=\"$MODULES mesh_$ty:CP_MESH_TY_$ty\""));
+        let gen_modules: Vec<String> =
+            std::iter::once(first.to_string()).chain(tys.split_whitespace().map(|ty| format!("mesh_{ty}:CP_MESH_TY_{ty}"))).collect();
+        let list_modules: Vec<String> = list::MODULES.iter().map(|(name, define)| format!("{name}:{define}")).collect();
+        assert_eq!(gen_modules, list_modules, "MODULES in kernels/gen.sh");
+        let src = include_str!("../../kernels/reduce.cu");
+        for (_, define) in list::MODULES {
+            assert!(src.contains(&format!("#ifdef {define}\n")) || src.contains(&format!("defined({define})")), "{define} in kernels/reduce.cu");
+        }
     }
 
     /// `(name, st_value-less)` check of a cubin: an ELF64 image for the
