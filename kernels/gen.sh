@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
+# Building the kernels from source: `cargo build --features kernels-from-source`
+# (or CUDA_PEER_KERNELS_FROM_SOURCE=1) has build.rs compile kernels/reduce.cu at
+# build time and embed the result instead of the committed files below: the PTX
+# with nvcc (found through CUDA_PATH, CUDA_HOME, PATH or /usr/local/cuda), or
+# with NVRTC through kernels/nvrtc_compile.py where CUDA_PEER_NVRTC names a
+# libnvrtc, and the cubins with ptxas (CUDA_PEER_PTXAS, else the one beside
+# nvcc) for the architectures in CUDA_PEER_ARCHS (default: $CUBIN_ARCHS below;
+# e.g. CUDA_PEER_ARCHS=sm_89,sm_121 for machine code the committed set lacks).
+# With no toolkit, `eval "$(kernels/gen.sh --env)"` installs the wheels pinned
+# here and sets CUDA_PEER_NVRTC and CUDA_PEER_PTXAS to them; a build with those
+# reproduces the committed files byte for byte (kernels/gen.sh --compare, run in
+# CI, checks that).
+#
 # Regenerate / verify the embedded kernels from kernels/reduce.cu (several
 # builds of one source: -DCP_BUILD_REDUCE, and -DCP_MESH_TY_TY for each
-# element type):
+# element type; the list is src/kernels/list.rs, which build.rs checks the
+# committed files against):
 #   src/kernels/MODULE.ptx                  PTX (NVRTC 12.0, compute_70, ISA 8.0):
 #                                           the fallback, JIT-compiled by the driver
 #   src/kernels/cubin/ARCH/MODULE.cubin.zst machine code for ARCH in $CUBIN_ARCHS,
@@ -17,6 +31,15 @@
 #                                 committed cubin, decompressed, is
 #                                 byte-for-byte the fresh ptxas output (ptxas
 #                                 is deterministic for one input and version).
+#   kernels/gen.sh --env      install the pinned wheels (as above) and print the
+#                             shell lines that point a kernels-from-source build
+#                             at them (CUDA_PEER_NVRTC, CUDA_PEER_PTXAS)
+#   kernels/gen.sh --compare DIR
+#                             fail unless DIR (a kernels-from-source build's
+#                             OUT_DIR/kernels) holds the committed set: the same
+#                             MODULE.ptx byte for byte, and cubin/ARCH/MODULE.cubin
+#                             for every ARCH in $CUBIN_ARCHS, each the committed
+#                             .cubin.zst decompressed; needs only zstd.
 #
 # Needs python3 with pip and network access to PyPI the first time; the NVRTC
 # and nvcc (ptxas) wheels are installed with `pip install --target` under
@@ -44,7 +67,7 @@ for ty in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8; do MODULES="$MODULES mesh_$ty:
 # Cubins embedded: one per major architecture, lowest minor; a cubin for
 # sm_XY runs on every sm_XZ with Z >= Y, so sm_80 serves sm_86/87/89,
 # sm_70 serves sm_72/75, sm_100 serves sm_103 and sm_120 serves sm_121.
-# Keep in step with CUBIN_ARCHS in src/kernels/mod.rs.
+# Keep in step with COMMITTED_ARCHS in src/kernels/list.rs (a unit test compares them).
 CUBIN_ARCHS="sm_70 sm_80 sm_90 sm_100 sm_120"
 # Assembled by --check only (no spills there either), served by sm_80 cubins.
 CHECK_ARCHS="sm_86 sm_89"
@@ -59,8 +82,13 @@ mode=gen
 case "${1:-}" in
     "") ;;
     --check) mode=check ;;
-    -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}"; exit 0 ;;
-    *) die "unknown argument '$1' (use --check or nothing)" ;;
+    --env) mode=env ;;
+    --compare)
+        mode=compare
+        compare_dir="${2:-}"
+        [ -d "$compare_dir" ] || die "--compare needs a folder (a kernels-from-source build's OUT_DIR/kernels)" ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) die "unknown argument '$1' (use --check, --env, --compare DIR or nothing)" ;;
 esac
 
 # install_wheel PKG VERSION -> prints the install dir.  Installs atomically
@@ -150,14 +178,55 @@ assemble_all() {
     done
 }
 
+CUBIN_DIR="$ROOT/src/kernels/cubin"
+# The committed cubins' names, ARCH/MODULE.cubin.zst, sorted.
+committed_cubins() {
+    for arch in $CUBIN_ARCHS; do for m in $MODULES; do echo "$arch/${m%%:*}.cubin.zst"; done; done | LC_ALL=C sort
+}
+
+if [ "$mode" = env ]; then
+    nvrtc_dir="$(install_wheel "$NVRTC_PKG" "$NVRTC_VERSION")"
+    nvcc_dir="$(install_wheel "$NVCC_PKG" "$NVCC_VERSION")"
+    ptxas="$(find_one "$nvcc_dir" 'ptxas')"
+    [ -x "$ptxas" ] || chmod +x "$ptxas"
+    printf 'export CUDA_PEER_NVRTC=%q\n' "$(find_one "$nvrtc_dir" 'libnvrtc.so.12')"
+    printf 'export CUDA_PEER_PTXAS=%q\n' "$ptxas"
+    exit 0
+fi
+
 command -v "$ZSTD" >/dev/null || die "the zstd command line tool is needed (apt-get install zstd)"
 tmpdir="$(mktemp -d)"
 trap 'rm -rf "$tmpdir"' EXIT
+
+if [ "$mode" = compare ]; then
+    found="$(cd "$compare_dir" && find . -type f | sed 's|^\./||' | LC_ALL=C sort)"
+    expected="$( (for m in $MODULES; do echo "${m%%:*}.ptx"; done; committed_cubins | sed 's|^|cubin/|; s|\.zst$||') | LC_ALL=C sort)"
+    if [ "$expected" != "$found" ]; then
+        diff <(echo "$expected") <(echo "$found") >&2 || true
+        die "$compare_dir does not hold the committed set of modules and architectures (< committed, > built)"
+    fi
+    for m in $MODULES; do
+        name="${m%%:*}"
+        if ! cmp -s "$compare_dir/$name.ptx" "$ROOT/src/kernels/$name.ptx"; then
+            diff <(grep -E '^\.visible \.entry' "$ROOT/src/kernels/$name.ptx") \
+                <(grep -E '^\.visible \.entry' "$compare_dir/$name.ptx") >&2 \
+                && log "$name.ptx: the same kernels, other code (another compiler version?)"
+            die "$compare_dir/$name.ptx differs from the committed src/kernels/$name.ptx"
+        fi
+    done
+    for f in $(committed_cubins); do
+        "$ZSTD" -q -d -c "$CUBIN_DIR/$f" >"$tmpdir/committed.cubin" || die "cannot decompress $CUBIN_DIR/$f"
+        cmp -s "$tmpdir/committed.cubin" "$compare_dir/cubin/${f%.zst}" \
+            || die "$compare_dir/cubin/${f%.zst} differs from the committed src/kernels/cubin/$f"
+    done
+    log "compare OK: $(echo "$MODULES" | wc -w) PTX modules and $(committed_cubins | wc -l) cubins identical to the committed ones"
+    exit 0
+fi
+
 nvcc_dir="$(install_wheel "$NVCC_PKG" "$NVCC_VERSION")"
 ptxas="$(find_one "$nvcc_dir" 'ptxas')"
 [ -x "$ptxas" ] || chmod +x "$ptxas"
 log "ptxas: $ptxas ($("$ptxas" --version | tail -n 1))"
-CUBIN_DIR="$ROOT/src/kernels/cubin"
 
 if [ "$mode" = gen ]; then
     for m in $MODULES; do
@@ -198,7 +267,7 @@ assemble_all "$ROOT/src/kernels" "$tmpdir/cubin" $CUBIN_ARCHS $CHECK_ARCHS
 log "step 2 OK"
 
 log "step 3: comparing the committed cubins with the fresh ones"
-expected="$(for arch in $CUBIN_ARCHS; do for m in $MODULES; do echo "$arch/${m%%:*}.cubin.zst"; done; done | LC_ALL=C sort)"
+expected="$(committed_cubins)"
 found="$(cd "$CUBIN_DIR" 2>/dev/null && find . -type f | sed 's|^\./||' | LC_ALL=C sort)"
 if [ "$expected" != "$found" ]; then
     diff <(echo "$expected") <(echo "$found") >&2 || true
