@@ -10,7 +10,7 @@ tools=${CUDA_PEER_TOOLS:-$HOME/.cache/cuda-peer-tools}
 wheel_dir="$tools/cuda-runtime-12.0.107"
 if [ ! -f "$wheel_dir/nvidia/cuda_runtime/include/cuda.h" ]; then
   mkdir -p "$wheel_dir"
-  python3 -m pip install -q --no-deps --target "$wheel_dir" nvidia-cuda-runtime-cu12==12.0.107
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check --no-deps --target "$wheel_dir" nvidia-cuda-runtime-cu12==12.0.107
 fi
 out="$here/src/bindings.rs"
 [ "${1:-}" = "--check" ] && out=$(mktemp --suffix=.rs)
