@@ -78,7 +78,7 @@ fn main() {
         println!("cargo:rerun-if-changed=src/kernels");
         committed(&root)
     };
-    if let Err(e) = images.and_then(|images| write_table(&out, &images)) {
+    if let Err(e) = images.and_then(|images| write_table(&root, &out, &images)) {
         eprintln!("error: cuda-peer: {e}");
         std::process::exit(1);
     }
@@ -167,15 +167,25 @@ fn committed(root: &Path) -> Result<Images, String> {
     })
 }
 
-/// A path as a Rust string literal.
-fn literal(path: &Path) -> Result<String, String> {
-    path.to_str().map(|s| format!("{s:?}")).ok_or_else(|| format!("{} is not UTF-8", path.display()))
+/// A path as a Rust string expression for `include_bytes!`: under `OUT_DIR`
+/// or the package's directory it is `concat!(env!(..), "/rest")`, so that
+/// the table never names the directory it was generated in (a checkout
+/// moved, or another checkout building into the same target directory,
+/// reuses the build script's output).
+fn literal(path: &Path, root: &Path, out: &Path) -> Result<String, String> {
+    let utf8 = |p: &Path| p.to_str().map(str::to_owned).ok_or_else(|| format!("{} is not UTF-8", path.display()));
+    for (var, base) in [("OUT_DIR", out), ("CARGO_MANIFEST_DIR", root)] {
+        if let Ok(rest) = path.strip_prefix(base) {
+            return Ok(format!("concat!(env!({var:?}), {:?})", format!("/{}", utf8(rest)?)));
+        }
+    }
+    Ok(format!("{:?}", utf8(path)?))
 }
 
 /// `OUT_DIR/kernels.rs`: the constants and the embedded files of `images`, in
 /// functions that are never inlined (a static or const holding the bytes, or an
 /// inlinable function, would also be written into the rlib's metadata).
-fn write_table(out: &Path, images: &Images) -> Result<(), String> {
+fn write_table(root: &Path, out: &Path, images: &Images) -> Result<(), String> {
     let n = images.archs.len();
     let mut t = String::new();
     let archs: Vec<String> = images.archs.iter().map(|(ma, mi)| format!("({ma}, {mi})")).collect();
@@ -192,10 +202,10 @@ fn write_table(out: &Path, images: &Images) -> Result<(), String> {
     let _ = writeln!(t, "const CUBINS_COMPRESSED: bool = {};", images.compressed);
     let _ = writeln!(t, "mod files {{");
     for ((name, _), (ptx, cubins)) in MODULES.iter().zip(&images.files) {
-        let cubins = cubins.iter().map(|c| literal(c).map(|l| format!("include_bytes!({l})"))).collect::<Result<Vec<_>, _>>()?;
+        let cubins = cubins.iter().map(|c| literal(c, root, out).map(|l| format!("include_bytes!({l})"))).collect::<Result<Vec<_>, _>>()?;
         let _ = writeln!(t, "    pub(super) mod {name} {{");
         let _ = writeln!(t, "        #[inline(never)]");
-        let _ = writeln!(t, "        pub(in super::super) fn ptx() -> &'static str {{ include_str!({}) }}", literal(ptx)?);
+        let _ = writeln!(t, "        pub(in super::super) fn ptx() -> &'static str {{ include_str!({}) }}", literal(ptx, root, out)?);
         let _ = writeln!(t, "        #[inline(never)]");
         let _ = writeln!(t, "        pub(in super::super) fn cubins() -> [&'static [u8]; {n}] {{ [{}] }}", cubins.join(", "));
         let _ = writeln!(t, "    }}");
