@@ -66,14 +66,22 @@ pub(crate) fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
     }
 }
 
-/// Reads exactly `buf.len()` bytes before `deadline` (each `read` bounded
-/// by the time left, so a peer that trickles bytes cannot stretch it).
-fn read_exact_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant, op: &'static str) -> Result<()> {
-    while !buf.is_empty() {
-        s.set_read_timeout(Some(left(deadline, op)?)).map_err(io_err(op))?;
-        match s.read(buf) {
-            Ok(0) => return Err(io_err(op)(ErrorKind::UnexpectedEof.into())),
-            Ok(n) => buf = &mut buf[n..],
+/// Moves `len` bytes before `deadline` in steps of `step(time left, bytes
+/// done)`, which sets the socket's timeout to the time left and reads or
+/// writes from there, so that a peer that trickles bytes cannot stretch
+/// the deadline; a step that moves nothing is `zero` (the peer closed).
+fn transfer_by(
+    len: usize,
+    deadline: Instant,
+    op: &'static str,
+    zero: ErrorKind,
+    mut step: impl FnMut(Duration, usize) -> std::io::Result<usize>,
+) -> Result<()> {
+    let mut done = 0;
+    while done < len {
+        match step(left(deadline, op)?, done) {
+            Ok(0) => return Err(io_err(op)(zero.into())),
+            Ok(n) => done += n,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 left(deadline, op)?;
@@ -84,21 +92,20 @@ fn read_exact_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant, op: &
     Ok(())
 }
 
+/// Reads exactly `buf.len()` bytes before `deadline`.
+fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant, op: &'static str) -> Result<()> {
+    transfer_by(buf.len(), deadline, op, ErrorKind::UnexpectedEof, |t, at| {
+        s.set_read_timeout(Some(t))?;
+        s.read(&mut buf[at..])
+    })
+}
+
 /// Writes all of `buf` before `deadline`.
-fn write_all_by(s: &mut TcpStream, mut buf: &[u8], deadline: Instant, op: &'static str) -> Result<()> {
-    while !buf.is_empty() {
-        s.set_write_timeout(Some(left(deadline, op)?)).map_err(io_err(op))?;
-        match s.write(buf) {
-            Ok(0) => return Err(io_err(op)(ErrorKind::WriteZero.into())),
-            Ok(n) => buf = &buf[n..],
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                left(deadline, op)?;
-            }
-            Err(e) => return Err(io_err(op)(e)),
-        }
-    }
-    Ok(())
+fn write_all_by(s: &mut TcpStream, buf: &[u8], deadline: Instant, op: &'static str) -> Result<()> {
+    transfer_by(buf.len(), deadline, op, ErrorKind::WriteZero, |t, at| {
+        s.set_write_timeout(Some(t))?;
+        s.write(&buf[at..])
+    })
 }
 
 /// Reads one frame (a little-endian `u32` length, then that many bytes, at
