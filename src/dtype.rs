@@ -89,8 +89,13 @@ pub enum ReduceOp {
     Min,
     /// Maximum. For floats, NaN in any input gives NaN.
     Max,
-    /// Mean over the ranks: the sum divided by the number of ranks, for
-    /// floating-point types only. On integer types it is refused with
+    /// Mean over the ranks, for floating-point types only. An all-reduce
+    /// sums each rank's input divided by the number of ranks (as NCCL's
+    /// pre-multiplied average does), so that a mean the type can hold never
+    /// overflows in a partial sum (two ranks of 40,000 in f16, say); every
+    /// rank gets the same bits, while another algorithm (another summation
+    /// order) may round the last bit differently. Reduce-scatter and reduce
+    /// divide the sum. On integer types it is refused with
     /// [`crate::Error::UnsupportedOp`] (integer division would silently
     /// truncate; sum and divide yourself if that is what you want).
     Avg,

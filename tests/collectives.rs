@@ -398,6 +398,49 @@ fn every_op_and_type_on_two_and_three_ranks() {
     }
 }
 
+/// The all-reduce average of one 16-bit float type near the top of its
+/// range, in place and out of place: every rank's inputs in `lo..hi`, so
+/// that the sum of any two overflows the type while the mean does not.
+fn avg_near_the_top<T: TestElem>(s: &Setup, lo: f64, hi: f64, tag: &str) {
+    let n = s.group.size();
+    let mut rng = rand::rng();
+    for count in [1024, (1 << 20) + 3] {
+        let what = |c: &str| format!("{c} {tag} {} avg near the top n={n} count={count}", T::DTYPE);
+        let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..count).map(|_| T::from_f64(rng.random_range(lo..hi))).collect()).collect();
+        assert!(inputs.iter().flatten().all(|x| x.to_f64().is_finite()), "{}: inputs out of range", what("setup"));
+        let mut bufs = upload(s, &inputs);
+        s.group.all_reduce_in_place(&mut bufs, ReduceOp::Avg).expect("all_reduce_in_place");
+        let outs = download(s, &bufs);
+        assert!(outs.iter().flatten().all(|x| x.to_f64().is_finite()), "{}: an average overflowed", what("all_reduce_in_place"));
+        check_all_ranks(&what("all_reduce_in_place"), ReduceOp::Avg, &inputs, &outs);
+        let send = upload(s, &inputs);
+        let mut recv = upload(s, &vec![vec![T::poison(); count]; n]);
+        s.group.all_reduce(&send, &mut recv, ReduceOp::Avg).expect("all_reduce");
+        let outs = download(s, &recv);
+        assert!(outs.iter().flatten().all(|x| x.to_f64().is_finite()), "{}: an average overflowed", what("all_reduce"));
+        check_all_ranks(&what("all_reduce"), ReduceOp::Avg, &inputs, &outs);
+        assert!(download(s, &send) == inputs, "{}: send buffers changed", what("all_reduce"));
+    }
+}
+
+/// f16 and bf16 averages whose sums overflow the type but whose means do
+/// not (two ranks of 40,000 in f16, say) are finite and right, on every
+/// algorithm the GPUs allow.
+#[test]
+fn avg_near_the_top_of_the_range_does_not_overflow() {
+    let test = "avg_near_the_top_of_the_range_does_not_overflow";
+    let Some(ctx) = gpus(test, 1) else { return };
+    for n in [2, 3] {
+        say_uncovered(test, n, ctx.len());
+        for set in path_sets(n, ctx.len()) {
+            let tag = set.0;
+            let s = setup(&ctx, n, set);
+            avg_near_the_top::<f16>(&s, 40_000.0, 65_000.0, tag);
+            avg_near_the_top::<bf16>(&s, 1.8e38, 3.3e38, tag);
+        }
+    }
+}
+
 /// Sum for every type and avg for every float type, all collectives,
 /// N = 4, 5, 8.
 #[test]

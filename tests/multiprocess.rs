@@ -183,6 +183,50 @@ fn three_processes_all_reduce_every_type_and_op() {
     processes("three_processes_all_reduce_every_type_and_op", 3, Duration::from_secs(400), vec![], ALL_REDUCE_LINE);
 }
 
+/// Rank `r`'s f16/bf16 inputs near the top of the type's range (`lo..hi`),
+/// the same on every rank for the same seed.
+fn top_inputs(seed: u64, n: usize, count: usize, lo: f64, hi: f64) -> Vec<Vec<f64>> {
+    (0..n).map(|r| seeded(seed * 16 + r as u64, count).into_iter().map(|x| lo + (hi - lo) * (x as f64 / u32::MAX as f64)).collect()).collect()
+}
+
+/// The one-shot's average between processes of 16-bit floats whose sums
+/// overflow the type but whose means do not: finite, and within the
+/// rounding of one division and n - 1 additions of the type.
+fn avg_top<T: Num>(comm: &Comm, stream: &Arc<CudaStream>, seed: u64, lo: f64, hi: f64, eps: f64) {
+    let n = comm.size();
+    for count in [1024, (1 << 20) + 3] {
+        let ins = top_inputs(seed, n, count, lo, hi);
+        let mine: Vec<T> = ins[comm.rank()].iter().map(|&x| T::from_f64(x)).collect();
+        let mut buf = stream.clone_htod(&mine).unwrap();
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Avg).unwrap();
+        let got = stream.clone_dtoh(&buf).unwrap();
+        for (i, g) in got.iter().enumerate() {
+            let mean = ins.iter().map(|x| T::from_f64(x[i]).to_f64()).sum::<f64>() / n as f64;
+            let g = g.to_f64();
+            assert!(
+                g.is_finite() && (g - mean).abs() <= (n as f64 + 1.0) * eps * mean.abs(),
+                "rank {}: {count} x {}: element {i} is {g}, the mean {mean}",
+                comm.rank(),
+                T::DTYPE
+            );
+        }
+    }
+}
+
+/// f16 and bf16 averages near the top of the range between processes.
+#[test]
+fn two_processes_avg_near_the_top_of_the_range_does_not_overflow() {
+    if child() {
+        let comm = child_comm(&child_opts());
+        let stream = comm.stream().clone();
+        avg_top::<f16>(&comm, &stream, 7, 40_000.0, 65_000.0, f64::powi(2.0, -11));
+        avg_top::<bf16>(&comm, &stream, 8, 1.8e38, 3.3e38, f64::powi(2.0, -8));
+        comm.synchronize().unwrap();
+        return println!("rank {}: averages near the top right", comm.rank());
+    }
+    processes("two_processes_avg_near_the_top_of_the_range_does_not_overflow", 2, Duration::from_secs(120), vec![], "averages near the top right");
+}
+
 /// Two ranks on one device without `share_devices` are refused on both.
 #[test]
 fn two_ranks_on_one_device_are_a_typed_error() {

@@ -4,7 +4,7 @@
 //! (flags written with release and read with acquire at system scope). The
 //! kernel and its protocol are in `kernels/reduce.cu` (`cp_meshar_*`).
 
-use super::{divide, layout_refusal, unavailable, Algorithm, AllReduce};
+use super::{layout_refusal, prescale_all, unavailable, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -115,7 +115,7 @@ impl AllReduce for Mesh {
         if ins != outs {
             comm.check_reach("all_reduce (mesh)", outs, true)?;
         }
-        self.launch(comm, KernelOp::of(op), dtype, ins, outs, count, aligned)?;
-        divide(comm, op, dtype, outs, count, 0..comm.size())
+        let (op, in_place) = prescale_all(comm, op, dtype, ins, outs, count)?;
+        self.launch(comm, KernelOp::of(op), dtype, if in_place { outs } else { ins }, outs, count, aligned)
     }
 }

@@ -233,6 +233,41 @@ fn choose(request: Algorithm, n: usize, oneshot: Option<bool>, mesh: bool, bytes
     Selected::Ring
 }
 
+/// Whether [`ReduceOp::Avg`] of `dtype` over `n` ranks runs as a sum of
+/// inputs divided by `n` first (averages are of float types only): dividing
+/// after the sum overflows near the top of the range (a 16-bit sum is
+/// rounded after every add) although the mean is representable. Every
+/// all-reduce algorithm, in one process and between processes, averages
+/// this way; reduce-scatter and reduce divide their sums ([`divide`]).
+pub(crate) fn prescales(op: ReduceOp, dtype: DType, n: usize) -> bool {
+    op == ReduceOp::Avg && dtype.is_float() && n > 1
+}
+
+/// Rank `r`'s part of an all-reduce of `op` before its reduction: where
+/// [`prescales`], its output becomes its input divided by the rank count (a
+/// copy first where out of place), and the rank reduces its output in place
+/// with [`ReduceOp::Sum`]. Returns the op and the input to reduce.
+pub(crate) fn prescale(comm: &Communicator, op: ReduceOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<(ReduceOp, u64)> {
+    if !prescales(op, dtype, comm.size()) || count == 0 {
+        return Ok((op, input));
+    }
+    if input != output {
+        comm.local_copy(r, output, input, count * dtype.size())?;
+    }
+    comm.launch_scale_div(r, dtype, output, count, comm.size() as f64)?;
+    Ok((ReduceOp::Sum, output))
+}
+
+/// [`prescale`] on every rank: the op, and whether the reduction now runs in
+/// place on the outputs.
+pub(crate) fn prescale_all(comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<(ReduceOp, bool)> {
+    let mut reduced = op;
+    for r in 0..comm.size() {
+        reduced = prescale(comm, op, dtype, r, ins[r], outs[r], count)?.0;
+    }
+    Ok((reduced, reduced != op))
+}
+
 /// Launches `x /= n` on `ranks` for [`ReduceOp::Avg`] on `n > 1` ranks.
 pub(crate) fn divide(comm: &Communicator, op: ReduceOp, dtype: DType, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
     if op == ReduceOp::Avg && comm.size() > 1 {

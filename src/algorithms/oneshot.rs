@@ -26,7 +26,7 @@
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
-use super::{layout_refusal, unavailable, Algorithm, AllReduce};
+use super::{layout_refusal, prescale, unavailable, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};
@@ -333,12 +333,8 @@ impl OneShot {
     /// Rank r's one-shot kernel, then the division of [`ReduceOp::Avg`].
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
     fn rank(&self, comm: &Communicator, op: ReduceOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
-        self.launch_rank(comm, KernelOp::of(op), dtype, r, input, output, count)?;
-        let n = comm.size();
-        if op == ReduceOp::Avg && n > 1 {
-            comm.launch_scale_div(r, dtype, output, count, n as f64)?;
-        }
-        Ok(())
+        let (op, input) = prescale(comm, op, dtype, r, input, output, count)?;
+        self.launch_rank(comm, KernelOp::of(op), dtype, r, input, output, count)
     }
 
     /// Launches rank r's one-shot kernel: `out = reduce(every rank's in)`.

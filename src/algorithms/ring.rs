@@ -16,7 +16,7 @@
 //! them.
 
 use super::schedule::{self, Action};
-use super::{divide, Algorithm, AllReduce};
+use super::{prescale_all, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::copy::route::{copy_direct, Direct, Route};
 use crate::copy::staged::Start;
@@ -231,6 +231,7 @@ impl AllReduce for Ring {
 /// The ring all-reduce of `ptrs` in place.
 fn all_reduce_in_place(comm: &Communicator, op: ReduceOp, dtype: DType, ptrs: &[u64], count: usize) -> Result<()> {
     let n = comm.size();
+    let (op, _) = prescale_all(comm, op, dtype, ptrs, ptrs, count)?;
     let esz = dtype.size() as u64;
     let segs = segments(dtype, count, n);
     let steps: Vec<Vec<Option<PullOp>>> = schedule::all_reduce(n)
@@ -249,8 +250,7 @@ fn all_reduce_in_place(comm: &Communicator, op: ReduceOp, dtype: DType, ptrs: &[
                 .collect()
         })
         .collect();
-    run(comm, KernelOp::of(op), dtype, &steps)?;
-    divide(comm, op, dtype, ptrs, count, 0..n)
+    run(comm, KernelOp::of(op), dtype, &steps)
 }
 
 #[cfg(test)]

@@ -70,6 +70,7 @@ use super::fdpass::{send_fd, FdListener, PeerAddr};
 use super::shm::{board_bytes, region_len, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
 use crate::algorithms::oneshot::{check_counts, lane_index, layout, LaneLayout};
+use crate::algorithms::prescales;
 use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -815,6 +816,17 @@ impl Comm {
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
     fn launch<T: Element>(&self, op: ReduceOp, input: u64, output: u64, count: usize) -> Result<()> {
         let dtype = T::DTYPE;
+        // A float average sums inputs divided first, as every all-reduce does
+        // (`crate::algorithms::prescales`).
+        let (op, input) = if prescales(op, dtype, self.size) && count > 0 {
+            if input != output {
+                self.copy(output, input, count * dtype.size())?;
+            }
+            self.average::<T>(op, output, count)?;
+            (ReduceOp::Sum, output)
+        } else {
+            (op, input)
+        };
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
         let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
@@ -851,17 +863,6 @@ impl Comm {
         // contexts the driver time-slices: every rank's kernel gets to run,
         // and a barrier that waits too long gives up (the control block).
         unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
-        if op == ReduceOp::Avg && self.size > 1 {
-            let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
-            let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
-            let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
-            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-            let divisor = self.size as f64;
-            let mut launch = self.stream.launch_builder(f);
-            launch.arg(&output).arg(&cnt).arg(&divisor);
-            // SAFETY: signature (T*, u64, double); `output` holds `count` elements on this device.
-            unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
-        }
         Ok(())
     }
 }

@@ -295,7 +295,7 @@ impl Comm {
 
     /// [`ReduceOp::Avg`]'s division of `count` elements at `x` by the
     /// number of ranks.
-    fn average<T: Element>(&self, op: ReduceOp, x: u64, count: usize) -> Result<()> {
+    pub(super) fn average<T: Element>(&self, op: ReduceOp, x: u64, count: usize) -> Result<()> {
         if op != ReduceOp::Avg || self.size == 1 {
             return Ok(());
         }
@@ -311,7 +311,7 @@ impl Comm {
 
     /// Copies `bytes` from `src` to `dst` on this rank's stream (either may
     /// be a peer's staging buffer, mapped here: a copy over P2P).
-    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
