@@ -629,6 +629,58 @@ fn three_processes_replay_a_captured_graph() {
     processes("three_processes_replay_a_captured_graph", 3, Duration::from_secs(400), vec![], GRAPH_LINE);
 }
 
+/// A graph captured on the communicator's stream and replayed after every
+/// rank has dropped its communicator: the graph keeps what its kernels
+/// touch (the slots, flags and counters, the peers' memory as mapped here,
+/// the kernels), so every replay is exact and no context dies.
+fn graph_after_drop_child() {
+    use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let comm = child_comm(&child_opts());
+    // SAFETY: everything runs on the communicator's stream (see graph_child).
+    unsafe { comm.context().disable_event_tracking() };
+    let (me, n, s) = (comm.rank(), comm.size(), comm.stream().clone());
+    let count = 3000;
+    let mut x = s.alloc_zeros::<u32>(count).unwrap();
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let captured = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+    captured.unwrap();
+    let graph = graph.unwrap().expect("a non-empty graph");
+    drop(comm);
+    for replay in 0..3u64 {
+        let ins: Vec<Vec<u32>> = (0..n).map(|r| seeded(7100 + replay * 16 + r as u64, count)).collect();
+        s.memcpy_htod(&ins[me], &mut x).unwrap();
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        let want: Vec<u32> = (0..count).map(|i| ins.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
+        assert_eq!(s.clone_dtoh(&x).unwrap(), want, "rank {me}: replay {replay} after the communicator was dropped");
+    }
+    println!("rank {me}: graph replays after the drop right");
+}
+
+#[test]
+fn two_processes_replay_a_graph_after_the_comm_is_dropped() {
+    if child() {
+        return graph_after_drop_child();
+    }
+    processes("two_processes_replay_a_graph_after_the_comm_is_dropped", 2, Duration::from_secs(120), vec![], "graph replays after the drop right");
+}
+
+#[test]
+fn two_processes_staged_replay_a_graph_after_the_comm_is_dropped() {
+    if child() {
+        return graph_after_drop_child();
+    }
+    processes(
+        "two_processes_staged_replay_a_graph_after_the_comm_is_dropped",
+        2,
+        Duration::from_secs(120),
+        staged(),
+        "graph replays after the drop right",
+    );
+}
+
 /// The exchange is usable by the caller after creation, and ranks agree.
 #[test]
 fn the_exchange_serves_the_caller() {

@@ -64,6 +64,12 @@
 //!
 //! A failed communicator (a timeout) refuses every later call: make a new
 //! one. A mismatch leaves it usable.
+//!
+//! A call captured into a CUDA graph on the communicator's stream makes the
+//! graph hold what the call's kernels and copies touch (its memory as
+//! mapped here, the peers' included, its counters, control block and
+//! kernels: `crate::graph`), so the graph may be replayed after the
+//! communicator is dropped, as long as every rank replays it.
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener, PeerAddr};
@@ -75,6 +81,7 @@ use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
+use crate::graph::{capture_of, retain, KeepAlive};
 use crate::kernels;
 use crate::kernels::load::{function, FnTable, PtrArray};
 use crate::kernels::{Kernel, KernelOp};
@@ -228,8 +235,6 @@ pub struct Comm {
     exchange: Box<dyn Exchange>,
     lanes: Vec<Lane>,
     npush: i32,
-    funcs: FnTable,
-    div: FnTable,
     order: Orderer,
     /// Number of the next call; held for a whole call.
     calls: Mutex<u64>,
@@ -242,16 +247,31 @@ pub struct Comm {
     /// `rank`): two halves of `half` bytes.
     data: Vec<u64>,
     half: usize,
-    /// The reduction kernels (`dst = a op b`) by op and type.
-    red: FnTable,
-    /// The device barrier's word (its address: `bar_ptr`).
-    _bar: CudaSlice<u32>,
+    /// The device barrier's word's address (the word is in `held`).
     bar_ptr: u64,
-    /// The kernel's control block and this communicator's failed state.
-    ctl: Ctl,
     // Dropped after the fields above (the stream is synchronized in Drop).
     /// Whether the slots and staging buffers are in shared host memory.
     staged: bool,
+    /// The graph captures this communicator's calls went into (the latest
+    /// few), each of which holds `held`.
+    captures: Mutex<Vec<u64>>,
+    /// What its kernels and copies touch.
+    held: Arc<Held>,
+}
+
+/// What a communicator's kernels and copies touch: its kernels, control
+/// block, barrier word, counters and every rank's memory as mapped here.
+/// Shared with each CUDA graph a call was captured into (`crate::graph`),
+/// so that a graph replayed after the communicator is dropped still finds
+/// them.
+struct Held {
+    funcs: FnTable,
+    div: FnTable,
+    /// The reduction kernels (`dst = a op b`) by op and type.
+    red: FnTable,
+    /// The kernel's control block and this communicator's failed state.
+    ctl: Ctl,
+    _bar: CudaSlice<u32>,
     _counters: CudaSlice<u32>,
     _memory: Memory,
 }
@@ -619,8 +639,6 @@ impl Comm {
             exchange,
             lanes,
             npush: size as i32 - 1,
-            funcs: FnTable::default(),
-            div: FnTable::default(),
             order: Orderer::default(),
             calls: Mutex::new(0),
             check_calls: opts.check_calls,
@@ -628,13 +646,18 @@ impl Comm {
             board,
             data,
             half,
-            red: FnTable::default(),
-            _bar: bar,
             bar_ptr,
-            ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
             staged,
-            _counters: counters,
-            _memory: memory,
+            captures: Mutex::new(Vec::new()),
+            held: Arc::new(Held {
+                funcs: FnTable::default(),
+                div: FnTable::default(),
+                red: FnTable::default(),
+                ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
+                _bar: bar,
+                _counters: counters,
+                _memory: memory,
+            }),
         };
         // Every rank's region is zeroed and mapped everywhere before any kernel.
         comm.exchange.barrier()?;
@@ -735,7 +758,7 @@ impl Comm {
         self.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         self.order.synchronize()?;
         // A kernel that gave up waiting for a peer since the last call.
-        self.ctl.check()
+        self.held.ctl.check()
     }
 
     /// In-place all-reduce: `buf` becomes the reduction, in rank order, of
@@ -792,7 +815,18 @@ impl Comm {
     /// the call in time fails it.
     fn enter(&self, desc: CallDesc) -> Result<std::sync::MutexGuard<'_, u64>> {
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        self.ctl.check()?;
+        self.held.ctl.check()?;
+        // A call captured into a graph: the graph keeps what it touches.
+        if let Some((id, graph)) = capture_of(&self.stream)? {
+            let mut seen = self.captures.lock().unwrap_or_else(|p| p.into_inner());
+            if !seen.contains(&id) {
+                retain(graph, KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
+                if seen.len() >= 16 {
+                    seen.remove(0);
+                }
+                seen.push(id);
+            }
+        }
         let call = *calls;
         if self.check_calls {
             match self.board.agree(self.rank, call, &desc, self.barrier_timeout) {
@@ -804,7 +838,7 @@ impl Comm {
                     return Err(e);
                 }
                 Err(e) => {
-                    self.ctl.fail(e.clone());
+                    self.held.ctl.fail(e.clone());
                     return Err(e);
                 }
             }
@@ -832,7 +866,7 @@ impl Comm {
         let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
         let ahead = lane.layout.pipeline.arg();
         let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
-        let f = self.funcs.get(kernel, || function(&self.ctx, kernel))?;
+        let f = self.held.funcs.get(kernel, || function(&self.ctx, kernel))?;
         let mut launch = self.stream.launch_builder(f);
         launch
             .arg(&lane.push)
@@ -846,8 +880,8 @@ impl Comm {
             .arg(&cnt)
             .arg(&cap)
             .arg(&ahead)
-            .arg(&self.ctl.addrs[0])
-            .arg(&self.ctl.timeout_ns);
+            .arg(&self.held.ctl.addrs[0])
+            .arg(&self.held.ctl.timeout_ns);
         // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
         // u32*, i32, i32, u64, u64, i32, u32*, u64); the control block holds
         // 1 + 2 * size words, mapped for this device. `input`/`output` hold

@@ -224,8 +224,8 @@ impl Comm {
     fn guarded(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
         let r = f();
         if let Err(e) = &r {
-            self.ctl.abort();
-            self.ctl.fail(Error::GroupFailed { reason: format!("rank {}: a collective failed part way: {e}", self.rank) });
+            self.held.ctl.abort();
+            self.held.ctl.fail(Error::GroupFailed { reason: format!("rank {}: a collective failed part way: {e}", self.rank) });
         }
         r
     }
@@ -280,7 +280,7 @@ impl Comm {
     /// `dst = a op b` over `count` elements on this rank's stream.
     fn reduce2(&self, op: ReduceOp, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
         let kernel = Kernel::Reduce2(KernelOp::of(op), dtype);
-        let f = self.red.get(kernel, || function(&self.ctx, kernel))?;
+        let f = self.held.red.get(kernel, || function(&self.ctx, kernel))?;
         let n = count as u64;
         let mut launch = self.stream.launch_builder(f);
         launch.arg(&dst).arg(&a).arg(&b).arg(&n);
@@ -300,7 +300,7 @@ impl Comm {
             return Ok(());
         }
         let dtype = T::DTYPE;
-        let f = self.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
+        let f = self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
         let (cnt, divisor) = (count as u64, self.size as f64);
         let mut launch = self.stream.launch_builder(f);
         launch.arg(&x).arg(&cnt).arg(&divisor);
