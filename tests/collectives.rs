@@ -380,22 +380,30 @@ fn avg_is_refused<T: TestElem>(s: &Setup, tag: &str) {
     }
 }
 
+/// Runs `body` on a group of each of `ns` ranks over every path set the
+/// GPUs allow, saying (SKIPPED) which sets they do not.
+fn each_group(test: &str, ctx: &[Arc<CudaContext>], ns: &[usize], mut body: impl FnMut(&Setup, usize, &str)) {
+    for &n in ns {
+        say_uncovered(test, n, ctx.len());
+        for set in path_sets(n, ctx.len()) {
+            let tag = set.0;
+            let s = setup(ctx, n, set);
+            body(&s, n, tag);
+        }
+    }
+}
+
 /// Every op and type, all collectives, for N = 2 and 3 over every path set.
 #[test]
 fn every_op_and_type_on_two_and_three_ranks() {
     let test = "every_op_and_type_on_two_and_three_ranks";
     let Some(ctx) = gpus(test, 1) else { return };
-    for n in [2, 3] {
-        say_uncovered(test, n, ctx.len());
-        for set in path_sets(n, ctx.len()) {
-            let tag = set.0;
-            let s = setup(&ctx, n, set);
-            for count in counts(n) {
-                for_types!(ops_for, &s, count, tag);
-                for_types!(run_moves, &s, count, tag);
-            }
+    each_group(test, &ctx, &[2, 3], |s, n, tag| {
+        for count in counts(n) {
+            for_types!(ops_for, s, count, tag);
+            for_types!(run_moves, s, count, tag);
         }
-    }
+    });
 }
 
 /// The all-reduce average of one 16-bit float type near the top of its
@@ -430,15 +438,10 @@ fn avg_near_the_top<T: TestElem>(s: &Setup, lo: f64, hi: f64, tag: &str) {
 fn avg_near_the_top_of_the_range_does_not_overflow() {
     let test = "avg_near_the_top_of_the_range_does_not_overflow";
     let Some(ctx) = gpus(test, 1) else { return };
-    for n in [2, 3] {
-        say_uncovered(test, n, ctx.len());
-        for set in path_sets(n, ctx.len()) {
-            let tag = set.0;
-            let s = setup(&ctx, n, set);
-            avg_near_the_top::<f16>(&s, 40_000.0, 65_000.0, tag);
-            avg_near_the_top::<bf16>(&s, 1.8e38, 3.3e38, tag);
-        }
-    }
+    each_group(test, &ctx, &[2, 3], |s, _, tag| {
+        avg_near_the_top::<f16>(s, 40_000.0, 65_000.0, tag);
+        avg_near_the_top::<bf16>(s, 1.8e38, 3.3e38, tag);
+    });
 }
 
 /// Sum for every type and avg for every float type, all collectives,
@@ -447,25 +450,20 @@ fn avg_near_the_top_of_the_range_does_not_overflow() {
 fn larger_rings_every_type() {
     let test = "larger_rings_every_type";
     let Some(ctx) = gpus(test, 1) else { return };
-    for n in [4, 5, 8] {
-        say_uncovered(test, n, ctx.len());
-        for set in path_sets(n, ctx.len()) {
-            let tag = set.0;
-            let s = setup(&ctx, n, set);
-            for count in counts(n) {
-                for_types!(sum_only, &s, count, tag);
-                for_types!(run_moves, &s, count, tag);
-            }
-            run_all::<f32>(&s, ReduceOp::Max, n + 1, tag);
-            for count in [n + 1, 1_000_003] {
-                run_all::<f32>(&s, ReduceOp::Avg, count, tag);
-                run_all::<f64>(&s, ReduceOp::Avg, count, tag);
-                run_all::<f16>(&s, ReduceOp::Avg, count, tag);
-                run_all::<bf16>(&s, ReduceOp::Avg, count, tag);
-            }
-            avg_is_refused::<i32>(&s, tag);
+    each_group(test, &ctx, &[4, 5, 8], |s, n, tag| {
+        for count in counts(n) {
+            for_types!(sum_only, s, count, tag);
+            for_types!(run_moves, s, count, tag);
         }
-    }
+        run_all::<f32>(s, ReduceOp::Max, n + 1, tag);
+        for count in [n + 1, 1_000_003] {
+            run_all::<f32>(s, ReduceOp::Avg, count, tag);
+            run_all::<f64>(s, ReduceOp::Avg, count, tag);
+            run_all::<f16>(s, ReduceOp::Avg, count, tag);
+            run_all::<bf16>(s, ReduceOp::Avg, count, tag);
+        }
+        avg_is_refused::<i32>(s, tag);
+    });
 }
 
 fn sum_only<T: TestElem>(s: &Setup, count: usize, tag: &str) {
