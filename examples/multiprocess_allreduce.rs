@@ -4,15 +4,15 @@
 //! CPU reference), and rank 0 prints the time per call for a few sizes;
 //! then an all-gather and a reduce-scatter, checked and timed the same way.
 //! `CUDA_PEER_IPC_PATH=staged` (or `p2p`, `auto`: the default) picks the
-//! path between the processes (`CommOptions::path`). The communicator is a
-//! `WorldComm`: cuda-peer's own paths when every rank is on this host, NCCL
+//! path between the processes (`CommOptions::path`). The communicator is the
+//! per-rank `Comm`: cuda-peer's own paths when every rank is on this host, NCCL
 //! when the ranks span hosts (`CUDA_PEER_HOST_ID` simulates that). Exits 0 when every rank's results were right, 1 otherwise, and 2 with one
 //! line when there is no GPU or no launcher.
 
 mod common;
 
-use cuda_peer::ipc::{comm::seeded, CommOptions, WorldComm};
-use cuda_peer::ReduceOp;
+use cuda_peer::ipc::comm::seeded;
+use cuda_peer::{Comm, CommOptions, ReduceOp};
 use std::time::Instant;
 
 /// Rank `r`'s input for a message of `count` elements: small integers, so
@@ -23,7 +23,7 @@ fn input(size_index: usize, r: usize, count: usize) -> Vec<f32> {
 
 /// Times `call` (after a warm-up) on every rank; rank 0 prints the slowest
 /// rank's time per call with `what`.
-fn time(comm: &WorldComm, what: &str, mut call: impl FnMut() -> Result<(), cuda_peer::Error>) -> Result<(), cuda_peer::Error> {
+fn time(comm: &Comm, what: &str, mut call: impl FnMut() -> Result<(), cuda_peer::Error>) -> Result<(), cuda_peer::Error> {
     for _ in 0..5 {
         call()?;
     }
@@ -40,15 +40,15 @@ fn time(comm: &WorldComm, what: &str, mut call: impl FnMut() -> Result<(), cuda_
     if comm.rank() == 0 {
         let times: Vec<String> = all.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
         let slowest = times.iter().map(|t| t.parse::<f64>().unwrap_or(0.0)).fold(0.0, f64::max);
-        println!("{} processes ({:?}), {what}: {slowest:.1} us per call (per rank: {})", comm.size(), comm.engine(), times.join(", "));
+        println!("{} processes ({:?}), {what}: {slowest:.1} us per call (per rank: {})", comm.world_size(), comm.engine(), times.join(", "));
     }
     Ok(())
 }
 
 /// An all-gather and a reduce-scatter of 1 MiB per rank (f32), checked
 /// against the CPU reference, then timed.
-fn others(comm: &WorldComm) -> Result<bool, cuda_peer::Error> {
-    let (rank, n) = (comm.rank(), comm.size());
+fn others(comm: &Comm) -> Result<bool, cuda_peer::Error> {
+    let (rank, n) = (comm.rank(), comm.world_size());
     let stream = comm.stream().clone();
     let drv = |op: &'static str| move |e: cuda_peer::cudarc::driver::DriverError| cuda_peer::Error::driver(op, e.0 as u32);
     let count = (1 << 20) / 4;
@@ -72,8 +72,8 @@ fn others(comm: &WorldComm) -> Result<bool, cuda_peer::Error> {
     Ok(ok)
 }
 
-fn run(comm: &WorldComm) -> Result<bool, cuda_peer::Error> {
-    let (rank, n) = (comm.rank(), comm.size());
+fn run(comm: &Comm) -> Result<bool, cuda_peer::Error> {
+    let (rank, n) = (comm.rank(), comm.world_size());
     let stream = comm.stream().clone();
     let mut all_ok = true;
     for (si, bytes) in [4usize << 10, 64 << 10, 1 << 20, 16 << 20].into_iter().enumerate() {
@@ -139,7 +139,7 @@ fn main() {
     // More ranks on this host than GPUs (as on a one-GPU machine): the ranks share them.
     let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1);
     let share = cuda_peer::driver::device_count().is_ok_and(|d| d < local);
-    let comm = match WorldComm::from_env(&CommOptions::default().path(path).share_devices(share)) {
+    let comm = match Comm::from_env(&CommOptions::default().path(path).share_devices(share)) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("multiprocess_allreduce: cannot create the communicator: {e}");

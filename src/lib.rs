@@ -73,6 +73,8 @@
 
 mod algorithms;
 pub mod collectives;
+#[cfg(target_os = "linux")]
+pub mod comm;
 mod communicator;
 pub mod copy;
 pub mod driver;
@@ -90,6 +92,7 @@ pub mod raw;
 mod reach;
 mod sync;
 pub mod topology;
+pub mod traits;
 pub mod verdict;
 
 pub use cuda_peer_sys as sys;
@@ -98,12 +101,17 @@ pub use cuda_peer_sys as sys;
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+#[cfg(target_os = "linux")]
+pub use comm::Comm;
 pub use copy::{Link, LinkOptions, Path, PathPolicy};
 pub use cudarc;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use group::{Algorithm, Group, GroupOptions, Selected, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN};
+#[cfg(target_os = "linux")]
+pub use ipc::{CommOptions, Id};
 pub use raw::{RawBuffer, RawStream};
+pub use traits::Collectives;
 
 /// The module dependency graph, read from the sources: no cycles, and the
 /// layers point one way (see the crate docs).

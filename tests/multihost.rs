@@ -16,9 +16,10 @@ mod common;
 
 use common::num::{self, Num};
 use common::procs::{all_succeeded, child, passes, rank, spawn, End};
-use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
-use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, world::Engine, Bootstrap, CommOptions, NcclComm, WorldComm};
-use cuda_peer::{Element, Error, ReduceOp};
+use cuda_peer::comm::Engine;
+use cuda_peer::cudarc::driver::CudaStream;
+use cuda_peer::ipc::{comm::seeded, nccl::nccl_version, spans_hosts, Bootstrap, CommOptions, NcclComm};
+use cuda_peer::{Collectives, Comm, Error, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -74,46 +75,17 @@ fn open() -> NcclComm {
     NcclComm::new(&rv, rank(), Duration::from_secs(20)).unwrap()
 }
 
-/// A child's `WorldComm` on simulated hosts of `per_host` ranks: the
+/// A child's `Comm` on simulated hosts of `per_host` ranks: the
 /// ranks' devices alternate so that no host, and no NCCL group across
 /// hosts, has one GPU twice (device = (local rank + host) mod 2).
-fn open_world(per_host: usize) -> WorldComm {
+fn open_world(per_host: usize) -> Comm {
     let r = rank();
     let device = (r % per_host + r / per_host) % 2;
     let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
     let opts = CommOptions::default().timeout(Duration::from_secs(60)).barrier_timeout(Duration::from_secs(20));
-    WorldComm::new(Box::new(rv), device, &opts).unwrap()
+    let stream = cuda_peer::driver::context(device).unwrap().new_stream().unwrap();
+    Comm::from_exchange(stream, Box::new(rv), &opts).unwrap()
 }
-
-/// The collectives the checks call, on `NcclComm` and on `WorldComm`.
-trait Coll {
-    fn rank(&self) -> usize;
-    fn size(&self) -> usize;
-    fn stream(&self) -> &Arc<CudaStream>;
-    fn synchronize(&self) -> cuda_peer::Result<()>;
-    fn all_reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()>;
-    fn all_reduce_in_place<T: Element>(&self, b: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()>;
-    fn reduce_scatter<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()>;
-    fn all_gather<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>) -> cuda_peer::Result<()>;
-    fn broadcast<T: Element>(&self, b: &mut CudaSlice<T>, root: usize) -> cuda_peer::Result<()>;
-    fn reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, root: usize, op: ReduceOp) -> cuda_peer::Result<()>;
-}
-
-macro_rules! coll {
-    ($($t:ty),*) => {$(impl Coll for $t {
-        fn rank(&self) -> usize { <$t>::rank(self) }
-        fn size(&self) -> usize { <$t>::size(self) }
-        fn stream(&self) -> &Arc<CudaStream> { <$t>::stream(self) }
-        fn synchronize(&self) -> cuda_peer::Result<()> { <$t>::synchronize(self) }
-        fn all_reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::all_reduce(self, s, r, op) }
-        fn all_reduce_in_place<T: Element>(&self, b: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::all_reduce_in_place(self, b, op) }
-        fn reduce_scatter<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::reduce_scatter(self, s, r, op) }
-        fn all_gather<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>) -> cuda_peer::Result<()> { <$t>::all_gather(self, s, r) }
-        fn broadcast<T: Element>(&self, b: &mut CudaSlice<T>, root: usize) -> cuda_peer::Result<()> { <$t>::broadcast(self, b, root) }
-        fn reduce<T: Element>(&self, s: &CudaSlice<T>, r: &mut CudaSlice<T>, root: usize, op: ReduceOp) -> cuda_peer::Result<()> { <$t>::reduce(self, s, r, root, op) }
-    })*};
-}
-coll!(NcclComm, WorldComm);
 
 /// Every rank's input for call `call` of `op`: small integers
 /// (`num::small_input`), exact in every reduction but avg's division.
@@ -140,8 +112,8 @@ fn assert_reduced<T: Num>(what: &str, op: ReduceOp, ins: &[Vec<T>], offset: usiz
 }
 
 /// Every collective on `T` with `op`, at an odd count; returns the next call number.
-fn check_all<C: Coll, T: Num>(comm: &C, op: ReduceOp, mut call: u64) -> u64 {
-    let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
+fn check_all<C: Collectives, T: Num>(comm: &C, op: ReduceOp, mut call: u64) -> u64 {
+    let (n, r, s) = (comm.world_size(), comm.rank(), comm.stream().clone());
     let count = 4099;
     // all-reduce, out of place and in place
     call += 1;
@@ -171,7 +143,7 @@ fn check_all<C: Coll, T: Num>(comm: &C, op: ReduceOp, mut call: u64) -> u64 {
     let ins = inputs::<T>(call, n, count, op);
     let send = s.clone_htod(&ins[r]).unwrap();
     let mut recv = poison::<T>(&s, count);
-    comm.reduce(&send, &mut recv, root, op).unwrap();
+    comm.reduce(&send, &mut recv, op, root).unwrap();
     comm.synchronize().unwrap();
     let got = s.clone_dtoh(&recv).unwrap();
     if r == root {
@@ -183,8 +155,8 @@ fn check_all<C: Coll, T: Num>(comm: &C, op: ReduceOp, mut call: u64) -> u64 {
 }
 
 /// The order-free collectives on `T`.
-fn check_moves<C: Coll, T: Num>(comm: &C, mut call: u64) -> u64 {
-    let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
+fn check_moves<C: Collectives, T: Num>(comm: &C, mut call: u64) -> u64 {
+    let (n, r, s) = (comm.world_size(), comm.rank(), comm.stream().clone());
     let count = 3001;
     call += 1;
     let ins = inputs::<T>(call, n, count, ReduceOp::Sum);
@@ -198,13 +170,13 @@ fn check_moves<C: Coll, T: Num>(comm: &C, mut call: u64) -> u64 {
     let root = 1 % n;
     let ins = inputs::<T>(call, n, count, ReduceOp::Sum);
     let mut buf = s.clone_htod(&ins[r]).unwrap();
-    comm.broadcast(&mut buf, root).unwrap();
+    comm.broadcast_in_place(&mut buf, root).unwrap();
     comm.synchronize().unwrap();
     assert_eq!(s.clone_dtoh(&buf).unwrap(), ins[root], "broadcast {}", T::DTYPE.name());
     call
 }
 
-fn every_collective<C: Coll>(comm: &C) {
+fn every_collective<C: Collectives>(comm: &C) {
     let mut call = 0;
     call = check_all::<C, f32>(comm, ReduceOp::Sum, call);
     call = check_all::<C, f32>(comm, ReduceOp::Avg, call);
@@ -224,7 +196,7 @@ fn every_collective<C: Coll>(comm: &C) {
     let s = comm.stream().clone();
     let (a, mut b) = (s.alloc_zeros::<f32>(8).unwrap(), s.alloc_zeros::<f32>(9).unwrap());
     assert!(matches!(comm.all_reduce(&a, &mut b, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
-    assert!(matches!(comm.broadcast(&mut b, 5), Err(Error::RootOutOfRange { .. })));
+    assert!(matches!(comm.broadcast_in_place(&mut b, 5), Err(Error::RootOutOfRange { .. })));
     let mut i = s.alloc_zeros::<i32>(4).unwrap();
     assert!(matches!(comm.all_reduce_in_place(&mut i, ReduceOp::Avg), Err(Error::UnsupportedOp { op: "avg", dtype: "i32" })));
     comm.synchronize().unwrap();
@@ -312,14 +284,15 @@ fn a_dead_host_fails_the_survivor_in_bounded_time() {
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, 1)), end);
 }
 
-/// A `WorldComm` child: checks the engine it picked, then an all-reduce and
+/// A `Comm` child: checks the engine it picked, then an all-reduce and
 /// an all-gather of fresh data against the CPU reference.
 fn world_child(want_nccl: bool) {
     let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
-    let comm = WorldComm::new(Box::new(rv), rank(), &CommOptions::default().timeout(Duration::from_secs(60))).unwrap();
+    let stream = cuda_peer::driver::context(rank()).unwrap().new_stream().unwrap();
+    let comm = Comm::from_exchange(stream, Box::new(rv), &CommOptions::default().timeout(Duration::from_secs(60))).unwrap();
     let engine = comm.engine();
     assert_eq!(engine == Engine::Nccl, want_nccl, "rank {}: engine {engine:?}", comm.rank());
-    let (n, r, s) = (comm.size(), comm.rank(), comm.stream().clone());
+    let (n, r, s) = (comm.world_size(), comm.rank(), comm.stream().clone());
     let count = 5003;
     let ins = inputs::<u32>(900, n, count, ReduceOp::Sum);
     let mut buf = s.clone_htod(&ins[r]).unwrap();
@@ -331,7 +304,7 @@ fn world_child(want_nccl: bool) {
     let want: Vec<u32> = (0..count).map(|i| ins.iter().map(|x| x[i]).sum()).collect();
     assert_eq!(s.clone_dtoh(&buf).unwrap(), want, "rank {r}: all_reduce on {engine:?}");
     assert_eq!(s.clone_dtoh(&all).unwrap(), ins.concat(), "rank {r}: all_gather on {engine:?}");
-    println!("rank {r}: WorldComm on {engine:?} right");
+    println!("rank {r}: Comm on {engine:?} right");
 }
 
 #[test]
@@ -344,12 +317,12 @@ fn world_comm_picks_nccl_across_hosts_and_cuda_peer_within_one() {
         return;
     }
     let seed: u64 = rand::random::<u32>() as u64;
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, seed)), passes("WorldComm on Nccl right"));
-    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |_| vec![(SEED, seed.to_string())]), passes("WorldComm on Host("));
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, seed)), passes("Comm on Nccl right"));
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |_| vec![(SEED, seed.to_string())]), passes("Comm on Host("));
 }
 
 /// Two simulated hosts of two ranks each (4 processes on the 2 GPUs):
-/// `WorldComm` takes two tiers (cuda-peer inside each host, NCCL across),
+/// `Comm` takes two tiers (cuda-peer inside each host, NCCL across),
 /// and every collective is exact against the CPU, at counts that leave a
 /// remainder after the split between a host's ranks.
 #[test]

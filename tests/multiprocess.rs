@@ -18,7 +18,7 @@ use common::procs::{self, all_succeeded, child, passes, rank, spawn, End};
 
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
 use cuda_peer::ipc::{comm::seeded, Bootstrap, Comm, CommOptions};
-use cuda_peer::{Error, Path, PathPolicy, ReduceOp};
+use cuda_peer::{Collectives, Error, Path, PathPolicy, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -324,7 +324,7 @@ fn a_peer_that_exits_after_creation_fails_the_next_checked_call() {
         assert_eq!(comm.stream().clone_dtoh(&x).unwrap(), vec![2.0f32; 1000], "rank 0: the refused call changed its buffer");
         // The communicator failed: later calls are refused at once.
         let mut y = comm.stream().clone_htod(&[1u8; 10]).unwrap();
-        let again = comm.broadcast(&mut y, 0);
+        let again = comm.broadcast_in_place(&mut y, 0);
         assert!(matches!(again, Err(Error::Timeout { .. })), "{again:?}");
         println!("rank 0: timed out, then refused");
         std::process::exit(0); // the peer is gone: no collective drop
@@ -399,10 +399,10 @@ fn mismatch_child() {
     expect_mismatch("types", r);
     // Different collectives.
     let mut b = s.clone_htod(&[7u8; 64]).unwrap();
-    let r = if me == 0 { comm.broadcast(&mut b, 0) } else { comm.all_reduce_in_place(&mut b, ReduceOp::Max) };
+    let r = if me == 0 { comm.broadcast_in_place(&mut b, 0) } else { comm.all_reduce_in_place(&mut b, ReduceOp::Max) };
     expect_mismatch("collectives", r);
     // Different roots.
-    expect_mismatch("roots", comm.broadcast(&mut b, me));
+    expect_mismatch("roots", comm.broadcast_in_place(&mut b, me));
     // Nothing moved, and the next calls are right.
     assert_eq!(s.clone_dtoh(&x).unwrap(), vec![1.0f32; count]);
     assert_eq!(s.clone_dtoh(&b).unwrap(), vec![7u8; 64]);
@@ -452,7 +452,7 @@ fn check_collectives<T: Num>(comm: &Comm, seed: &mut u64) {
         let mut recv = upload::<T>(s, &[POISON; 4]);
         refuses_avg::<T>("reduce_scatter", comm.reduce_scatter(&send, &mut recv, ReduceOp::Avg));
         let send = upload::<T>(s, &[1.0; 4]);
-        refuses_avg::<T>("reduce", comm.reduce(&send, &mut recv, 0, ReduceOp::Avg));
+        refuses_avg::<T>("reduce", comm.reduce(&send, &mut recv, ReduceOp::Avg, 0));
         assert_exact("recv after the refused calls", &s.clone_dtoh(&recv).unwrap(), |_| POISON);
     }
     for count in [1usize, 1001, 2 * chunk + 13] {
@@ -467,7 +467,7 @@ fn check_collectives<T: Num>(comm: &Comm, seed: &mut u64) {
             *seed += 1;
             let ins = inputs(*seed, n, count, ReduceOp::Sum);
             let mut buf = upload::<T>(s, &ins[me]);
-            comm.broadcast(&mut buf, root).unwrap();
+            comm.broadcast_in_place(&mut buf, root).unwrap();
             assert_exact(&format!("broadcast of {count} from {root}"), &s.clone_dtoh(&buf).unwrap(), |i| ins[root][i]);
         }
         for op in ops::<T>() {
@@ -482,7 +482,7 @@ fn check_collectives<T: Num>(comm: &Comm, seed: &mut u64) {
                 *seed += 1;
                 let ins = inputs(*seed, n, count, op);
                 let mut recv = upload::<T>(s, &vec![POISON; count]);
-                comm.reduce(&upload::<T>(s, &ins[me]), &mut recv, root, op).unwrap();
+                comm.reduce(&upload::<T>(s, &ins[me]), &mut recv, op, root).unwrap();
                 let got = s.clone_dtoh(&recv).unwrap();
                 let what = format!("reduce of {count} to {root}");
                 if me == root {

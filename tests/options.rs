@@ -31,7 +31,9 @@ mod common;
 use common::gpus;
 use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
-use cuda_peer::{driver, Algorithm, DType, Error, Group, GroupOptions, Link, LinkOptions, Path, PathPolicy, RawBuffer, RawStream, ReduceOp};
+use cuda_peer::{
+    driver, Algorithm, Collectives, DType, Error, Group, GroupOptions, Link, LinkOptions, Path, PathPolicy, RawBuffer, RawStream, ReduceOp,
+};
 use rand::Rng;
 use std::sync::Arc;
 

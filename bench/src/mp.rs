@@ -40,7 +40,7 @@ use crate::{require_gpus, unusable, Res};
 use clap::ValueEnum;
 use cuda_peer::cudarc::driver::{sys as cu, CudaSlice, CudaStream};
 use cuda_peer::ipc::{Bootstrap, Comm, CommOptions, Exchange, NcclComm};
-use cuda_peer::{driver, PathPolicy, ReduceOp};
+use cuda_peer::{driver, Collectives, PathPolicy, ReduceOp};
 use half::bf16;
 use rand::Rng;
 use std::collections::HashMap;

@@ -86,11 +86,13 @@ use crate::kernels;
 use crate::kernels::load::{function, FnTable, PtrArray};
 use crate::kernels::{Kernel, KernelOp};
 use crate::sync::{wait_bounded, Orderer};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use crate::traits::Collectives;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod api;
 mod ops;
 
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
@@ -287,6 +289,14 @@ enum Memory {
     Host { reg: RegisteredMemory, per_rank: usize },
 }
 
+/// Where a new communicator enqueues its collectives.
+enum On {
+    /// A new stream on this device.
+    Device(usize),
+    /// The caller's stream.
+    Stream(Arc<CudaStream>),
+}
+
 impl std::fmt::Debug for Comm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Comm").field("rank", &self.rank).field("size", &self.size).field("device", &self.ctx.ordinal()).finish()
@@ -302,6 +312,9 @@ struct RankInfo {
     region: usize,
     /// The device's multiprocessors (every rank's lanes take the fewest).
     sms: u32,
+    /// Its stream's handle in its process (ranks of one process must not
+    /// share one).
+    stream: u64,
     /// Where it receives descriptors, and its pid and uid.
     fd: PeerAddr,
 }
@@ -320,7 +333,7 @@ fn number<T: std::str::FromStr>(s: &str) -> Option<T> {
 impl RankInfo {
     /// One field a line, the host last (its identity may hold anything).
     fn encode(&self) -> String {
-        format!("{}\n{}\n{}\n{}\n{}\n{}\n{}", self.bus, self.region, self.sms, self.fd.name, self.fd.pid, self.fd.uid, self.host)
+        format!("{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}", self.bus, self.region, self.sms, self.stream, self.fd.name, self.fd.pid, self.fd.uid, self.host)
     }
 
     /// Rank `rank`'s info, every field present and well formed (else
@@ -330,15 +343,24 @@ impl RankInfo {
         if s.len() > MAX_INFO_BYTES {
             return Err(bad("too long"));
         }
-        let mut it = s.splitn(7, '\n');
+        let mut it = s.splitn(8, '\n');
         let mut field = |what: &'static str| it.next().ok_or_else(|| bad(what));
-        let (bus, region, sms, name, pid, uid, host) =
-            (field("bus")?, field("staging bytes")?, field("multiprocessors")?, field("socket")?, field("pid")?, field("uid")?, field("host")?);
+        let (bus, region, sms, stream, name, pid, uid, host) = (
+            field("bus")?,
+            field("staging bytes")?,
+            field("multiprocessors")?,
+            field("stream")?,
+            field("socket")?,
+            field("pid")?,
+            field("uid")?,
+            field("host")?,
+        );
         if bus.is_empty() || bus.len() > 64 || !bus.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(bad("bus"));
         }
         let region = number::<usize>(region).filter(|&r| r >= 1024).ok_or_else(|| bad("staging bytes"))?;
         let sms = number::<u32>(sms).filter(|&n| n > 0).ok_or_else(|| bad("multiprocessors"))?;
+        let stream = number::<u64>(stream).ok_or_else(|| bad("stream"))?;
         if !PeerAddr::valid_name(name) {
             return Err(bad("socket"));
         }
@@ -347,7 +369,7 @@ impl RankInfo {
         if host.is_empty() {
             return Err(bad("host"));
         }
-        Ok(RankInfo { host: host.into(), bus: bus.into(), region, sms, fd: PeerAddr { name: name.into(), pid, uid } })
+        Ok(RankInfo { host: host.into(), bus: bus.into(), region, sms, stream, fd: PeerAddr { name: name.into(), pid, uid } })
     }
 }
 
@@ -392,8 +414,13 @@ fn agree(ex: &dyn Exchange, step: &'static str, mine: Result<String>) -> Result<
     Ok(all.into_iter().map(|v| String::from_utf8_lossy(&v).into_owned()).collect())
 }
 
-/// The checks of step 1 on every rank's info: one host, one device per rank.
-fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<()> {
+/// The checks of step 1 on every rank's info: one host, one device per rank
+/// (unless `share_devices`), one stream per rank. Returns the most ranks on
+/// one device: the one-shot's grids are divided among them, so that the
+/// kernels of every rank on a device can be resident at once (ranks that
+/// are threads of one process run at the same time, as do processes under
+/// MPS).
+fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<u32> {
     if infos.len() > MAX_RANKS {
         return Err(Error::Unsupported(format!("{} ranks in one communicator (at most {MAX_RANKS})", infos.len())));
     }
@@ -410,8 +437,14 @@ fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<()> {
                 i.bus
             )));
         }
+        if let Some(k) = infos[..r].iter().position(|j| j.fd.pid == i.fd.pid && j.bus == i.bus && j.stream == i.stream) {
+            return Err(Error::InvalidArgument(format!(
+                "ranks {k} and {r} are threads of one process on one stream: each rank needs its own (their kernels wait for each other)"
+            )));
+        }
     }
-    Ok(())
+    let most = infos.iter().map(|i| infos.iter().filter(|j| j.bus == i.bus).count()).max().unwrap_or(1);
+    Ok(most as u32)
 }
 
 /// The ordinal, in this process, of the device at PCI bus id `bus`.
@@ -436,9 +469,21 @@ impl Comm {
     }
 
     /// Creates the communicator of the ranks of `exchange`, this one on
-    /// device `device` (see the module docs for the steps). Every rank must
-    /// call it at the same time.
+    /// device `device`, on a new stream of its own (see the module docs for
+    /// the steps). Every rank must call it at the same time.
     pub fn new(exchange: Box<dyn Exchange>, device: usize, opts: &CommOptions) -> Result<Comm> {
+        Comm::create(exchange, On::Device(device), opts)
+    }
+
+    /// As [`Self::new`], with every collective enqueued on `stream` (the
+    /// caller's, as NCCL communicators are used), on its device. Ranks that
+    /// are threads of one process must each have their own stream: two
+    /// ranks on one stream are [`Error::InvalidArgument`] on every rank.
+    pub fn with_stream(exchange: Box<dyn Exchange>, stream: Arc<CudaStream>, opts: &CommOptions) -> Result<Comm> {
+        Comm::create(exchange, On::Stream(stream), opts)
+    }
+
+    fn create(exchange: Box<dyn Exchange>, on: On, opts: &CommOptions) -> Result<Comm> {
         let ex = &*exchange;
         let (rank, size) = (ex.rank(), ex.size());
         if size == 0 || rank >= size {
@@ -452,21 +497,30 @@ impl Comm {
                 return Err(Error::Unsupported(format!("{size} ranks in one communicator (at most {MAX_RANKS})")));
             }
             let staging = staging_bytes(opts.buffer_bytes)?;
-            let ctx = crate::driver::context(device)?;
-            let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
+            let stream = match on {
+                On::Device(device) => crate::driver::context(device)?.new_stream().map_err(cudarc_err("cuStreamCreate"))?,
+                On::Stream(stream) => {
+                    crate::driver::device(stream.context().ordinal())?;
+                    stream
+                }
+            };
+            let ctx = stream.context().clone();
+            let device = ctx.ordinal();
             let bus = crate::topology::device_info(device)?.pci_bus_id;
             let sms = crate::driver::multiprocessors(&ctx)?;
             let listener = FdListener::bind(rank)?;
-            let info = RankInfo { host: super::host_identity(), bus, region: staging, sms, fd: listener.addr() };
+            let info =
+                RankInfo { host: super::host_identity(), bus, region: staging, sms, stream: stream.cu_stream() as usize as u64, fd: listener.addr() };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
             Ok((ctx, stream, info, board, listener))
         })();
         let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.2.encode()).map_err(Clone::clone))?;
         let (ctx, stream, own_info, board, listener) = opened?;
+        let device = ctx.ordinal();
         let staging = own_info.region;
         let infos: Vec<RankInfo> = infos.iter().enumerate().map(|(r, s)| RankInfo::decode(r, s)).collect::<Result<_>>()?;
-        check_layout(&infos, opts.share_devices)?;
+        let sharing = check_layout(&infos, opts.share_devices)?;
         // Descriptors pass between the processes of one user only.
         if let Some((r, i)) = infos.iter().enumerate().find(|(_, i)| i.fd.uid != own_info.fd.uid) {
             return Err(Error::Bootstrap {
@@ -504,7 +558,7 @@ impl Comm {
         // One rank without P2P to a peer (or asking for it) stages every rank.
         let staged = verdicts.iter().any(|v| v == "staged");
         let sms = infos.iter().map(|i| i.sms).min().unwrap_or(1);
-        let (lanes, bytes) = layout(size, !staged, sms);
+        let (lanes, bytes) = layout(size, !staged, (sms / sharing).max(1));
 
         // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
@@ -761,43 +815,6 @@ impl Comm {
         self.held.ctl.check()
     }
 
-    /// In-place all-reduce: `buf` becomes the reduction, in rank order, of
-    /// every rank's `buf`. Every rank must call it with the same length,
-    /// element type and op, in the same order as its other collectives.
-    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
-        let count = buf.len();
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
-        if count == 0 {
-            return Ok(());
-        }
-        let (ptr, held) = self.order.write(buf, &self.stream)?;
-        let launched = self.launch::<T>(op, ptr, ptr, count);
-        launched.and(held.finish())
-    }
-
-    /// Out-of-place all-reduce: `recv` becomes the reduction of every
-    /// rank's `send`, which is unchanged. As for
-    /// [`Self::all_reduce_in_place`].
-    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::copy::check_context("all_reduce", "send", &self.ctx, send.stream().context())?;
-        crate::copy::check_context("all_reduce", "recv", &self.ctx, recv.stream().context())?;
-        let count = send.len();
-        if recv.len() != count {
-            return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
-        }
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
-        if count == 0 {
-            return Ok(());
-        }
-        let (src, read) = self.order.read(send, &self.stream)?;
-        let (dst, write) = self.order.write(recv, &self.stream)?;
-        let launched = self.launch::<T>(op, src, dst, count);
-        launched.and(read.finish()).and(write.finish())
-    }
-
     /// The all-reduce on pointers already ordered on this communicator's
     /// stream (`src` and `dst`: `count` elements, the same or disjoint),
     /// for the collectives built on this one ([`super::tiered`]).
@@ -942,7 +959,7 @@ mod tests {
 
     fn info(host: &str, bus: &str) -> RankInfo {
         let fd = PeerAddr { name: format!("cuda-peer/{}", "0123456789abcdef".repeat(2)), pid: 4242, uid: 1000 };
-        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20, sms: 132, fd }
+        RankInfo { host: host.into(), bus: bus.into(), region: 2 << 20, sms: 132, stream: 0x5000 + bus.len() as u64, fd }
     }
 
     fn malformed(r: Result<RankInfo>) -> bool {
@@ -976,17 +993,19 @@ mod tests {
             (1, "99999999999999999999999"),
             (2, "0"),
             (2, "-1"),
-            (3, "cuda-peer/job/0"),
-            (3, "/tmp/socket"),
-            (4, "0"),
-            (4, "4294967295"),
-            (5, "x"),
-            (6, ""),
+            (3, "-1"),
+            (3, "0x10"),
+            (4, "cuda-peer/job/0"),
+            (4, "/tmp/socket"),
+            (5, "0"),
+            (5, "4294967295"),
+            (6, "x"),
+            (7, ""),
         ] {
             assert!(malformed(RankInfo::decode(3, &with(field, bad))), "field {field} = {bad:?}");
         }
         assert!(malformed(RankInfo::decode(0, &"9".repeat(MAX_INFO_BYTES + 1))));
-        match RankInfo::decode(5, &with(4, "0")) {
+        match RankInfo::decode(5, &with(5, "0")) {
             Err(Error::Bootstrap { reason, .. }) => assert!(reason.contains("rank 5") && reason.contains("pid"), "{reason}"),
             other => panic!("{other:?}"),
         }
@@ -1046,9 +1065,26 @@ mod tests {
 
     #[test]
     fn layouts_with_shared_devices_or_hosts_are_refused() {
-        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")], false).is_ok());
+        assert_eq!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "2")], false), Ok(1));
         assert!(matches!(check_layout(&[info("a", "0"), info("a", "0")], false), Err(Error::Unsupported(m)) if m.contains("same device")));
-        assert!(check_layout(&[info("a", "0"), info("a", "1"), info("a", "0")], true).is_ok());
+        // Ranks of other processes may share a device and a stream handle.
+        let mut other = info("a", "0");
+        other.fd.pid += 1;
+        assert_eq!(check_layout(&[info("a", "0"), info("a", "1"), other], true), Ok(2));
+        // Threads of one process on one device need a stream each.
+        assert!(matches!(check_layout(&[info("a", "0"), info("a", "0")], true), Err(Error::InvalidArgument(m)) if m.contains("one stream")));
+        let mut own = info("a", "0");
+        own.stream += 1;
+        assert_eq!(
+            check_layout(
+                &[info("a", "0"), own.clone(), {
+                    own.stream += 1;
+                    own
+                }],
+                true
+            ),
+            Ok(3)
+        );
         assert!(matches!(check_layout(&[info("a", "0"), info("b", "1")], true), Err(Error::Unsupported(m)) if m.contains("several hosts")));
         let nine: Vec<_> = (0..9).map(|d| info("a", &d.to_string())).collect();
         assert!(matches!(check_layout(&nine, false), Err(Error::Unsupported(_))));

@@ -19,15 +19,18 @@
 //!   reduce-scatter, all-gather, broadcast and reduce.
 //! * [`nccl`]: the collectives between hosts, on NCCL loaded at run time
 //!   ([`NcclComm`]); [`spans_hosts`] says whether a job needs it.
-//! * [`WorldComm`]: one API over them, picked at bootstrap (one host:
-//!   [`Comm`]; several: [`tiered::Tiered`], cuda-peer inside each host and
-//!   NCCL across, or [`NcclComm`] alone).
+//! * [`ThreadExchange`]: the exchange of ranks that are threads of one
+//!   process.
+//!
+//! These are the engines under [`crate::Comm`], the per-rank communicator
+//! applications use: [`Comm`] within one host; across hosts, two tiers
+//! (cuda-peer inside each host, NCCL across) or [`NcclComm`] alone.
 //!
 //! The `cuda-peer-run` launcher (the `run/` crate of the workspace) starts
 //! a program as N processes with torchrun's variables set.
 //!
 //! ```no_run
-//! use cuda_peer::{ipc::{Comm, CommOptions}, ReduceOp};
+//! use cuda_peer::{Comm, CommOptions, ReduceOp};
 //! # fn main() -> Result<(), cuda_peer::Error> {
 //! let comm = Comm::from_env(&CommOptions::default())?; // under cuda-peer-run or torchrun
 //! let mut x = comm.stream().clone_htod(&[comm.rank() as f32; 1024]).unwrap();
@@ -42,18 +45,18 @@ pub mod id;
 pub mod nccl;
 pub mod secret;
 pub(crate) mod shm;
-pub mod tiered;
+pub mod threads;
+pub(crate) mod tiered;
 pub mod vmm;
 mod wire;
-pub mod world;
 
 pub use bootstrap::{Bootstrap, Exchange, Rendezvous};
 pub use comm::{Comm, CommOptions};
 pub use id::Id;
 pub use nccl::NcclComm;
 pub use secret::JobSecret;
+pub use threads::ThreadExchange;
 pub use vmm::DeviceRegion;
-pub use world::WorldComm;
 
 /// The environment variable that overrides [`host_identity`] (to simulate
 /// several hosts on one machine in tests, or to name hosts whose names and

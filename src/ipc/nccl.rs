@@ -28,6 +28,7 @@ use super::bootstrap::{Bootstrap, Exchange};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::sync::{wait_bounded, Orderer};
+use crate::traits::Collectives;
 use cuda_peer_sys::nccl::{self as sys, NcclApi};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::sync::{Arc, Mutex};
@@ -144,6 +145,21 @@ impl NcclComm {
     /// carries it to the others. Every rank must call it at the same time.
     /// A missing NCCL library is [`Error::Load`] on every rank.
     pub fn new(exchange: &dyn Exchange, device: usize, timeout: Duration) -> Result<NcclComm> {
+        let stream = crate::driver::context(device).and_then(|ctx| ctx.new_stream().map_err(cudarc_err("cuStreamCreate")));
+        // Every rank takes part in the exchange, even one without a stream.
+        let stream = match stream {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                let _ = super::bootstrap::agree(exchange, "NCCL communicator", Err(e.clone()));
+                Err(e)
+            }
+        }?;
+        NcclComm::on_stream(exchange, stream, timeout)
+    }
+
+    /// As [`Self::new`], enqueueing every collective on `stream` (the
+    /// caller's), on its device.
+    pub fn on_stream(exchange: &dyn Exchange, stream: Arc<CudaStream>, timeout: Duration) -> Result<NcclComm> {
         let (rank, size) = (exchange.rank(), exchange.size());
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} of {size}")));
@@ -157,8 +173,6 @@ impl NcclComm {
         let id: [u8; 128] = from0
             .try_into()
             .map_err(|_| Error::Bootstrap { op: "NCCL communicator", reason: format!("rank 0 sent a {}-byte id, not 128", from0.len()) })?;
-        let ctx = crate::driver::context(device)?;
-        let stream = ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))?;
         NcclComm::with_stream(&id, rank, size, stream, timeout)
     }
 
@@ -276,10 +290,28 @@ impl NcclComm {
         drop(h);
         check(self.api, op, code)
     }
+}
 
-    /// In-place all-reduce: `buf` becomes the reduction of every rank's
-    /// `buf`.
-    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
+/// NCCL's collectives on this rank (see [`Collectives`] for each one's
+/// contract).
+impl Collectives for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        NcclComm::synchronize(self)
+    }
+
+    fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
@@ -292,9 +324,7 @@ impl NcclComm {
         r.and(held.finish())
     }
 
-    /// Out-of-place all-reduce: `recv` becomes the reduction of every rank's
-    /// `send` (same lengths).
-    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+    fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         self.check_buffers("all_reduce", recv, send, send.len())?;
         let count = send.len();
@@ -307,10 +337,7 @@ impl NcclComm {
         r.and(read.finish()).and(write.finish())
     }
 
-    /// Reduce-scatter: rank r's `recv` (n elements) becomes the reduction of
-    /// chunk r (elements `r*n..(r+1)*n`) of every rank's `send` (`n * size`
-    /// elements).
-    pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         let n = recv.len();
         self.check_buffers("reduce_scatter", send, recv, n * self.size)?;
@@ -324,9 +351,7 @@ impl NcclComm {
         r.and(read.finish()).and(write.finish())
     }
 
-    /// All-gather: `recv` (`n * size` elements) becomes every rank's `send`
-    /// (n elements), in rank order.
-    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+    fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         let n = send.len();
         self.check_buffers("all_gather", recv, send, n * self.size)?;
         let (src, read) = self.order.read(send, &self.stream)?;
@@ -338,9 +363,34 @@ impl NcclComm {
         r.and(read.finish()).and(write.finish())
     }
 
-    /// Broadcast in place: every rank's `buf` becomes rank `root`'s (as
-    /// [`super::Comm::broadcast`]).
-    pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+    fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        crate::copy::check_context("broadcast", "recv", &self.ctx, recv.stream().context())?;
+        let count = recv.len();
+        let send = if self.rank == root {
+            let send = send.ok_or_else(|| Error::InvalidArgument("broadcast: the root passes no send buffer".into()))?;
+            self.check_buffers("broadcast", send, recv, count)?;
+            Some(send)
+        } else {
+            None
+        };
+        let read = send.map(|s| self.order.read(s, &self.stream)).transpose()?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let src = read.as_ref().map_or(dst, |r| r.0);
+        let dt = nccl_dtype(T::DTYPE);
+        // SAFETY: `dst` (and on the root `src`, distinct: a & and a &mut)
+        // hold `count` elements of T on this device, ordered (guards); NCCL
+        // reads `src` only on the root.
+        let r = self
+            .enqueue("ncclBroadcast", |api, comm, s| unsafe { (api.ncclBroadcast)(src as *const _, dst as *mut _, count, dt, root as i32, comm, s) });
+        let r = match read {
+            Some((_, guard)) => r.and(guard.finish()),
+            None => r,
+        };
+        r.and(write.finish())
+    }
+
+    fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         self.check_root(root)?;
         crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
@@ -353,10 +403,7 @@ impl NcclComm {
         r.and(held.finish())
     }
 
-    /// Reduce: rank `root`'s `recv` becomes the reduction of every rank's
-    /// `send`; the other ranks' `recv` is left as it was (it must still be
-    /// as long as `send`), as [`super::Comm::reduce`].
-    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, root: usize, op: ReduceOp) -> Result<()> {
+    fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
         self.check_root(root)?;
         self.check_buffers("reduce", recv, send, send.len())?;
@@ -371,6 +418,22 @@ impl NcclComm {
         r.and(read.finish()).and(write.finish())
     }
 
+    fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.check_root(root)?;
+        crate::copy::check_context("reduce", "buffer", &self.ctx, buf.stream().context())?;
+        let count = buf.len();
+        let (ptr, held) = self.order.write(buf, &self.stream)?;
+        let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
+        // SAFETY: `ptr` holds `count` elements of T on this device, ordered
+        // (the guard); the same pointer twice is NCCL's in-place form.
+        let r = self
+            .enqueue("ncclReduce", |api, comm, s| unsafe { (api.ncclReduce)(ptr as *const _, ptr as *mut _, count, dt, nop, root as i32, comm, s) });
+        r.and(held.finish())
+    }
+}
+
+impl NcclComm {
     /// The all-reduce on pointers already ordered on this communicator's
     /// stream (`count` elements of `dtype` each; the same or disjoint).
     pub(crate) fn all_reduce_ptrs(&self, dtype: DType, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {

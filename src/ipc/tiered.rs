@@ -23,6 +23,7 @@ use super::secret::JobSecret;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{check, Error, Result};
 use crate::sync::Orderer;
+use crate::traits::Collectives;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::sync::{Arc, Mutex};
 
@@ -80,7 +81,7 @@ impl Tiered {
     /// `(hosts, per_host)` ([`layout`]), this rank on `device`. Every rank
     /// calls it at the same time; a failure on any rank is an error on
     /// every rank.
-    pub(crate) fn new(exchange: Box<dyn Exchange>, (hosts, per_host): (usize, usize), device: usize, opts: &CommOptions) -> Result<Tiered> {
+    pub(crate) fn new(exchange: Box<dyn Exchange>, (hosts, per_host): (usize, usize), stream: Arc<CudaStream>, opts: &CommOptions) -> Result<Tiered> {
         let ex = &*exchange;
         let (rank, size) = (ex.rank(), ex.size());
         let (host, local) = (rank / per_host, rank % per_host);
@@ -126,7 +127,7 @@ impl Tiered {
                 Some((l, _)) => b.serve_on(l),
                 None => b.connect(),
             })
-            .and_then(|rv| Comm::new(Box::new(rv), device, opts));
+            .and_then(|rv| Comm::with_stream(Box::new(rv), stream, opts));
         gather(ex, "tiered communicator: every host's communicator", made.as_ref().map(|_| Vec::new()).map_err(Clone::clone))?;
         let local_comm = made?;
         // 4. The NCCL communicator of this local index, on the same stream.
@@ -219,11 +220,30 @@ impl Tiered {
     fn same_context<B: DeviceSlice<U>, U>(&self, op: &'static str, what: &'static str, b: &B) -> Result<()> {
         crate::copy::check_context(op, what, self.context(), b.stream().context())
     }
+}
+
+/// The two tiers' collectives (see [`Collectives`] for each one's contract).
+impl Collectives for Tiered {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        Tiered::stream(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Tiered::synchronize(self)
+    }
 
     /// In-place all-reduce (as [`Comm::all_reduce_in_place`]). `Avg` is the
     /// average of the hosts' averages, which is every rank's average (every
     /// host has as many ranks).
-    pub fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
+    fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         self.same_context("all_reduce", "buffer", buf)?;
         let count = buf.len();
@@ -238,7 +258,7 @@ impl Tiered {
     }
 
     /// Out-of-place all-reduce (as [`Comm::all_reduce`]).
-    pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+    fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         self.same_context("all_reduce", "send", send)?;
         self.same_context("all_reduce", "recv", recv)?;
@@ -259,7 +279,7 @@ impl Tiered {
 
     /// Reduce-scatter (as [`Comm::reduce_scatter`]): the two-tier
     /// all-reduce of the whole `send` into scratch, then this rank's block.
-    pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         self.same_context("reduce_scatter", "send", send)?;
         self.same_context("reduce_scatter", "recv", recv)?;
@@ -284,7 +304,7 @@ impl Tiered {
 
     /// All-gather (as [`Comm::all_gather`]): inside the host into the
     /// host's block of `recv`, then the hosts' blocks across hosts.
-    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+    fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         self.same_context("all_gather", "send", send)?;
         self.same_context("all_gather", "recv", recv)?;
         let (c, esz) = (send.len(), T::DTYPE.size());
@@ -306,7 +326,7 @@ impl Tiered {
 
     /// Broadcast in place (as [`Comm::broadcast`]): across hosts among the
     /// ranks with the root's local index, then inside every host.
-    pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+    fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         self.same_context("broadcast", "buffer", buf)?;
         if root >= self.size {
             return Err(Error::RootOutOfRange { root, size: self.size });
@@ -323,9 +343,29 @@ impl Tiered {
         r.and(guard.finish())
     }
 
+    /// The root's `send` copied into its `recv`, then broadcast in place.
+    fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
+        self.same_context("broadcast", "recv", recv)?;
+        if root >= self.size {
+            return Err(Error::RootOutOfRange { root, size: self.size });
+        }
+        if self.rank == root {
+            let send = send.ok_or_else(|| Error::InvalidArgument("broadcast: the root passes no send buffer".into()))?;
+            self.same_context("broadcast", "send", send)?;
+            if send.len() != recv.len() {
+                return Err(Error::LengthMismatch { op: "broadcast", expected: recv.len(), got: send.len() });
+            }
+            let bytes = recv.len() * T::DTYPE.size();
+            let (src, read) = self.order.read(send, self.stream())?;
+            let (dst, write) = self.order.write(recv, self.stream())?;
+            self.copy(dst, src, bytes).and(read.finish()).and(write.finish())?;
+        }
+        self.broadcast_in_place(recv, root)
+    }
+
     /// Reduce to `root` (as [`Comm::reduce`]): the two-tier all-reduce into
     /// scratch, which the root copies into its `recv`.
-    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, root: usize, op: ReduceOp) -> Result<()> {
+    fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
         self.same_context("reduce", "send", send)?;
         self.same_context("reduce", "recv", recv)?;
@@ -351,14 +391,34 @@ impl Tiered {
         r.and(read.finish()).and(write.finish())
     }
 
+    /// The two-tier all-reduce of `buf` into scratch, which the root copies
+    /// back.
+    fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.same_context("reduce", "buffer", buf)?;
+        if root >= self.size {
+            return Err(Error::RootOutOfRange { root, size: self.size });
+        }
+        let (count, esz) = (buf.len(), T::DTYPE.size());
+        if count == 0 {
+            return Ok(());
+        }
+        let full = count * esz;
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let base = self.scratch(&mut held, full + (count / self.per_host).max(1) * esz)?;
+        let (ptr, guard) = self.order.write(buf, self.stream())?;
+        let mut r = self.all_reduce_ptrs::<T>(op, ptr, base, count, base + full as u64);
+        if self.rank == root {
+            r = r.and_then(|()| self.copy(ptr, base, full));
+        }
+        r.and(guard.finish())
+    }
+}
+
+impl Tiered {
     /// The path inside this host ([`Comm::path`]).
     pub fn local_path(&self) -> crate::copy::Path {
         self.local.path()
-    }
-
-    /// How many ranks each host runs.
-    pub fn per_host(&self) -> usize {
-        self.per_host
     }
 }
 

@@ -9,34 +9,10 @@ use crate::error::{check, cudarc_err, Error, Result};
 use crate::kernels;
 use crate::kernels::load::function;
 use crate::kernels::{Kernel, KernelOp};
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 impl Comm {
-    /// Reduce-scatter: `send` holds `size() * c` elements on every rank;
-    /// `recv` (c elements) becomes block `rank()` of the reduction, in rank
-    /// order, of every rank's `send`. Every rank must make the same call
-    /// (the same c, element type and op), in the same order as its other
-    /// collectives; see [`CommOptions::check_calls`](super::CommOptions::check_calls).
-    pub fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::copy::check_context("reduce_scatter", "send", &self.ctx, send.stream().context())?;
-        crate::copy::check_context("reduce_scatter", "recv", &self.ctx, recv.stream().context())?;
-        let (n, c) = (self.size, recv.len());
-        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("reduce_scatter: count overflows".into()))?;
-        if send.len() != total {
-            return Err(Error::LengthMismatch { op: "reduce_scatter", expected: total, got: send.len() });
-        }
-        let _call = self.enter(desc(Kind::ReduceScatter, T::DTYPE, Some(op), c, None))?;
-        if c == 0 {
-            return Ok(());
-        }
-        let (src, read) = self.order.read(send, &self.stream)?;
-        let (dst, write) = self.order.write(recv, &self.stream)?;
-        let r = self.reduce_scatter_body::<T>(op, src, dst, c);
-        r.and(read.finish()).and(write.finish())
-    }
-
-    /// [`Self::reduce_scatter`] on pointers already ordered on this
+    /// The reduce-scatter on pointers already ordered on this
     /// communicator's stream (`src`: `size() * c` elements, `dst`: c), for
     /// the collectives built on this one ([`super::super::tiered`]).
     pub(crate) fn reduce_scatter_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, c: usize) -> Result<()> {
@@ -47,7 +23,7 @@ impl Comm {
         self.reduce_scatter_body::<T>(op, src, dst, c)
     }
 
-    fn reduce_scatter_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, c: usize) -> Result<()> {
+    pub(super) fn reduce_scatter_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, c: usize) -> Result<()> {
         let (n, esz) = (self.size, T::DTYPE.size());
         let me = self.rank;
         self.guarded(|| {
@@ -75,29 +51,7 @@ impl Comm {
         })
     }
 
-    /// All-gather: `send` holds c elements on every rank; `recv`
-    /// (`size() * c` elements) becomes the concatenation of every rank's
-    /// `send` in rank order. As for [`Self::reduce_scatter`], the count
-    /// being c.
-    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
-        crate::copy::check_context("all_gather", "send", &self.ctx, send.stream().context())?;
-        crate::copy::check_context("all_gather", "recv", &self.ctx, recv.stream().context())?;
-        let (n, c) = (self.size, send.len());
-        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
-        if recv.len() != total {
-            return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
-        }
-        let _call = self.enter(desc(Kind::AllGather, T::DTYPE, None, c, None))?;
-        if c == 0 {
-            return Ok(());
-        }
-        let (src, read) = self.order.read(send, &self.stream)?;
-        let (dst, write) = self.order.write(recv, &self.stream)?;
-        let r = self.all_gather_body::<T>(src, dst, c);
-        r.and(read.finish()).and(write.finish())
-    }
-
-    /// [`Self::all_gather`] on pointers already ordered on this
+    /// The all-gather on pointers already ordered on this
     /// communicator's stream (`src`: c elements, `dst`: `size() * c`).
     pub(crate) fn all_gather_ptrs<T: Element>(&self, src: u64, dst: u64, c: usize) -> Result<()> {
         let _call = self.enter(desc(Kind::AllGather, T::DTYPE, None, c, None))?;
@@ -107,7 +61,7 @@ impl Comm {
         self.all_gather_body::<T>(src, dst, c)
     }
 
-    fn all_gather_body<T: Element>(&self, src: u64, dst: u64, c: usize) -> Result<()> {
+    pub(super) fn all_gather_body<T: Element>(&self, src: u64, dst: u64, c: usize) -> Result<()> {
         let (n, esz) = (self.size, T::DTYPE.size());
         let me = self.rank;
         self.guarded(|| {
@@ -129,25 +83,7 @@ impl Comm {
         })
     }
 
-    /// Broadcast in place: every rank's `buf` becomes a copy of `root`'s.
-    /// Every rank must make the same call (the same length, element type
-    /// and root); see [`Self::reduce_scatter`].
-    pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
-        crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
-        let (n, count) = (self.size, buf.len());
-        if root >= n {
-            return Err(Error::RootOutOfRange { root, size: n });
-        }
-        let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
-        if count == 0 || n == 1 {
-            return Ok(());
-        }
-        let (ptr, held) = self.order.write(buf, &self.stream)?;
-        let r = self.broadcast_body::<T>(ptr, count, root);
-        r.and(held.finish())
-    }
-
-    /// [`Self::broadcast`] on a pointer already ordered on this
+    /// The broadcast in place on a pointer already ordered on this
     /// communicator's stream (`root` < `size()`, checked by the caller).
     pub(crate) fn broadcast_ptrs<T: Element>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
         let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
@@ -157,7 +93,7 @@ impl Comm {
         self.broadcast_body::<T>(ptr, count, root)
     }
 
-    fn broadcast_body<T: Element>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
+    pub(super) fn broadcast_body<T: Element>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
         let (me, esz) = (self.rank, T::DTYPE.size());
         self.guarded(|| {
             self.staged(
@@ -169,43 +105,26 @@ impl Comm {
         })
     }
 
-    /// Reduce to `root`: the root's `recv` becomes the reduction, in rank
-    /// order, of every rank's `send` (c elements each). The other ranks'
-    /// `recv` is not written (it is taken for the call's signature to match
-    /// the single-process [`crate::Group::reduce`]). Every rank must make
-    /// the same call (c, element type, op and root); see
-    /// [`Self::reduce_scatter`].
-    pub fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, root: usize, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::copy::check_context("reduce", "send", &self.ctx, send.stream().context())?;
-        crate::copy::check_context("reduce", "recv", &self.ctx, recv.stream().context())?;
-        let (n, count, esz) = (self.size, send.len(), T::DTYPE.size());
-        if root >= n {
-            return Err(Error::RootOutOfRange { root, size: n });
-        }
-        if recv.len() != count {
-            return Err(Error::LengthMismatch { op: "reduce", expected: count, got: recv.len() });
-        }
-        let _call = self.enter(desc(Kind::Reduce, T::DTYPE, Some(op), count, Some(root)))?;
-        if count == 0 {
-            return Ok(());
-        }
-        let (src, read) = self.order.read(send, &self.stream)?;
-        let (dst, write) = self.order.write(recv, &self.stream)?;
-        let me = self.rank;
-        let r = self.guarded(|| {
+    /// The reduce's enqueue: rank `root`'s `dst` becomes the reduction of
+    /// every rank's `src` (`count` elements; `src` may be `dst`: the root
+    /// then stages its own part too, so that it is read before it is
+    /// overwritten).
+    pub(super) fn reduce_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize, root: usize) -> Result<()> {
+        let (n, me, esz) = (self.size, self.rank, T::DTYPE.size());
+        let in_place = src == dst;
+        self.guarded(|| {
             if n == 1 {
                 return self.copy(dst, src, count * esz);
             }
             self.staged(
                 count,
                 self.half / esz,
-                |o, len, h| if me == root { Ok(()) } else { self.copy(self.data[me] + h, src + (o * esz) as u64, len * esz) },
+                |o, len, h| if me != root || in_place { self.copy(self.data[me] + h, src + (o * esz) as u64, len * esz) } else { Ok(()) },
                 |o, len, h| {
                     if me != root {
                         return Ok(());
                     }
-                    let part = |k: usize| if k == me { src + (o * esz) as u64 } else { self.data[k] + h };
+                    let part = |k: usize| if k == me && !in_place { src + (o * esz) as u64 } else { self.data[k] + h };
                     self.fold::<T>(op, dst + (o * esz) as u64, part, len)
                 },
             )?;
@@ -213,15 +132,14 @@ impl Comm {
                 self.average::<T>(op, dst, count)?;
             }
             Ok(())
-        });
-        r.and(read.finish()).and(write.finish())
+        })
     }
 
     /// Runs `f`, the enqueue of a collective; if it fails part way, the
     /// ranks are out of step: this rank's kernels still waiting are told
     /// to give up, the peers' time out at their next barrier, and the
     /// communicator fails.
-    fn guarded(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
+    pub(super) fn guarded(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
         let r = f();
         if let Err(e) = &r {
             self.held.ctl.abort();
