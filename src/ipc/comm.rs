@@ -713,13 +713,36 @@ impl Comm {
                 _memory: memory,
             }),
         };
-        // Every rank's region is zeroed and mapped everywhere before any kernel.
-        comm.exchange.barrier()?;
+        // Every rank's region is zeroed and mapped everywhere before any
+        // kernel. Ranks that are threads of this process on this device
+        // share its context, where loading a kernel waits for the kernels
+        // running in it: a rank that loaded its first kernel while a peer's
+        // waited for it would hold them both until the barrier timeout. So
+        // such ranks load every kernel they may launch first.
+        let shares_context = infos.iter().enumerate().any(|(k, i)| k != rank && i.fd.pid == own_info.fd.pid && i.bus == own_info.bus);
+        let loaded = if shares_context { comm.preload() } else { Ok(()) };
+        agree(&*comm.exchange, "communicator: loading the kernels", loaded.map(|()| String::new()))?;
         if opts.verify {
             let checked = comm.verify(opts.timeout);
             agree(&*comm.exchange, "communicator: verification", checked.map(|()| String::new()))?;
         }
         Ok(comm)
+    }
+
+    /// Loads every kernel this communicator may launch, for every op and
+    /// element type.
+    fn preload(&self) -> Result<()> {
+        for dtype in DType::ALL {
+            for op in KernelOp::ALL {
+                for (table, kernel) in [(&self.held.funcs, Kernel::OneShot(op, dtype)), (&self.held.red, Kernel::Reduce2(op, dtype))] {
+                    table.get(kernel, || function(&self.ctx, kernel))?;
+                }
+            }
+            if dtype.is_float() {
+                self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
+            }
+        }
+        Ok(())
     }
 
     /// Step 4: an all-reduce of seeded data per lane, checked on the host.
