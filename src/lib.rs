@@ -75,6 +75,8 @@ mod algorithms;
 pub mod collectives;
 #[cfg(target_os = "linux")]
 pub mod comm;
+#[cfg(target_os = "linux")]
+pub mod compat;
 mod communicator;
 pub mod copy;
 pub mod driver;

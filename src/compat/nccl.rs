@@ -1,0 +1,1 @@
+//! `cudarc::nccl::safe`'s paths and signatures over [`crate::Comm`].
