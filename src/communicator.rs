@@ -21,7 +21,7 @@ use crate::launch::{Job, Launchers};
 use crate::peer::PeerAccess;
 use crate::reach::ReachCache;
 use crate::sync::Orderer;
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -43,10 +43,9 @@ pub(crate) struct Rank {
 }
 
 impl Rank {
-    /// The largest grid of this rank's elementwise kernels: four blocks per
-    /// multiprocessor.
+    /// The largest grid of this rank's elementwise kernels.
     pub(crate) fn max_blocks(&self) -> u32 {
-        self.sms.saturating_mul(4)
+        kernels::launch::max_blocks(self.sms)
     }
 
     /// A rank on `stream` (of its context), with the reduction module loaded.
@@ -290,12 +289,6 @@ impl Communicator {
         load::function(&self.ranks[r].ctx, kernel)
     }
 
-    fn grid(&self, r: usize, count: usize, dtype: DType) -> LaunchConfig {
-        let per_block = (kernels::BLOCK_SIZE as usize) * (16 / dtype.size());
-        let blocks = count.div_ceil(per_block).clamp(1, self.ranks[r].max_blocks() as usize) as u32;
-        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 }
-    }
-
     /// Launches `dst = a op b` over `count` elements on rank `r`'s stream.
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus rank, op and type
     pub(crate) fn launch_reduce2(&self, r: usize, op: KernelOp, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
@@ -303,15 +296,12 @@ impl Communicator {
             return Ok(());
         }
         let f = self.function(r, Kernel::Reduce2(op, dtype))?;
-        let n = count as u64;
-        let stream = &self.ranks[r].stream;
-        let mut launch = stream.launch_builder(f);
-        launch.arg(&dst).arg(&a).arg(&b).arg(&n);
-        // SAFETY: the kernel's signature is (T*, const T*, const T*, u64); the
-        // three addresses hold `count` elements of `dtype` on, or peer-accessible
-        // from, rank r's device, and stay alive until the step's events complete.
-        unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
-        Ok(())
+        let rank = &self.ranks[r];
+        // SAFETY: `f` is rank r's reduction kernel of `dtype`; the three
+        // addresses hold `count` elements of `dtype` on, or peer-accessible
+        // from, rank r's device (the callers' route checks), and stay alive
+        // until the step's events complete.
+        unsafe { kernels::launch::reduce2(&rank.stream, f, dtype, dst, a, b, count, rank.max_blocks()) }
     }
 
     /// Resolves the division kernel for `dtype` on every rank.
@@ -328,12 +318,10 @@ impl Communicator {
             return Ok(());
         }
         let f = self.function(r, Kernel::ScaleDiv(dtype))?;
-        let n = count as u64;
-        let mut launch = self.ranks[r].stream.launch_builder(f);
-        launch.arg(&x).arg(&n).arg(&divisor);
-        // SAFETY: signature (T*, u64, double); `x` holds `count` elements on rank r's device.
-        unsafe { launch.launch(self.grid(r, count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
-        Ok(())
+        let rank = &self.ranks[r];
+        // SAFETY: `f` is rank r's division kernel of `dtype`; `x` holds
+        // `count` elements on rank r's device (the callers' checks).
+        unsafe { kernels::launch::scale_div(&rank.stream, f, dtype, x, count, divisor, rank.max_blocks()) }
     }
 
     /// A device-to-device copy on rank `r`'s stream (same device).

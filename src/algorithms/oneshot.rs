@@ -31,9 +31,10 @@ use crate::communicator::Communicator;
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
+use crate::kernels::launch;
 use crate::kernels::load::{FnTable, PtrArray};
 use crate::kernels::{self, Kernel, KernelOp, OneShotPipeline};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::sync::Mutex;
 
 /// Bytes of slots per rank in device memory (P2P) of the large-message
@@ -341,44 +342,40 @@ impl OneShot {
     #[allow(clippy::too_many_arguments)] // the kernel's own arguments, plus the group's state
     fn launch_rank(&self, comm: &Communicator, op: KernelOp, dtype: DType, r: usize, input: u64, output: u64, count: usize) -> Result<()> {
         let lane = self.lane(count * dtype.size());
-        let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (nranks, rank, cnt, cap) = (comm.size() as i32, r as i32, count as u64, lane.layout.cap as u64);
-        let ahead = lane.layout.pipeline.arg();
         let kernel = Kernel::OneShot(op, dtype);
         let f = self.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
         let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
         if skip {
             return Ok(());
         }
-        let mut launch = comm.ranks[r].stream.launch_builder(f);
-        launch
-            .arg(&lane.push[r])
-            .arg(&self.npush)
-            .arg(&lane.pull[r])
-            .arg(&input)
-            .arg(&output)
-            .arg(&lane.counters[r])
-            .arg(&nranks)
-            .arg(&rank)
-            .arg(&cnt)
-            .arg(&cap)
-            .arg(&ahead)
-            .arg(&ctl)
-            .arg(&timeout_ns);
-        // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
-        // u32*, i32, i32, u64, u64, i32, u32*, u64); `ctl` is the group's mapped
-        // control block (1 + 2 * ranks words). `input`/`output` hold `count` elements
-        // of `dtype` on rank r's device (element-aligned: the kernel checks
-        // for 16 bytes itself); the lane's push regions and pull region hold
-        // ONESHOT_FLAG_BYTES + ONESHOT_SETS * n * cap bytes and are reachable
-        // from rank r's device (peer access enabled and verified for every pair, or
-        // mapped portable host memory); the counters hold ONESHOT_MAX_BLOCKS
-        // words of rank r. Every rank runs the lane's grid on every call of
-        // the lane (callers launch every rank), with the lane's one `ahead`,
-        // as the kernel's slot-reuse rule requires, and each rank is on its
-        // own device, so all ranks' blocks can be resident.
-        unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
-        Ok(())
+        let args = launch::OneShot {
+            blocks: lane.layout.blocks,
+            push: &lane.push[r],
+            npush: self.npush,
+            pull: lane.pull[r],
+            input,
+            output,
+            counters: lane.counters[r],
+            nranks: comm.size() as i32,
+            rank: r as i32,
+            count: count as u64,
+            cap: lane.layout.cap as u64,
+            ahead: lane.layout.pipeline.arg(),
+            ctl,
+            timeout_ns,
+        };
+        // SAFETY: `f` is rank r's one-shot kernel of `dtype`; `ctl` is the
+        // group's mapped control block. `input`/`output` hold `count`
+        // elements of `dtype` on rank r's device (the callers' checks); the
+        // lane's push regions and pull region were sized by `layout` for
+        // `n` ranks and are reachable from rank r's device (peer access
+        // enabled and verified for every pair, or mapped portable host
+        // memory), alive as long as the group (and its graphs: the keep-
+        // alives); the counters are rank r's. Every rank runs the lane's
+        // grid on every call of the lane (callers launch every rank), and
+        // each rank is on its own device, so all ranks' blocks can be
+        // resident.
+        unsafe { launch::oneshot(&comm.ranks[r].stream, f, &args) }
     }
 }
 

@@ -87,7 +87,7 @@ use crate::kernels::load::{function, FnTable, PtrArray};
 use crate::kernels::{Kernel, KernelOp};
 use crate::sync::{wait_bounded, Orderer};
 use crate::traits::Collectives;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -237,6 +237,8 @@ pub struct Comm {
     exchange: Box<dyn Exchange>,
     lanes: Vec<Lane>,
     npush: i32,
+    /// The largest grid of this rank's elementwise kernels.
+    max_blocks: u32,
     order: Orderer,
     /// Number of the next call; held for a whole call.
     calls: Mutex<u64>,
@@ -693,6 +695,7 @@ impl Comm {
             exchange,
             lanes,
             npush: size as i32 - 1,
+            max_blocks: kernels::launch::max_blocks(own_info.sms),
             order: Orderer::default(),
             calls: Mutex::new(0),
             check_calls: opts.check_calls,
@@ -902,42 +905,39 @@ impl Comm {
             (op, input)
         };
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
-        let cfg = LaunchConfig { grid_dim: (lane.layout.blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
-        let (nranks, rank, cnt, cap) = (self.size as i32, self.rank as i32, count as u64, lane.layout.cap as u64);
-        let ahead = lane.layout.pipeline.arg();
         let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
         let f = self.held.funcs.get(kernel, || function(&self.ctx, kernel))?;
-        let mut launch = self.stream.launch_builder(f);
-        launch
-            .arg(&lane.push)
-            .arg(&self.npush)
-            .arg(&lane.pull)
-            .arg(&input)
-            .arg(&output)
-            .arg(&lane.counters)
-            .arg(&nranks)
-            .arg(&rank)
-            .arg(&cnt)
-            .arg(&cap)
-            .arg(&ahead)
-            .arg(&self.held.ctl.addrs[0])
-            .arg(&self.held.ctl.timeout_ns);
-        // SAFETY: the signature is (PtrArray, i32, const void*, const T*, T*,
-        // u32*, i32, i32, u64, u64, i32, u32*, u64); the control block holds
-        // 1 + 2 * size words, mapped for this device. `input`/`output` hold
-        // `count` elements of `dtype` on this rank's device (checked by the callers); the
-        // lane's push regions (the peers' regions, imported and mapped with
-        // read-write access for this device, P2P checked) and its pull
-        // region (this rank's own) hold ONESHOT_FLAG_BYTES + ONESHOT_SETS *
-        // n * cap bytes from the lane's offset (one `layout` on every rank);
-        // the counters hold ONESHOT_MAX_BLOCKS words of this rank. Every
-        // rank runs the lane's grid and `ahead` on each call of the lane (the
-        // callers' contract, checked per call with `check_calls`). Each rank has its own device,
-        // or (`share_devices`) shares one with ranks of other processes, whose
-        // contexts the driver time-slices: every rank's kernel gets to run,
-        // and a barrier that waits too long gives up (the control block).
-        unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
-        Ok(())
+        let args = kernels::launch::OneShot {
+            blocks: lane.layout.blocks,
+            push: &lane.push,
+            npush: self.npush,
+            pull: lane.pull,
+            input,
+            output,
+            counters: lane.counters,
+            nranks: self.size as i32,
+            rank: self.rank as i32,
+            count: count as u64,
+            cap: lane.layout.cap as u64,
+            ahead: lane.layout.pipeline.arg(),
+            ctl: self.held.ctl.addrs[0],
+            timeout_ns: self.held.ctl.timeout_ns,
+        };
+        // SAFETY: `f` is this rank's one-shot kernel of `dtype`; the control
+        // block holds 1 + 2 * size words, mapped for this device.
+        // `input`/`output` hold `count` elements of `dtype` on this rank's
+        // device (checked by the callers); the lane's push regions (the
+        // peers' regions, imported and mapped with read-write access for
+        // this device, P2P checked; or the shared host buffer, registered
+        // for it) and its pull region were sized by one `layout` on every
+        // rank and live in `held`, which this communicator and the graphs
+        // its calls were captured into keep alive. Every rank runs the
+        // lane's grid and `ahead` on each call of the lane (the callers'
+        // contract, checked per call with `check_calls`). Ranks on one
+        // device divide its multiprocessors among their grids (`layout`),
+        // so every rank's blocks can be resident at once; ranks of other
+        // processes are also time-sliced by the driver.
+        unsafe { kernels::launch::oneshot(&self.stream, f, &args) }
     }
 }
 

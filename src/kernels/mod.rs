@@ -78,6 +78,7 @@
 //! every float operation with its rounding (`add.rn`, `mul.rn`: NVRTC ran
 //! with `--fmad=false`), so no contraction can change a result.
 
+pub(crate) mod launch;
 pub(crate) mod load;
 
 use crate::dtype::{DType, ReduceOp};

@@ -5,11 +5,10 @@
 use super::{desc, Comm, Kind};
 use crate::driver::{api, bind};
 use crate::dtype::{DType, Element, ReduceOp};
-use crate::error::{check, cudarc_err, Error, Result};
+use crate::error::{check, Error, Result};
 use crate::kernels;
 use crate::kernels::load::function;
 use crate::kernels::{Kernel, KernelOp};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 impl Comm {
     /// The reduce-scatter on pointers already ordered on this
@@ -199,16 +198,12 @@ impl Comm {
     fn reduce2(&self, op: ReduceOp, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
         let kernel = Kernel::Reduce2(KernelOp::of(op), dtype);
         let f = self.held.red.get(kernel, || function(&self.ctx, kernel))?;
-        let n = count as u64;
-        let mut launch = self.stream.launch_builder(f);
-        launch.arg(&dst).arg(&a).arg(&b).arg(&n);
-        // SAFETY: the kernel's signature is (T*, const T*, const T*, u64);
-        // `dst` holds `count` elements of `dtype` on this device (a caller's
+        // SAFETY: `f` is this context's reduction kernel of `dtype`; `dst`
+        // holds `count` elements of `dtype` on this device (a caller's
         // buffer) and `a`, `b` hold `count` elements each, on this device or
-        // a peer's staging buffer mapped here with read-write access (P2P
-        // checked at creation), alive as long as the communicator.
-        unsafe { launch.launch(grid(count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
-        Ok(())
+        // in a peer's staging buffer mapped here with read-write access
+        // (P2P checked at creation), alive as long as the communicator.
+        unsafe { kernels::launch::reduce2(&self.stream, f, dtype, dst, a, b, count, self.max_blocks) }
     }
 
     /// [`ReduceOp::Avg`]'s division of `count` elements at `x` by the
@@ -219,12 +214,9 @@ impl Comm {
         }
         let dtype = T::DTYPE;
         let f = self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
-        let (cnt, divisor) = (count as u64, self.size as f64);
-        let mut launch = self.stream.launch_builder(f);
-        launch.arg(&x).arg(&cnt).arg(&divisor);
-        // SAFETY: signature (T*, u64, double); `x` holds `count` elements on this device.
-        unsafe { launch.launch(grid(count, dtype)) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
-        Ok(())
+        // SAFETY: `f` is this context's division kernel of `dtype`; `x` holds
+        // `count` elements on this device.
+        unsafe { kernels::launch::scale_div(&self.stream, f, dtype, x, count, self.size as f64, self.max_blocks) }
     }
 
     /// Copies `bytes` from `src` to `dst` on this rank's stream (either may
@@ -240,11 +232,4 @@ impl Comm {
         // their order guards until the copy is ordered).
         check("cuMemcpyDtoDAsync", unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, crate::driver::raw_stream(&self.stream)) })
     }
-}
-
-/// A grid over `count` elements of `dtype`, 16 bytes per thread.
-fn grid(count: usize, dtype: DType) -> LaunchConfig {
-    let per_block = kernels::BLOCK_SIZE as usize * (16 / dtype.size());
-    let blocks = count.div_ceil(per_block).clamp(1, 1024) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 }
 }

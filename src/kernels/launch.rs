@@ -1,0 +1,170 @@
+//! One typed launch per kernel: the argument list, the grid and the
+//! contract of each kernel are written here once, for every engine that
+//! launches it (the single-process group and the per-rank communicator).
+
+use super::{BLOCK_SIZE, ONESHOT_MAX_BLOCKS};
+use crate::dtype::DType;
+use crate::error::{cudarc_err, Result};
+use crate::kernels::load::PtrArray;
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+/// The largest grid of the elementwise kernels on a device with `sms`
+/// multiprocessors: four blocks per multiprocessor.
+pub(crate) fn max_blocks(sms: u32) -> u32 {
+    sms.saturating_mul(4).max(1)
+}
+
+/// A grid over `count` elements of `dtype`, 16 bytes per thread, at most
+/// `max_blocks` blocks (the kernels stride over what is left).
+pub(crate) fn elementwise_grid(count: usize, dtype: DType, max_blocks: u32) -> LaunchConfig {
+    let per_block = BLOCK_SIZE as usize * (16 / dtype.size());
+    let blocks = count.div_ceil(per_block).clamp(1, max_blocks.max(1) as usize) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Launches `dst = a op b` over `count` elements (`cp_reduce2_*`).
+///
+/// # Safety
+///
+/// `f` is the reduction kernel of `dtype` (signature `(T*, const T*, const
+/// T*, u64)`) loaded in `stream`'s context; `dst`, `a` and `b` each hold
+/// `count` elements of `dtype`, on that device or mapped for it (peer
+/// memory with access enabled, or mapped host memory), and stay alive and
+/// unwritten by anything else until the kernel is done (`dst` may equal
+/// `a` or `b`: each element is read before it is written, by one thread).
+#[allow(clippy::too_many_arguments)] // the kernel's four arguments, its stream, function, type and grid bound
+pub(crate) unsafe fn reduce2(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    dtype: DType,
+    dst: u64,
+    a: u64,
+    b: u64,
+    count: usize,
+    max_blocks: u32,
+) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    let n = count as u64;
+    let mut launch = stream.launch_builder(f);
+    launch.arg(&dst).arg(&a).arg(&b).arg(&n);
+    // SAFETY: the caller's contract.
+    unsafe { launch.launch(elementwise_grid(count, dtype, max_blocks)) }.map_err(cudarc_err("cuLaunchKernel (reduce)"))?;
+    Ok(())
+}
+
+/// Launches `x /= divisor` over `count` elements (`cp_scale_div_*`).
+///
+/// # Safety
+///
+/// `f` is the division kernel of `dtype` (signature `(T*, u64, double)`)
+/// loaded in `stream`'s context; `x` holds `count` elements of `dtype` on
+/// that device, alive until the kernel is done.
+pub(crate) unsafe fn scale_div(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    dtype: DType,
+    x: u64,
+    count: usize,
+    divisor: f64,
+    max_blocks: u32,
+) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    let n = count as u64;
+    let mut launch = stream.launch_builder(f);
+    launch.arg(&x).arg(&n).arg(&divisor);
+    // SAFETY: the caller's contract.
+    unsafe { launch.launch(elementwise_grid(count, dtype, max_blocks)) }.map_err(cudarc_err("cuLaunchKernel (scale)"))?;
+    Ok(())
+}
+
+/// One rank's launch of the one-shot all-reduce (`cp_oneshot_*`): its lane
+/// (grid, slots, flags, counters), its buffers, and the group's control
+/// block.
+pub(crate) struct OneShot<'a> {
+    /// The lane's grid (at most [`ONESHOT_MAX_BLOCKS`]).
+    pub(crate) blocks: u32,
+    /// The regions this rank stores into, at the lane's offset.
+    pub(crate) push: &'a PtrArray,
+    /// How many of `push` are used.
+    pub(crate) npush: i32,
+    /// The region this rank reads from, at the lane's offset.
+    pub(crate) pull: u64,
+    pub(crate) input: u64,
+    pub(crate) output: u64,
+    /// This rank's block counters of the lane.
+    pub(crate) counters: u64,
+    pub(crate) nranks: i32,
+    pub(crate) rank: i32,
+    /// Elements.
+    pub(crate) count: u64,
+    /// Bytes of one rank's slot in a round.
+    pub(crate) cap: u64,
+    /// The lane's pipeline (`OneShotPipeline::arg`).
+    pub(crate) ahead: i32,
+    /// This rank's control block (1 + 2 * nranks words, mapped for the device).
+    pub(crate) ctl: u64,
+    pub(crate) timeout_ns: u64,
+}
+
+/// Launches one rank's one-shot kernel.
+///
+/// # Safety
+///
+/// `f` is the one-shot kernel of the element type of `input`/`output`
+/// (signature `(PtrArray, i32, const void*, const T*, T*, u32*, i32, i32,
+/// u64, u64, i32, u32*, u64)`) loaded in `stream`'s context. `input` and
+/// `output` hold `count` elements on that device (the same, or disjoint).
+/// The `npush` regions of `push` and the `pull` region hold
+/// `ONESHOT_FLAG_BYTES + ONESHOT_SETS * nranks * cap` bytes each, reachable
+/// from the device (peer memory with read-write access, or mapped host
+/// memory) and alive until the kernel is done; `counters` holds
+/// [`ONESHOT_MAX_BLOCKS`] words of this rank's; `ctl` is this rank's
+/// mapped control block. Every rank of the group launches the lane's same
+/// grid and `ahead` for every call of the lane, in the same order (the
+/// kernel's slot-reuse rule), and all ranks' grids can be resident at once
+/// (one device each, or grids divided among the ranks sharing one, or
+/// contexts the driver time-slices).
+pub(crate) unsafe fn oneshot(stream: &CudaStream, f: &CudaFunction, a: &OneShot<'_>) -> Result<()> {
+    let cfg = LaunchConfig { grid_dim: (a.blocks.clamp(1, ONESHOT_MAX_BLOCKS as u32), 1, 1), block_dim: (BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(a.push)
+        .arg(&a.npush)
+        .arg(&a.pull)
+        .arg(&a.input)
+        .arg(&a.output)
+        .arg(&a.counters)
+        .arg(&a.nranks)
+        .arg(&a.rank)
+        .arg(&a.count)
+        .arg(&a.cap)
+        .arg(&a.ahead)
+        .arg(&a.ctl)
+        .arg(&a.timeout_ns);
+    // SAFETY: the caller's contract.
+    unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elementwise_grids_cover_the_count_within_the_bound() {
+        for dtype in DType::ALL {
+            let per_block = BLOCK_SIZE as usize * (16 / dtype.size());
+            assert_eq!(elementwise_grid(0, dtype, 528).grid_dim.0, 1);
+            assert_eq!(elementwise_grid(per_block, dtype, 528).grid_dim.0, 1);
+            assert_eq!(elementwise_grid(per_block + 1, dtype, 528).grid_dim.0, 2);
+            assert_eq!(elementwise_grid(usize::MAX / 2, dtype, 528).grid_dim.0, 528);
+            assert_eq!(elementwise_grid(usize::MAX / 2, dtype, 0).grid_dim.0, 1);
+        }
+        assert_eq!(max_blocks(132), 528);
+        assert_eq!(max_blocks(0), 1);
+    }
+}
