@@ -859,17 +859,6 @@ impl Comm {
     fn enter(&self, desc: CallDesc) -> Result<std::sync::MutexGuard<'_, u64>> {
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.held.ctl.check()?;
-        // A call captured into a graph: the graph keeps what it touches.
-        if let Some((id, graph)) = capture_of(&self.stream)? {
-            let mut seen = self.captures.lock().unwrap_or_else(|p| p.into_inner());
-            if !seen.contains(&id) {
-                retain(graph, KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
-                if seen.len() >= 16 {
-                    seen.remove(0);
-                }
-                seen.push(id);
-            }
-        }
         let call = *calls;
         if self.check_calls {
             match self.board.agree(self.rank, call, &desc, self.barrier_timeout) {
@@ -890,6 +879,24 @@ impl Comm {
         Ok(calls)
     }
 
+    /// Before each enqueue on the stream: where the stream is capturing
+    /// into a graph (the caller's capture, or one it joined through the
+    /// ordering of a buffer written on a capturing stream), the graph holds
+    /// what this communicator's kernels and copies touch.
+    pub(super) fn hold_for_capture(&self) -> Result<()> {
+        if let Some((id, graph)) = capture_of(&self.stream)? {
+            let mut seen = self.captures.lock().unwrap_or_else(|p| p.into_inner());
+            if !seen.contains(&id) {
+                retain(graph, KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
+                if seen.len() >= 16 {
+                    seen.remove(0);
+                }
+                seen.push(id);
+            }
+        }
+        Ok(())
+    }
+
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
     fn launch<T: Element>(&self, op: ReduceOp, input: u64, output: u64, count: usize) -> Result<()> {
         let dtype = T::DTYPE;
@@ -907,6 +914,7 @@ impl Comm {
         let lane = &self.lanes[lane_index(self.lanes.iter().map(|l| l.layout.max_bytes), count * dtype.size(), self.lanes.len())];
         let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
         let f = self.held.funcs.get(kernel, || function(&self.ctx, kernel))?;
+        self.hold_for_capture()?;
         let args = kernels::launch::OneShot {
             blocks: lane.layout.blocks,
             push: &lane.push,

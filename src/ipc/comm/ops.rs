@@ -198,6 +198,7 @@ impl Comm {
     fn reduce2(&self, op: ReduceOp, dtype: DType, dst: u64, a: u64, b: u64, count: usize) -> Result<()> {
         let kernel = Kernel::Reduce2(KernelOp::of(op), dtype);
         let f = self.held.red.get(kernel, || function(&self.ctx, kernel))?;
+        self.hold_for_capture()?;
         // SAFETY: `f` is this context's reduction kernel of `dtype`; `dst`
         // holds `count` elements of `dtype` on this device (a caller's
         // buffer) and `a`, `b` hold `count` elements each, on this device or
@@ -214,6 +215,7 @@ impl Comm {
         }
         let dtype = T::DTYPE;
         let f = self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
+        self.hold_for_capture()?;
         // SAFETY: `f` is this context's division kernel of `dtype`; `x` holds
         // `count` elements on this device.
         unsafe { kernels::launch::scale_div(&self.stream, f, dtype, x, count, self.size as f64, self.max_blocks) }
@@ -225,6 +227,7 @@ impl Comm {
         if bytes == 0 {
             return Ok(());
         }
+        self.hold_for_capture()?;
         bind(&self.ctx)?;
         // SAFETY: both ranges hold `bytes` bytes, on this device or in a
         // peer's staging buffer mapped here with read-write access, alive
