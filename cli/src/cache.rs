@@ -3,6 +3,7 @@
 //! and the speed rule), and valid only for the driver, boot and GPUs they
 //! were made on. This module turns verdicts into cache entries and back.
 
+pub use crate::rules::speed_sample;
 use crate::rules::{PairVerdict, Speeds, UsePath};
 pub use cuda_peer::verdict::{Cache, CacheKey, CachedPair, CachedPath, SpeedSample};
 use std::path::{Path, PathBuf};
@@ -25,11 +26,6 @@ pub fn use_path(p: CachedPath) -> UsePath {
         CachedPath::Unusable => UsePath::None,
         CachedPath::Unknown => UsePath::Unknown,
     }
-}
-
-/// The measured bandwidths the speed rule judges, where both were measured.
-pub fn speed_sample(s: &Speeds) -> Option<SpeedSample> {
-    Some(SpeedSample { bytes: s.bytes, p2p_gbs: s.p2p_gbs?, staged_gbs: s.staged_gbs? })
 }
 
 /// The cache entry of one pair's verdict (with its speeds, where measured).

@@ -3,6 +3,7 @@
 //! and made-up driver and check results.
 
 use crate::sysfs::{pair_path, AcsState, GpuPci, PciPath, RebarState, SystemFacts};
+use cuda_peer::verdict::SpeedSample;
 use serde::{Deserialize, Serialize};
 
 /// What the driver (and NVML) say about one ordered pair.
@@ -98,6 +99,12 @@ pub struct Speeds {
     pub staged_lat_us: Option<f64>,
     /// Latency of a 4-byte driver copy without peer access, us.
     pub driver_lat_us: Option<f64>,
+}
+
+/// The measured bandwidths the speed rule judges, where both were measured
+/// (also what the verdict cache stores with a pair).
+pub fn speed_sample(s: &Speeds) -> Option<SpeedSample> {
+    Some(SpeedSample { bytes: s.bytes, p2p_gbs: s.p2p_gbs?, staged_gbs: s.staged_gbs? })
 }
 
 /// How bad a finding is.
@@ -492,7 +499,7 @@ fn decide(input: &PairInput, findings: &mut Vec<Finding>) -> (Level, UsePath, St
         return off_p2p(findings, staged_ok, what.clone(), what, fix);
     }
     if let Some(sp) = &input.speeds {
-        if let Some(sample) = crate::cache::speed_sample(sp) {
+        if let Some(sample) = speed_sample(sp) {
             let (p2p, st) = (sample.p2p_gbs, sample.staged_gbs);
             // The rule the library applies to the cached speeds too.
             let faster = cuda_peer::verdict::faster_path(&sample);
