@@ -26,6 +26,11 @@ use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
+/// How long a kernel waits at a device-side barrier for its peers, unless
+/// told otherwise ([`crate::GroupOptions::barrier_timeout`],
+/// [`crate::CommOptions::barrier_timeout`]).
+pub const DEFAULT_BARRIER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Word indices in the control block (as in `kernels/reduce.cu`).
 const CTL_ABORT: usize = 0;
 fn ctl_code(r: usize) -> usize {

@@ -82,8 +82,7 @@ pub struct GroupOptions {
     pub check_fault: Option<(usize, Fault)>,
 }
 
-/// The default of [`GroupOptions::barrier_timeout`].
-pub const DEFAULT_BARRIER_TIMEOUT: Duration = Duration::from_secs(10);
+pub use crate::failure::DEFAULT_BARRIER_TIMEOUT;
 
 impl Default for GroupOptions {
     fn default() -> Self {

@@ -4,7 +4,7 @@
 //! (flags written with release and read with acquire at system scope). The
 //! kernel and its protocol are in `kernels/reduce.cu` (`cp_meshar_*`).
 
-use super::{layout_refusal, prescale_all, unavailable, Algorithm, AllReduce};
+use super::common::{layout_refusal, prescale_all, unavailable, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};

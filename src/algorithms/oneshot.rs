@@ -26,7 +26,7 @@
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
-use super::{layout_refusal, prescale, unavailable, Algorithm, AllReduce};
+use super::common::{layout_refusal, prescale, unavailable, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};

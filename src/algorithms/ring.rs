@@ -15,8 +15,8 @@
 //! stream next (its buffers' guards, then perhaps their free) comes after
 //! them.
 
+use super::common::{prescale_all, Algorithm, AllReduce};
 use super::schedule::{self, Action};
-use super::{prescale_all, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::copy::route::{copy_direct, Direct, Route};
 use crate::copy::staged::Start;

@@ -16,6 +16,7 @@
 //! recorded after the copy, so a buffer dropped while the copy is in flight
 //! is freed only after it (the ordering lives in the private `sync` module).
 
+pub(crate) mod decide;
 pub(crate) mod plan;
 pub(crate) mod route;
 pub(crate) mod staged;
@@ -26,183 +27,13 @@ use crate::error::{cudarc_err, Error, Result};
 use crate::graph::{capture_of, retain, KeepAlive};
 use crate::peer::PeerAccess;
 use crate::sync::{tracking, with_read, with_write, Orderer, Tracking};
-use crate::topology::link_info;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 use route::{copy_direct, Direct};
 use staged::{Staging, Start};
 use std::sync::Arc;
-use std::time::Duration;
-use verify::Verdict;
 
-/// How a link carries data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Path {
-    /// Direct peer copies (NVLink or PCIe P2P).
-    P2p,
-    /// Through pinned host memory.
-    Staged,
-    /// Both ends on the same device.
-    Local,
-}
-
-impl std::fmt::Display for Path {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Path::P2p => "p2p",
-            Path::Staged => "staged",
-            Path::Local => "local",
-        })
-    }
-}
-
-/// Which path a link may take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum PathPolicy {
-    /// P2P where the driver supports it and verification passes, else
-    /// staged; a pair that `cuda-peer doctor`'s cached verdict for this
-    /// machine stages is staged without trying P2P ([`crate::verdict`]).
-    #[default]
-    Auto,
-    /// P2P or an error ([`Error::P2pUnavailable`], [`Error::PeerUnsupported`], ...).
-    P2pOnly,
-    /// Always staged through host memory, even where P2P works.
-    StagedOnly,
-}
-
-impl std::str::FromStr for PathPolicy {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(PathPolicy::Auto),
-            "p2p" => Ok(PathPolicy::P2pOnly),
-            "staged" => Ok(PathPolicy::StagedOnly),
-            other => Err(Error::InvalidArgument(format!("path policy {other:?}: expected auto, p2p or staged"))),
-        }
-    }
-}
-
-/// The most pinned staging buffers a link may have
-/// ([`LinkOptions::staging_buffers`]).
-pub const MAX_STAGING_BUFFERS: usize = 64;
-
-/// The largest staging chunk, in bytes ([`LinkOptions::staging_chunk_bytes`]).
-pub const MAX_STAGING_CHUNK_BYTES: usize = 1 << 30;
-
-/// The most pinned host memory, in bytes, one link's staging buffers may
-/// hold together ([`LinkOptions::staging_buffers`] times
-/// [`LinkOptions::staging_chunk_bytes`]).
-pub const MAX_STAGING_BYTES: u64 = 16 << 30;
-
-/// Settings for opening a link: `LinkOptions::default()` or
-/// [`LinkOptions::with_policy`], then the builder-style setters (one per
-/// field), e.g. `LinkOptions::default().verify(false)`.
-///
-/// The setters take any value; a link (or a group's routes) opened with
-/// staging sizes above their limits fails with [`Error::InvalidArgument`]
-/// before anything is enabled or allocated ([`LinkOptions::validate`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct LinkOptions {
-    /// Path policy.
-    pub policy: PathPolicy,
-    /// Verify a P2P link with a random pattern before trusting it (default on).
-    pub verify: bool,
-    /// How long verification may take before the link counts as failed.
-    pub verify_timeout: Duration,
-    /// Bytes per staging chunk (and per pinned buffer). Default 4 MiB.
-    /// Smaller than 4096 counts as 4096; more than
-    /// [`MAX_STAGING_CHUNK_BYTES`] is an error when the link opens.
-    pub staging_chunk_bytes: usize,
-    /// Pinned staging buffers per link. Default 3. Fewer than 2 counts as 2;
-    /// more than [`MAX_STAGING_BUFFERS`], or buffers that together would
-    /// hold more than [`MAX_STAGING_BYTES`], is an error when the link opens.
-    pub staging_buffers: usize,
-    /// Under [`PathPolicy::Auto`], follow the verdicts `cuda-peer doctor`
-    /// cached for this machine (default on): a pair it found unusable by
-    /// P2P, or slower by P2P than staged, is staged without trying P2P.
-    /// Off here or with `CUDA_PEER_NO_DOCTOR_CACHE=1`. See [`crate::verdict`].
-    pub use_doctor_verdicts: bool,
-}
-
-impl Default for LinkOptions {
-    fn default() -> Self {
-        LinkOptions {
-            policy: PathPolicy::Auto,
-            verify: true,
-            verify_timeout: Duration::from_secs(10),
-            staging_chunk_bytes: 4 << 20,
-            staging_buffers: 3,
-            use_doctor_verdicts: true,
-        }
-    }
-}
-
-impl LinkOptions {
-    /// Default options with `policy`.
-    pub fn with_policy(policy: PathPolicy) -> Self {
-        LinkOptions { policy, ..Default::default() }
-    }
-
-    /// Sets [`Self::policy`].
-    pub fn policy(mut self, policy: PathPolicy) -> Self {
-        self.policy = policy;
-        self
-    }
-
-    /// Sets [`Self::verify`].
-    pub fn verify(mut self, verify: bool) -> Self {
-        self.verify = verify;
-        self
-    }
-
-    /// Sets [`Self::verify_timeout`].
-    pub fn verify_timeout(mut self, verify_timeout: Duration) -> Self {
-        self.verify_timeout = verify_timeout;
-        self
-    }
-
-    /// Sets [`Self::staging_chunk_bytes`].
-    pub fn staging_chunk_bytes(mut self, staging_chunk_bytes: usize) -> Self {
-        self.staging_chunk_bytes = staging_chunk_bytes;
-        self
-    }
-
-    /// Sets [`Self::staging_buffers`].
-    pub fn staging_buffers(mut self, staging_buffers: usize) -> Self {
-        self.staging_buffers = staging_buffers;
-        self
-    }
-
-    /// Sets [`Self::use_doctor_verdicts`].
-    pub fn use_doctor_verdicts(mut self, use_doctor_verdicts: bool) -> Self {
-        self.use_doctor_verdicts = use_doctor_verdicts;
-        self
-    }
-
-    /// Checks the options as opening a link does, without a GPU:
-    /// [`Error::InvalidArgument`], saying which field and its limit, where
-    /// [`Self::staging_buffers`] is above [`MAX_STAGING_BUFFERS`],
-    /// [`Self::staging_chunk_bytes`] above [`MAX_STAGING_CHUNK_BYTES`], or
-    /// the two together above [`MAX_STAGING_BYTES`].
-    pub fn validate(&self) -> Result<()> {
-        staged::staging_shape(self.staging_chunk_bytes, self.staging_buffers).map(|_| ())
-    }
-}
-
-/// Why a link took its path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkStatus {
-    /// The path in use.
-    pub path: Path,
-    /// `cuDeviceCanAccessPeer` both ways.
-    pub driver_claims_p2p: bool,
-    /// The verification result, if one ran.
-    pub verified: Option<bool>,
-    /// A human-readable reason for the path. Where the doctor's cache
-    /// decided it, or confirmed P2P, it says `doctor verdict (cache <path>): ...`
-    /// ([`crate::verdict`]).
-    pub reason: String,
-}
+pub(crate) use decide::decide;
+pub use decide::{LinkOptions, LinkStatus, Path, PathPolicy, MAX_STAGING_BUFFERS, MAX_STAGING_BYTES, MAX_STAGING_CHUNK_BYTES};
 
 /// A directed link from one context to another, with its path decided.
 pub struct Link {
@@ -223,70 +54,6 @@ impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Link({} -> {}, {})", self.src.ordinal(), self.dst.ordinal(), self.status.path)
     }
-}
-
-/// Enables peer access both ways between `a` and `b`.
-pub(crate) fn enable_both(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Result<Vec<PeerAccess>> {
-    Ok(vec![PeerAccess::enable(a, b)?, PeerAccess::enable(b, a)?])
-}
-
-/// Decides whether `a` <-> `b` may use P2P under `opts`, enabling and
-/// verifying it. Returns the guards (empty when staged) and the status.
-pub(crate) fn decide(a: &Arc<CudaContext>, b: &Arc<CudaContext>, opts: &LinkOptions) -> Result<(Vec<PeerAccess>, LinkStatus)> {
-    // Every link and group route opens through here: sizes it could not
-    // allocate are refused before peer access is enabled.
-    opts.validate()?;
-    let (from, to) = (a.ordinal(), b.ordinal());
-    let same_device = from == to;
-    let claims = same_device || (link_info(from, to)?.can_access_peer && link_info(to, from)?.can_access_peer);
-    let staged = |reason: String, verified| Ok((Vec::new(), LinkStatus { path: Path::Staged, driver_claims_p2p: claims, verified, reason }));
-    let fail = |reason: String| Err(Error::P2pUnavailable { from, to, reason });
-    match route::first_step(opts.policy, same_device, claims) {
-        route::FirstStep::Local => {
-            let status = LinkStatus { path: Path::Local, driver_claims_p2p: true, verified: None, reason: "same device".into() };
-            return Ok((Vec::new(), status));
-        }
-        route::FirstStep::Staged(reason) => return staged(reason.into(), None),
-        route::FirstStep::Unsupported => return Err(Error::PeerUnsupported { from, to }),
-        route::FirstStep::TryP2p => {}
-    }
-    // The doctor's verdicts (crate::verdict): under Auto, the cached verdict
-    // for this pair may stage it without trying P2P; a `p2p` verdict only
-    // adds its note to the reason below.
-    let doctor = if opts.policy == PathPolicy::Auto { crate::verdict::consult(from, to, opts.use_doctor_verdicts) } else { None };
-    if let Some(advice) = doctor.as_ref().filter(|a| a.stage) {
-        return staged(advice.reason.clone(), None);
-    }
-    let note = |reason: &str| crate::verdict::annotate(reason, doctor.as_ref());
-    // End of the doctor's verdicts.
-    let access = match enable_both(a, b) {
-        Ok(g) => g,
-        Err(e) if route::falls_back(opts.policy) => {
-            log::warn!("link {from} <-> {to}: enabling peer access failed ({e}); using the staged path");
-            return staged(format!("enabling peer access failed: {e}"), None);
-        }
-        Err(e) => return Err(e),
-    };
-    if !opts.verify {
-        let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: None, reason: note("P2P, not verified") };
-        return Ok((access, status));
-    }
-    let why = match verify::verify_pair(a, b, opts.verify_timeout) {
-        Ok(Verdict::Ok) => {
-            let status = LinkStatus { path: Path::P2p, driver_claims_p2p: true, verified: Some(true), reason: note("P2P, verified") };
-            return Ok((access, status));
-        }
-        Ok(Verdict::Corrupt { wrong, first }) => {
-            format!("verification failed: {wrong} of {} bytes wrong, first at {first}", verify::VERIFY_BYTES)
-        }
-        Err(e) => format!("verification failed: {e}"),
-    };
-    drop(access);
-    if !route::falls_back(opts.policy) {
-        return fail(why);
-    }
-    log::warn!("link {from} <-> {to}: the driver reports P2P but {why}; using the staged path");
-    staged(note(&why), Some(false))
 }
 
 /// Checks that `got` (a buffer's or stream's context) is `expected`'s CUDA

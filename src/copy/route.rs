@@ -3,48 +3,14 @@
 //! direct (same-device or P2P) copies that [`super::Link`] and the ring
 //! both use.
 
+use super::decide::{decide, LinkOptions, LinkStatus, Path};
 use super::staged::Staging;
-use super::{decide, LinkOptions, LinkStatus, Path, PathPolicy};
 use crate::driver::{api, bind, raw_context, raw_stream};
 use crate::error::{check, cudarc_err, Result};
 use crate::peer::PeerAccess;
 use crate::sync::is_capturing;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use std::sync::Arc;
-
-/// The first step of deciding a pair's path, from what is known before
-/// any peer access is enabled: the policy, whether both ends are one
-/// device, and whether the driver claims P2P both ways.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FirstStep {
-    /// One device: a local route.
-    Local,
-    /// Staged, for this reason.
-    Staged(&'static str),
-    /// P2P demanded where the driver claims none: an error.
-    Unsupported,
-    /// Enable peer access (and verify it, where asked).
-    TryP2p,
-}
-
-/// The pure first step of the path decision (see [`FirstStep`]).
-pub(crate) fn first_step(policy: PathPolicy, same_device: bool, claims: bool) -> FirstStep {
-    if same_device {
-        return FirstStep::Local;
-    }
-    match policy {
-        PathPolicy::StagedOnly => FirstStep::Staged("staged by policy"),
-        PathPolicy::P2pOnly if !claims => FirstStep::Unsupported,
-        PathPolicy::Auto if !claims => FirstStep::Staged("driver reports no peer access"),
-        PathPolicy::Auto | PathPolicy::P2pOnly => FirstStep::TryP2p,
-    }
-}
-
-/// Whether a pair whose peer access could not be enabled or verified falls
-/// back to the staged path (`Auto`) instead of failing (`P2pOnly`).
-pub(crate) fn falls_back(policy: PathPolicy) -> bool {
-    policy == PathPolicy::Auto
-}
 
 /// How data moves from a source rank to a destination rank. An enum, so
 /// that a staged route always has its staging buffers.
@@ -194,25 +160,5 @@ pub(crate) unsafe fn copy_direct(
             // SAFETY: the caller's contract; both context handles are alive.
             check("cuMemcpyPeerAsync", unsafe { api.cuMemcpyPeerAsync(dst, raw_context(dst_ctx), src, raw_context(src_ctx), bytes, raw) })
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_first_step_follows_the_policy_and_the_driver() {
-        use FirstStep::*;
-        use PathPolicy::*;
-        for policy in [Auto, P2pOnly, StagedOnly] {
-            assert_eq!(first_step(policy, true, false), Local, "{policy:?}");
-        }
-        assert_eq!(first_step(StagedOnly, false, true), Staged("staged by policy"));
-        assert_eq!(first_step(Auto, false, false), Staged("driver reports no peer access"));
-        assert_eq!(first_step(P2pOnly, false, false), Unsupported);
-        assert_eq!(first_step(Auto, false, true), TryP2p);
-        assert_eq!(first_step(P2pOnly, false, true), TryP2p);
-        assert!(falls_back(Auto) && !falls_back(P2pOnly));
     }
 }

@@ -9,6 +9,18 @@ use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex, PoisonError};
 
+/// The most pinned staging buffers a link may have
+/// ([`LinkOptions::staging_buffers`]).
+pub const MAX_STAGING_BUFFERS: usize = 64;
+
+/// The largest staging chunk, in bytes ([`LinkOptions::staging_chunk_bytes`]).
+pub const MAX_STAGING_CHUNK_BYTES: usize = 1 << 30;
+
+/// The most pinned host memory, in bytes, one link's staging buffers may
+/// hold together ([`LinkOptions::staging_buffers`] times
+/// [`LinkOptions::staging_chunk_bytes`]).
+pub const MAX_STAGING_BYTES: u64 = 16 << 30;
+
 /// The fewest pinned staging buffers a link has: smaller counts count as this.
 pub(crate) const MIN_STAGING_BUFFERS: usize = 2;
 
@@ -18,29 +30,29 @@ pub(crate) const MIN_STAGING_CHUNK_BYTES: usize = 4096;
 /// The staging buffers (count) and chunk bytes a link of `chunk_bytes` and
 /// `buffers` (its [`LinkOptions`](super::LinkOptions) fields) allocates:
 /// each raised to its minimum, or [`Error::InvalidArgument`] where one is
-/// above its maximum ([`super::MAX_STAGING_BUFFERS`],
-/// [`super::MAX_STAGING_CHUNK_BYTES`]) or the two together would pin more
-/// than [`super::MAX_STAGING_BYTES`]. Pure: no allocation, no driver call.
+/// above its maximum ([`MAX_STAGING_BUFFERS`],
+/// [`MAX_STAGING_CHUNK_BYTES`]) or the two together would pin more
+/// than [`MAX_STAGING_BYTES`]. Pure: no allocation, no driver call.
 pub(crate) fn staging_shape(chunk_bytes: usize, buffers: usize) -> Result<(usize, usize)> {
-    if buffers > super::MAX_STAGING_BUFFERS {
+    if buffers > MAX_STAGING_BUFFERS {
         return Err(Error::InvalidArgument(format!(
             "LinkOptions::staging_buffers = {buffers}: a link has at most {} pinned staging buffers",
-            super::MAX_STAGING_BUFFERS
+            MAX_STAGING_BUFFERS
         )));
     }
-    if chunk_bytes > super::MAX_STAGING_CHUNK_BYTES {
+    if chunk_bytes > MAX_STAGING_CHUNK_BYTES {
         return Err(Error::InvalidArgument(format!(
             "LinkOptions::staging_chunk_bytes = {chunk_bytes}: a staging chunk has at most {} bytes",
-            super::MAX_STAGING_CHUNK_BYTES
+            MAX_STAGING_CHUNK_BYTES
         )));
     }
     let (buffers, chunk_bytes) = (buffers.max(MIN_STAGING_BUFFERS), chunk_bytes.max(MIN_STAGING_CHUNK_BYTES));
     // Both are bounded above, so the product fits in a u64.
     let total = buffers as u64 * chunk_bytes as u64;
-    if total > super::MAX_STAGING_BYTES {
+    if total > MAX_STAGING_BYTES {
         return Err(Error::InvalidArgument(format!(
             "LinkOptions: {buffers} staging buffers of {chunk_bytes} bytes would pin {total} bytes of host memory per link, more than {}",
-            super::MAX_STAGING_BYTES
+            MAX_STAGING_BYTES
         )));
     }
     Ok((buffers, chunk_bytes))

@@ -46,9 +46,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// are small).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
-/// The environment variable naming the address rank 0 listens on, where
-/// it is not the one `MASTER_ADDR` resolves to (a service address, NAT).
-pub const BIND_ADDR_ENV: &str = "CUDA_PEER_BIND_ADDR";
+pub use super::id::BIND_ADDR_ENV;
 
 /// The longest a new connection may take to prove the secret.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);

@@ -167,7 +167,7 @@ impl Default for CommOptions {
             buffer_bytes: DEFAULT_BUFFER_BYTES,
             share_devices: false,
             path: PathPolicy::Auto,
-            barrier_timeout: crate::DEFAULT_BARRIER_TIMEOUT,
+            barrier_timeout: crate::failure::DEFAULT_BARRIER_TIMEOUT,
         }
     }
 }
@@ -511,8 +511,14 @@ impl Comm {
             let bus = crate::topology::device_info(device)?.pci_bus_id;
             let sms = crate::driver::multiprocessors(&ctx)?;
             let listener = FdListener::bind(rank)?;
-            let info =
-                RankInfo { host: super::host_identity(), bus, region: staging, sms, stream: stream.cu_stream() as usize as u64, fd: listener.addr() };
+            let info = RankInfo {
+                host: super::host::host_identity(),
+                bus,
+                region: staging,
+                sms,
+                stream: stream.cu_stream() as usize as u64,
+                fd: listener.addr(),
+            };
             // Rank 0 makes the call board and sends it to every peer.
             let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
             Ok((ctx, stream, info, board, listener))

@@ -18,6 +18,10 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::Mutex;
 
+/// The environment variable naming the address rank 0 listens on, where
+/// it is not the one `MASTER_ADDR` resolves to (a service address, NAT).
+pub const BIND_ADDR_ENV: &str = "CUDA_PEER_BIND_ADDR";
+
 /// The magic at the start of an id.
 const MAGIC: &[u8; 4] = b"CPid";
 /// The layout's version.
@@ -68,7 +72,7 @@ impl Id {
     /// is an IP address, else the first non-loopback address this host's
     /// name resolves to, else the loopback (a job of one host).
     pub fn local_addr() -> IpAddr {
-        if let Some(a) = std::env::var(super::bootstrap::BIND_ADDR_ENV).ok().and_then(|a| a.trim().parse().ok()) {
+        if let Some(a) = std::env::var(BIND_ADDR_ENV).ok().and_then(|a| a.trim().parse().ok()) {
             return a;
         }
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
