@@ -11,8 +11,9 @@ use crate::kernels;
 /// Which algorithm a group's all-reduce is asked to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
-    /// By message size, where the group allows it (2 to 8 ranks, each on
-    /// its own device): with P2P verified between every pair, the one-shot
+    /// By message size, where the group allows it (2 to 8 ranks; ranks may
+    /// share a device): with P2P verified between every pair (or the pair
+    /// on one device), the one-shot
     /// for small messages, the mesh for medium ones, the ring above;
     /// without, the one-shot through host memory for small messages, the
     /// ring above. Other groups always use the ring.
@@ -23,8 +24,9 @@ pub enum Algorithm {
     /// Always the mesh; creating the group fails where it is not possible.
     Mesh,
     /// Always the one-shot all-reduce: slots in peer device memory where
-    /// every pair has P2P, else in mapped host memory. Needs 2 to 8 ranks,
-    /// each on its own device; creating the group fails otherwise.
+    /// every pair has P2P, else in mapped host memory. Needs 2 to 8 ranks;
+    /// creating the group fails otherwise. Ranks that share a device divide
+    /// its multiprocessors among their grids (the mesh's too).
     OneShot,
 }
 
@@ -104,17 +106,19 @@ pub(crate) trait AllReduce: Sized {
 }
 
 /// Why ranks on `devices` cannot run a fused all-reduce (mesh or
-/// one-shot), if they cannot: both need 2 to 8 ranks, each on its own
-/// device.
+/// one-shot), if they cannot: both need 2 to 8 ranks (which may share
+/// devices: see [`sharing`]).
 pub(crate) fn layout_refusal(devices: &[usize]) -> Option<String> {
     let n = devices.len();
-    if !(2..=kernels::MESH_MAX_RANKS).contains(&n) {
-        return Some("needs 2 to 8 ranks".into());
-    }
-    let mut devices = devices.to_vec();
-    devices.sort();
-    devices.dedup();
-    (devices.len() != n).then(|| "needs every rank on its own device".into())
+    (!(2..=kernels::MESH_MAX_RANKS).contains(&n)).then(|| "needs 2 to 8 ranks".into())
+}
+
+/// The most ranks of `devices` on one device: a fused algorithm divides
+/// each device's multiprocessors among its ranks' grids, so that the
+/// blocks of every rank on a device can be resident at once (its kernels
+/// wait for each other's).
+pub(crate) fn sharing(devices: &[usize]) -> u32 {
+    devices.iter().map(|d| devices.iter().filter(|e| *e == d).count()).max().unwrap_or(1).max(1) as u32
 }
 
 /// Whether a group of ranks on `devices` asked for `request` needs to know

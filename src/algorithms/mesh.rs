@@ -4,7 +4,7 @@
 //! (flags written with release and read with acquire at system scope). The
 //! kernel and its protocol are in `kernels/reduce.cu` (`cp_meshar_*`).
 
-use super::common::{layout_refusal, prescale_all, unavailable, Algorithm, AllReduce};
+use super::common::{layout_refusal, prescale_all, sharing, unavailable, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -36,7 +36,9 @@ impl Mesh {
         let n = comm.size();
         let e = 16 / dtype.size();
         let seg = count.div_ceil(n).div_ceil(e) * e;
-        let max_blocks = (comm.ranks.iter().map(|r| r.max_blocks()).min().unwrap_or(1) / 2).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
+        let devices: Vec<usize> = comm.ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        let fewest = comm.ranks.iter().map(|r| r.max_blocks()).min().unwrap_or(1);
+        let max_blocks = (fewest / 2 / sharing(&devices)).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
         let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, max_blocks as usize) as u32;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
@@ -62,8 +64,9 @@ impl Mesh {
             // block (1 + 2 * ranks words); every pointer holds `count` elements (flags:
             // MESH_FLAG_WORDS words) on a device that every rank's device has
             // P2P access to (enabled and verified when the mesh was set up),
-            // and the same grid is launched on every rank, as the kernel's
-            // per-block barrier requires.
+            // or on its own device; the same grid is launched on every rank,
+            // as the kernel's per-block barrier requires, and ranks sharing a
+            // device divide its blocks (`sharing`), so all can be resident.
             unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (mesh all-reduce)"))?;
             Ok(())
         })

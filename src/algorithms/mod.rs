@@ -158,13 +158,16 @@ mod tests {
     }
 
     #[test]
-    fn fused_layouts_need_two_to_eight_distinct_devices() {
+    fn fused_layouts_need_two_to_eight_ranks_which_may_share_devices() {
         assert!(layout_refusal(&[0]).is_some());
         assert!(layout_refusal(&[0, 1]).is_none());
-        assert!(layout_refusal(&[0, 0]).is_some());
+        assert!(layout_refusal(&[0, 0]).is_none(), "ranks may share a device");
+        assert_eq!(crate::algorithms::common::sharing(&[0, 1, 0, 2, 0]), 3);
+        assert_eq!(crate::algorithms::common::sharing(&[3]), 1);
         assert!(layout_refusal(&[0, 1, 2, 3, 4, 5, 6, 7, 8]).is_some());
         assert!(!wants_all_pairs(Algorithm::Ring, &[0, 1]));
         assert!(wants_all_pairs(Algorithm::Auto, &[0, 1]));
-        assert!(!wants_all_pairs(Algorithm::Mesh, &[0, 0]));
+        assert!(wants_all_pairs(Algorithm::Mesh, &[0, 0]));
+        assert!(!wants_all_pairs(Algorithm::Mesh, &[0]));
     }
 }

@@ -26,7 +26,7 @@
 //!
 //! The kernel is in `kernels/reduce.cu` (`cp_oneshot_*`, in the mesh modules).
 
-use super::common::{layout_refusal, prescale, unavailable, Algorithm, AllReduce};
+use super::common::{layout_refusal, prescale, sharing, unavailable, Algorithm, AllReduce};
 use crate::communicator::Communicator;
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};
@@ -193,7 +193,8 @@ impl OneShot {
         let ranks = &comm.ranks;
         let n = ranks.len();
         let sms = ranks.iter().map(|r| r.sms).min().unwrap_or(1);
-        let (layout, bytes) = layout(n, p2p, sms);
+        let devices: Vec<usize> = ranks.iter().map(|r| r.ctx.ordinal()).collect();
+        let (layout, bytes) = layout(n, p2p, (sms / sharing(&devices)).max(1));
         let mut counters = Vec::with_capacity(n);
         let mut counter_ptrs = Vec::with_capacity(n);
         for rank in ranks {
@@ -373,8 +374,8 @@ impl OneShot {
         // memory), alive as long as the group (and its graphs: the keep-
         // alives); the counters are rank r's. Every rank runs the lane's
         // grid on every call of the lane (callers launch every rank), and
-        // each rank is on its own device, so all ranks' blocks can be
-        // resident.
+        // ranks sharing a device divide its multiprocessors among their
+        // grids (`sharing`), so all ranks' blocks can be resident.
         unsafe { launch::oneshot(&comm.ranks[r].stream, f, &args) }
     }
 }

@@ -89,9 +89,9 @@ pub(crate) struct RouteTable {
 }
 
 impl RouteTable {
-    /// Whether every ring route is P2P.
+    /// Whether every ring route is direct: P2P, or within one device.
     pub(crate) fn ring_all_p2p(&self) -> bool {
-        self.ring.iter().all(|e| e.status.path == Path::P2p)
+        self.ring.iter().all(|e| matches!(e.status.path, Path::P2p | Path::Local))
     }
 }
 
@@ -102,7 +102,7 @@ pub(crate) fn all_pairs_p2p(ctxs: &[&Arc<CudaContext>], link: &LinkOptions, acce
     for i in 0..n {
         for j in i + 1..n {
             match decide(ctxs[i], ctxs[j], link) {
-                Ok((guards, st)) if st.path == Path::P2p => access.extend(guards),
+                Ok((guards, st)) if matches!(st.path, Path::P2p | Path::Local) => access.extend(guards),
                 Ok((_, st)) => return Err(format!("ranks {i} and {j}: {}", st.reason)),
                 Err(e) => return Err(format!("ranks {i} and {j}: {e}")),
             }
