@@ -18,7 +18,8 @@
 //! `Group` instead (one caller passes every rank's buffers; its own ring,
 //! mesh and one-shot, picked by size), `--api both` runs both on the same
 //! inputs and prints a row for each. The rest are options of the `Group`
-//! (they need `--api group` or `both`): `--algorithm` forces one of its
+//! (without `--api`, any of them selects `--api group`; with `--api comm`
+//! they are refused): `--algorithm` forces one of its
 //! algorithms; `--timings` prints to stderr how long the start took, step
 //! by step (contexts, group creation without kernels, kernel loading, first
 //! call); `--first-call` times on the host (enqueue and synchronise) the
@@ -73,9 +74,9 @@ struct Args {
     /// Timed iterations (after 5 warm-up iterations), at least 1.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
-    /// The per-rank `Comm` (default), the single-process `Group`, or both.
-    #[arg(long, value_enum, default_value = "comm")]
-    api: Api,
+    /// The per-rank `Comm`, the single-process `Group`, or both [default: comm; group when a Group-only option is given].
+    #[arg(long, value_enum)]
+    api: Option<Api>,
     /// Group only: its all-reduce algorithm, auto (by size: one-shot, mesh or ring, where every rank has its own GPU), ring, mesh or oneshot.
     #[arg(long)]
     algorithm: Option<Algorithm>,
@@ -88,6 +89,25 @@ struct Args {
     /// Group only: after the run, time the first all-reduce of a new element type and reduction against an ordinary call.
     #[arg(long)]
     first_call: bool,
+}
+
+impl Args {
+    /// The Group-only options given.
+    fn group_only(&self) -> Vec<&'static str> {
+        let flags = [
+            (self.algorithm.is_some(), "--algorithm"),
+            (self.timings, "--timings"),
+            (self.lazy_kernels, "--lazy-kernels"),
+            (self.first_call, "--first-call"),
+        ];
+        flags.iter().filter(|(set, _)| *set).map(|(_, f)| *f).collect()
+    }
+
+    /// `--api`, or its default: the `Group` when a Group-only option is
+    /// given, else the per-rank `Comm`.
+    fn api(&self) -> Api {
+        self.api.unwrap_or(if self.group_only().is_empty() { Api::Comm } else { Api::Group })
+    }
 }
 
 trait Num: Element {
@@ -424,13 +444,14 @@ fn run<T: Num>(args: &Args, gpus: usize, t0: Instant) -> cuda_peer::Result<()> {
     let mut rng = rand::rng();
     let inputs: Vec<Vec<T>> = (0..ranks).map(|_| (0..count).map(|_| T::from_f64(draw(&mut rng, T::DTYPE, args.op, ranks))).collect()).collect();
     let mut rows = Vec::new();
-    if args.api != Api::Group {
+    let api = args.api();
+    if api != Api::Group {
         rows.push(run_comm(args, &streams, &inputs)?);
     }
-    if args.api != Api::Comm {
+    if api != Api::Comm {
         // Streams of its own: the communicators above are gone, and the two
         // APIs share nothing.
-        let streams = if args.api == Api::Both { new_streams()? } else { streams };
+        let streams = if api == Api::Both { new_streams()? } else { streams };
         rows.push(group_part(args, &streams, &inputs, gpus, t0, t_ctx)?);
     }
 
@@ -484,16 +505,8 @@ fn main() {
     if args.ranks == Some(0) {
         usage("--ranks must be at least 1".into());
     }
-    if args.api == Api::Comm {
-        let group_only = [
-            (args.algorithm.is_some(), "--algorithm"),
-            (args.timings, "--timings"),
-            (args.lazy_kernels, "--lazy-kernels"),
-            (args.first_call, "--first-call"),
-        ];
-        if let Some((_, flag)) = group_only.iter().find(|(set, _)| *set) {
-            usage(format!("{flag} is an option of the single-process Group: add --api group (or --api both)"));
-        }
+    if let (Some(Api::Comm), Some(flag)) = (args.api, args.group_only().first()) {
+        usage(format!("{flag} is an option of the single-process Group: --api group or --api both"));
     }
     if args.timings && log::set_logger(&StderrLog).is_ok() {
         log::set_max_level(log::LevelFilter::Debug);
