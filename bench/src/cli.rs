@@ -1,7 +1,9 @@
-//! The command line: the sweep's options, the subcommands, and the names
-//! of collectives, element types and implementations.
+//! The command line: each mode's options, the settings the modes share,
+//! and the names of the implementations. Nothing here runs anything.
 
-use crate::plan::GIB;
+use crate::exit::unusable;
+use crate::kinds::{Dt, Op};
+use crate::units::GIB;
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -22,10 +24,18 @@ pub(crate) struct Cli {
 #[derive(Subcommand, Debug)]
 pub(crate) enum Command {
     /// Host cost of each driver call on a small collective's enqueue path (first two GPUs).
-    EnqueueCosts(crate::enqueue_costs::Args),
+    EnqueueCosts(EnqueueArgs),
     /// All-reduce between processes, one GPU each, against NCCL with one rank per process;
     /// run under `cuda-peer-run -n N --` (or torchrun).
-    MpAllreduce(crate::mp::Args),
+    MpAllreduce(MpArgs),
+}
+
+/// The options of `enqueue-costs`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct EnqueueArgs {
+    /// Calls per measurement (in batches of 100, drained between batches).
+    #[arg(long, default_value_t = 5000)]
+    pub(crate) calls: usize,
 }
 
 #[derive(Parser, Debug, Clone)]
@@ -85,70 +95,94 @@ pub(crate) struct Args {
     pub(crate) progress_total: Option<usize>,
 }
 
-/// A collective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
-pub(crate) enum Op {
-    #[value(name = "all_reduce")]
-    AllReduce,
-    #[value(name = "reduce_scatter")]
-    ReduceScatter,
-    #[value(name = "all_gather")]
-    AllGather,
-    #[value(name = "broadcast")]
-    Broadcast,
+/// The options of `mp-allreduce`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct MpArgs {
+    /// Implementations, in the order run.
+    #[arg(long, value_delimiter = ',', default_value = "cuda-peer-ipc,nccl-mp,cuda-peer-nccl,cuda-peer-ipc-staged,nccl-mp-no-p2p")]
+    pub(crate) impls: Vec<MpImpl>,
+    /// Element types.
+    #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
+    pub(crate) dtypes: Vec<Dt>,
+    /// Smallest size in bytes (the buffer on each rank).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(long, default_value_t = GIB)]
+    pub(crate) max_bytes: usize,
+    /// Timed calls per point (default: 2 GiB / bytes, clamped to 5..=200).
+    #[arg(long)]
+    pub(crate) iters: Option<usize>,
+    /// Warm-up calls per point (fewer for large sizes: at most 1 GiB of warm-up, at least 1 call).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) warmup: usize,
+    /// Sizes quadrupling instead of doubling.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Machine name, used in the CSV file name.
+    #[arg(long, default_value = "local")]
+    pub(crate) machine: String,
+    /// Directory for the CSV (rank 0 writes it).
+    #[arg(long, default_value = "bench/results")]
+    pub(crate) out: PathBuf,
+    /// NCCL library to use when `libnccl.so` is not on the loader path (e.g. /usr/lib/x86_64-linux-gnu/libnccl.so.2).
+    #[arg(long)]
+    pub(crate) nccl_lib: Option<PathBuf>,
+    /// Host-cost probe: cuda-peer's communicators without the per-call
+    /// check that every rank makes the same call (`CommOptions::check_calls`).
+    #[arg(long)]
+    pub(crate) no_check_calls: bool,
+    /// Host-cost probe: cudarc's event tracking off for the buffers
+    /// cuda-peer's communicators reduce (each buffer is used on the
+    /// communicator's stream only), so no event waits or records per call.
+    #[arg(long)]
+    pub(crate) no_event_tracking: bool,
+    /// Internal: run as this rank's NCCL child for this impl.
+    #[arg(long, hide = true)]
+    pub(crate) child: Option<MpImpl>,
+    /// Internal: points done before this process (progress lines).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub(crate) progress_offset: usize,
+    /// Internal: points in the whole run (progress lines).
+    #[arg(long, hide = true)]
+    pub(crate) progress_total: Option<usize>,
 }
 
-impl Op {
+/// An implementation of the multi-process all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub(crate) enum MpImpl {
+    /// cuda-peer's communicator of processes (`ipc::Comm`).
+    #[value(name = "cuda-peer-ipc")]
+    PeerIpc,
+    /// cuda-peer between processes on the staged path (no P2P).
+    #[value(name = "cuda-peer-ipc-staged")]
+    PeerIpcStaged,
+    /// NCCL, one rank per process.
+    #[value(name = "nccl-mp")]
+    NcclMp,
+    /// NCCL, one rank per process, `NCCL_P2P_DISABLE=1`.
+    #[value(name = "nccl-mp-no-p2p")]
+    NcclMpNoP2p,
+    /// cuda-peer's NCCL path (`ipc::NcclComm`), one rank per process.
+    #[value(name = "cuda-peer-nccl")]
+    PeerNccl,
+}
+
+impl MpImpl {
+    /// The name in the CSV and on the command line.
     pub(crate) fn name(self) -> &'static str {
         match self {
-            Op::AllReduce => "all_reduce",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllGather => "all_gather",
-            Op::Broadcast => "broadcast",
+            MpImpl::PeerIpc => "cuda-peer-ipc",
+            MpImpl::PeerIpcStaged => "cuda-peer-ipc-staged",
+            MpImpl::NcclMp => "nccl-mp",
+            MpImpl::NcclMpNoP2p => "nccl-mp-no-p2p",
+            MpImpl::PeerNccl => "cuda-peer-nccl",
         }
     }
 
-    /// The reduction, as nccl-tests prints it.
-    pub(crate) fn redop(self) -> &'static str {
-        match self {
-            Op::AllReduce | Op::ReduceScatter => "sum",
-            Op::AllGather | Op::Broadcast => "none",
-        }
-    }
-
-    /// busbw / algbw, as nccl-tests defines it.
-    pub(crate) fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::ReduceScatter | Op::AllGather => (n - 1.0) / n,
-            Op::Broadcast => 1.0,
-        }
-    }
-}
-
-/// An element type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
-pub(crate) enum Dt {
-    #[value(name = "f32")]
-    F32,
-    #[value(name = "bf16")]
-    Bf16,
-}
-
-impl Dt {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Dt::F32 => "f32",
-            Dt::Bf16 => "bf16",
-        }
-    }
-
-    pub(crate) fn size(self) -> usize {
-        match self {
-            Dt::F32 => 4,
-            Dt::Bf16 => 2,
-        }
+    /// Runs NCCL, in a child process per rank (NCCL reads its environment once per process).
+    pub(crate) fn is_nccl(self) -> bool {
+        matches!(self, MpImpl::NcclMp | MpImpl::NcclMpNoP2p | MpImpl::PeerNccl)
     }
 }
 
@@ -205,5 +239,90 @@ impl Impl {
 
     pub(crate) fn is_nccl(self) -> bool {
         matches!(self, Impl::Nccl | Impl::NcclNoP2p)
+    }
+}
+
+/// The settings both the sweep and `mp-allreduce` take, under the same
+/// flags (each mode's options above, which clap shows, say them in the
+/// mode's own words): the points, the calls per point, where the CSV goes,
+/// and in a child process the progress so far. A child is given them back
+/// as flags (`nccl::child_flags`).
+#[derive(Debug, Clone)]
+pub(crate) struct Common {
+    pub(crate) dtypes: Vec<Dt>,
+    pub(crate) min_bytes: usize,
+    pub(crate) max_bytes: usize,
+    pub(crate) iters: Option<usize>,
+    pub(crate) warmup: usize,
+    pub(crate) quick: bool,
+    pub(crate) machine: String,
+    pub(crate) out: PathBuf,
+    pub(crate) progress_offset: usize,
+    pub(crate) progress_total: Option<usize>,
+}
+
+/// [`Common`] from a mode's options, which have its fields under the same
+/// names and types.
+macro_rules! common_of {
+    ($args:expr) => {
+        Common {
+            dtypes: $args.dtypes.clone(),
+            min_bytes: $args.min_bytes,
+            max_bytes: $args.max_bytes,
+            iters: $args.iters,
+            warmup: $args.warmup,
+            quick: $args.quick,
+            machine: $args.machine.clone(),
+            out: $args.out.clone(),
+            progress_offset: $args.progress_offset,
+            progress_total: $args.progress_total,
+        }
+    };
+}
+
+impl Common {
+    /// Exits with one line unless 0 < --min-bytes <= --max-bytes.
+    pub(crate) fn require_sizes(&self) {
+        if self.min_bytes == 0 || self.min_bytes > self.max_bytes {
+            unusable(format_args!("need 0 < --min-bytes <= --max-bytes"));
+        }
+    }
+}
+
+impl Args {
+    /// The settings the modes share.
+    pub(crate) fn common(&self) -> Common {
+        common_of!(self)
+    }
+
+    /// The collectives swept: `--ops`, or all_reduce alone with `--quick`.
+    pub(crate) fn swept_ops(&self) -> Vec<Op> {
+        if self.quick {
+            vec![Op::AllReduce]
+        } else {
+            self.ops.clone()
+        }
+    }
+
+    /// The CSV of the collectives (every collective, despite the name).
+    pub(crate) fn collectives_csv(&self) -> PathBuf {
+        self.out.join(format!("{}-allreduce.csv", self.machine))
+    }
+
+    /// The CSV of `--copy`.
+    pub(crate) fn copy_csv(&self) -> PathBuf {
+        self.out.join(format!("{}-copy.csv", self.machine))
+    }
+}
+
+impl MpArgs {
+    /// The settings the modes share.
+    pub(crate) fn common(&self) -> Common {
+        common_of!(self)
+    }
+
+    /// The CSV rank 0 writes.
+    pub(crate) fn csv(&self) -> PathBuf {
+        self.out.join(format!("{}-multiprocess-allreduce.csv", self.machine))
     }
 }

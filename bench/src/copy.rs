@@ -3,9 +3,10 @@
 use crate::cli::Args;
 use crate::data::{check_windows, mix, par_count, par_vec};
 use crate::device::{sync_all, time_calls};
-use crate::plan::{geometric, iters_for, warmup_for, Progress, GIB, KIB};
-use crate::sweep::{copy_csv, Csv, COPY_CSV_HEADER};
-use crate::Res;
+use crate::exit::Res;
+use crate::output::{Csv, COPY_CSV_HEADER};
+use crate::plan::{geometric, iters_for, warmup_for, Progress};
+use crate::units::{GIB, KIB};
 use cuda_peer::copy::{Link, LinkOptions, PathPolicy};
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -158,7 +159,7 @@ pub(crate) fn copy_sweep(args: &Args, ctxs: &[Arc<CudaContext>]) -> Res<()> {
     let pairs: Vec<(usize, usize)> = (0..n).flat_map(|i| (i + 1..n).map(move |j| (i, j))).collect();
     let paths = [CopyPath::DriverNoPeer, CopyPath::Staged, CopyPath::P2p];
     let mut progress = Progress { done: 0, total: paths.len() * pairs.len() * sizes.len() * 3 };
-    let mut csv = Csv::create(&copy_csv(args), COPY_CSV_HEADER)?;
+    let mut csv = Csv::create(&args.copy_csv(), COPY_CSV_HEADER)?;
     println!("#");
     println!("# copies: driver-no-peer first (no peer access enabled yet), then staged, then p2p; GB/s counts the bytes of every direction");
     println!("#{:>15} {:>4} {:>4} {:>4} {:>12} {:>10} {:>8} {:>7}", "path", "src", "dst", "dir", "bytes", "time_us", "GB/s", "#wrong");

@@ -1,7 +1,8 @@
 //! Element types, the reference data every point is checked against, and
 //! the parallel loops that generate and check it.
 
-use crate::cli::Op;
+use crate::kinds::Op;
+use crate::units::MIB;
 use cuda_peer::Element;
 use half::bf16;
 use rand::Rng;
@@ -9,7 +10,7 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 /// Outputs up to this size are checked element by element; larger ones by windows.
-pub(crate) const FULL_CHECK_BYTES: usize = 64 * crate::plan::MIB;
+pub(crate) const FULL_CHECK_BYTES: usize = 64 * MIB;
 /// Elements per checked window.
 pub(crate) const WINDOW: usize = 4096;
 /// Windows per checked output above [`FULL_CHECK_BYTES`].

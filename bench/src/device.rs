@@ -1,8 +1,9 @@
-//! Device helpers: buffers, timing with CUDA events, graph capture.
+//! Device helpers: buffers, checking an output, timing with CUDA events,
+//! graph capture.
 
-use crate::cli::Args;
-use crate::data::{par_vec, BenchElem, Inputs};
-use crate::Res;
+use crate::data::{check_windows, par_count, par_vec, BenchElem, Inputs};
+use crate::exit::Res;
+use crate::kinds::Op;
 use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtrMut};
 use cuda_peer::driver;
 use std::sync::Arc;
@@ -34,6 +35,29 @@ pub(crate) fn poisoned<T: BenchElem>(stream: &Arc<CudaStream>, len: usize) -> Re
 pub(crate) fn upload<T: BenchElem>(stream: &Arc<CudaStream>, inputs: &Inputs, rank: usize, len: usize) -> Res<CudaSlice<T>> {
     let host = par_vec(len, |i| T::from_int(inputs.value(rank, i)));
     Ok(stream.clone_htod(&host)?)
+}
+
+/// Compares rank `rank`'s output `out` (on its `stream`) of `op` over
+/// `ranks` ranks with the reference (`block`: the per-rank block of
+/// reduce_scatter and all_gather). Returns the number of wrong elements and
+/// whether only windows were checked.
+pub(crate) fn check_output<T: BenchElem>(
+    stream: &Arc<CudaStream>,
+    out: &CudaSlice<T>,
+    inputs: &Inputs,
+    op: Op,
+    ranks: usize,
+    block: usize,
+    rank: usize,
+) -> Res<(u64, bool)> {
+    let windows = check_windows(out.len(), std::mem::size_of::<T>());
+    let sampled = windows.len() > 1;
+    let mut wrong = 0;
+    for w in windows {
+        let got = stream.clone_dtoh(&out.slice(w.clone()))?;
+        wrong += par_count(got.len(), |k| got[k].to_f64() != inputs.expected(op, ranks, block, rank, w.start + k) as f64);
+    }
+    Ok((wrong, sampled))
 }
 
 /// Mean microseconds per call of `iters` back-to-back `call()`s after
@@ -90,11 +114,11 @@ pub(crate) fn capture(streams: &[Arc<CudaStream>], calls: usize, mut call: impl 
     Ok(graph?.ok_or("the capture recorded nothing")?)
 }
 
-/// Every device's context; in `--graph` mode with cudarc's event tracking
-/// turned off before any buffer exists.
-pub(crate) fn contexts(args: &Args) -> Res<Vec<Arc<CudaContext>>> {
+/// Every device's context; in `--graph` mode (`graph`) with cudarc's event
+/// tracking turned off before any buffer exists.
+pub(crate) fn contexts(graph: bool) -> Res<Vec<Arc<CudaContext>>> {
     let ctxs = driver::all_contexts()?;
-    if args.graph {
+    if graph {
         for c in &ctxs {
             // SAFETY: no buffer of these contexts exists yet; the benchmark
             // orders its own work (joins and synchronisations around every

@@ -11,19 +11,12 @@
 //!
 //!     cargo run --release -p cuda-peer-bench -- enqueue-costs [--calls N]
 
-use crate::Res;
+use crate::cli::EnqueueArgs;
+use crate::exit::Res;
 use cuda_peer::cudarc::driver::{result, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use cuda_peer::{driver, Group, GroupOptions, ReduceOp};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// The options of `enqueue-costs`.
-#[derive(clap::Args, Debug)]
-pub(crate) struct Args {
-    /// Calls per measurement (in batches of 100, drained between batches).
-    #[arg(long, default_value_t = 5000)]
-    calls: usize,
-}
 
 /// An empty kernel, as PTX any GPU from sm_70 on can JIT.
 const NOOP_PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry noop(.param .u64 p)\n{\n\tret;\n}\n";
@@ -59,7 +52,7 @@ fn group_options(launchers: bool) -> GroupOptions {
 }
 
 /// Measures and prints every row (the caller has checked for two GPUs).
-pub(crate) fn run(args: &Args) -> Res<()> {
+pub(crate) fn run(args: &EnqueueArgs) -> Res<()> {
     let ctxs: Vec<Arc<CudaContext>> = (0..2).map(driver::context).collect::<Result<_, _>>()?;
     let streams: Vec<Arc<CudaStream>> = ctxs.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
     let funcs =

@@ -32,57 +32,39 @@ mod copy;
 mod data;
 mod device;
 mod enqueue_costs;
+mod exit;
+mod harness;
+mod kinds;
 mod mp;
 mod nccl;
+mod output;
 mod plan;
 mod summary;
 mod sweep;
+mod units;
 
 use clap::Parser;
-use cli::{Args, Cli, Command, Impl};
+use cli::{Args, Cli, Command};
 use copy::copy_sweep;
 use cuda_peer::driver;
 use device::contexts;
-use nccl::{nccl_shim, run_nccl_child, ChildEnd};
+use exit::{require_gpus, Res};
+use nccl::nccl_shim;
+use output::{Csv, CSV_HEADER};
 use plan::{Plan, Progress};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::PathBuf;
 use summary::print_summary;
-use sweep::{collectives_csv, enqueue_us, peer_backend, sweep, tracking_us, Csv, CSV_HEADER};
-
-/// The error type of everything fallible in the benchmark.
-pub(crate) type Res<T> = Result<T, Box<dyn std::error::Error>>;
-
-/// Exit status when there is nothing to measure on (no GPU, too few, no
-/// launcher) or the command line is wrong: one line on stderr says why.
-pub(crate) const EXIT_UNUSABLE: i32 = 2;
-
-/// Prints `what` (one line) and exits with [`EXIT_UNUSABLE`].
-pub(crate) fn unusable(what: std::fmt::Arguments) -> ! {
-    eprintln!("cuda-peer-bench: {what}");
-    std::process::exit(EXIT_UNUSABLE)
-}
-
-/// The number of CUDA devices, or exit 2 with one line when there is none
-/// or fewer than `need`.
-pub(crate) fn require_gpus(need: usize) -> usize {
-    match driver::device_count() {
-        Err(e) => unusable(format_args!("no usable CUDA device: {e}")),
-        Ok(0) => unusable(format_args!("no usable CUDA device: {}", cuda_peer::Error::NoDevice)),
-        Ok(n) if n < need => unusable(format_args!("needs at least {need} GPUs, found {n}")),
-        Ok(n) => n,
-    }
-}
+use sweep::{run_nccl_child, run_peer, ChildEnd};
 
 /// The parent: copies (optional), then every implementation, then the summary.
 fn run(args: &Args) -> Res<()> {
-    let ctxs = contexts(args)?;
+    let ctxs = contexts(args.graph)?;
     let n = ctxs.len();
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
     println!("# bench: {} ({n} GPUs: {}), CUDA driver {}", args.machine, ctxs[0].name().unwrap_or_default(), driver::driver_version().unwrap_or(0));
     println!(
         "# #wrong: every element of every rank's output checked up to {} MiB per buffer; larger outputs: {} evenly spaced windows of {} elements per rank (~1M, first and last included) ('sampled')",
-        data::FULL_CHECK_BYTES / plan::MIB,
+        data::FULL_CHECK_BYTES / units::MIB,
         data::WINDOWS,
         data::WINDOW
     );
@@ -92,11 +74,10 @@ fn run(args: &Args) -> Res<()> {
     if args.copy {
         copy_sweep(args, &ctxs)?;
     }
-    let plan = Plan::new(args, n);
+    let plan = Plan::new(args.swept_ops(), &args.common(), n);
     let per_impl = plan.points().len();
     let mut progress = Progress { done: 0, total: per_impl * args.impls.len() };
-    let csv_path = collectives_csv(args);
-    Csv::create(&csv_path, CSV_HEADER)?;
+    Csv::create(&args.collectives_csv(), CSV_HEADER)?;
     // Removed when dropped, at the end of this function.
     let tmp = nccl::private_tmp()?;
     let mut shim: Option<Option<PathBuf>> = None;
@@ -115,7 +96,7 @@ fn run(args: &Args) -> Res<()> {
                 }
             }
         } else {
-            match run_peer(args, imp, &ctxs, &plan, &mut progress, &csv_path) {
+            match run_peer(args, imp, &ctxs, &plan, &mut progress) {
                 Ok(us) => enqueue.push((imp, us)),
                 Err(e) => println!("# {}: stopped: {e}", imp.name()),
             }
@@ -124,26 +105,6 @@ fn run(args: &Args) -> Res<()> {
     }
     drop(tmp);
     print_summary(args, &enqueue)
-}
-
-/// Sweeps one cuda-peer implementation, then measures its enqueue time.
-fn run_peer(
-    args: &Args,
-    imp: Impl,
-    ctxs: &[Arc<cuda_peer::cudarc::driver::CudaContext>],
-    plan: &Plan,
-    progress: &mut Progress,
-    csv: &Path,
-) -> Res<f64> {
-    let backend = peer_backend(imp, ctxs)?;
-    sweep(&backend, args, plan, progress, &mut Csv::append(csv)?)?;
-    let us = enqueue_us(&backend)?;
-    println!(
-        "# {}: enqueue {us:.2} us per 4 KiB all_reduce, of which cudarc's event tracking of the buffers alone takes {:.2} us",
-        imp.name(),
-        tracking_us(&backend)?
-    );
-    Ok(us)
 }
 
 fn main() {
@@ -165,12 +126,10 @@ fn main() {
 /// The collective (and copy) sweep over every GPU of this process.
 fn sweep_main(args: &Args) -> Res<()> {
     require_gpus(2);
-    if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
-        unusable(format_args!("need 0 < --min-bytes <= --max-bytes"));
-    }
+    args.common().require_sizes();
     match &args.child_report {
         Some(report) => match args.impls.as_slice() {
-            [imp] if imp.is_nccl() => nccl::child(args, *imp, report),
+            [imp] if imp.is_nccl() => sweep::nccl_child(args, *imp, report),
             _ => Err("--child-report takes exactly one NCCL impl".into()),
         },
         None => run(args),

@@ -1,77 +1,52 @@
-//! NCCL beside cuda-peer: the child process that runs one NCCL
-//! implementation, and finding the library.
+//! NCCL beside cuda-peer, for both modes: finding the library, starting
+//! the NCCL child processes (this program again, with hidden options: NCCL
+//! reads `NCCL_P2P_DISABLE` once per process) and what every child prints
+//! or exits with first.
 
-use crate::cli::{Args, Impl, Op};
-use crate::data::BenchElem;
-use crate::device::contexts;
-use crate::plan::{Plan, Progress};
-use crate::sweep::{collectives_csv, enqueue_us, sweep, Backend, Bufs, Csv, Engine};
-use crate::Res;
+use crate::cli::Common;
+use crate::exit::Res;
+use crate::plan::Progress;
+use cudarc::nccl::result;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 /// Exit code of a child that could not load NCCL (it has said so already).
 pub(crate) const EXIT_NO_NCCL: i32 = 3;
 
-use cudarc::nccl::{group_end, group_start, result, Comm, ReduceOp as NcclOp};
-
 pub(crate) fn err(what: &str, e: result::NcclError) -> Box<dyn std::error::Error> {
     format!("{what}: {:?}", e.0).into()
 }
 
-/// One collective on every rank, as one NCCL group (required when one
-/// thread drives several ranks).
-pub(crate) fn call<T: BenchElem>(comms: &[Comm], op: Op, bufs: &mut Bufs<T>) -> Res<()> {
-    group_start().map_err(|e| err("ncclGroupStart", e))?;
-    let mut first_err = Ok(());
-    for (r, comm) in comms.iter().enumerate() {
-        let res = match op {
-            Op::AllReduce => comm.all_reduce_in_place(&mut bufs.recv[r], &NcclOp::Sum),
-            Op::ReduceScatter => comm.reduce_scatter(&bufs.send[r], &mut bufs.recv[r], &NcclOp::Sum),
-            Op::AllGather => comm.all_gather(&bufs.send[r], &mut bufs.recv[r]),
-            Op::Broadcast => comm.broadcast_in_place(&mut bufs.recv[r], 0),
-        };
-        if let Err(e) = res {
-            first_err = Err(err(op.name(), e));
-            break;
-        }
+/// A child without NCCL: prints `why` (one line, where `say`) and exits
+/// with [`EXIT_NO_NCCL`], which tells the parent to skip the NCCL impls.
+pub(crate) fn skip(say: bool, why: std::fmt::Arguments) -> ! {
+    if say {
+        println!("{why}");
     }
-    let end = group_end();
-    first_err?;
-    end.map_err(|e| err("ncclGroupEnd", e))?;
-    Ok(())
+    std::process::exit(EXIT_NO_NCCL)
 }
 
-/// The child's whole job: load NCCL, sweep, report the enqueue time.
-pub(crate) fn child(args: &Args, imp: Impl, report: &Path) -> Res<()> {
+/// A child's first step: [`skip`] unless cudarc can open the library.
+pub(crate) fn require_library(say: bool) {
     // SAFETY: only tries to open the library under cudarc's candidate names.
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        println!("# NCCL: library not found (cudarc looks for libnccl.so; pass --nccl-lib /path/to/libnccl.so.2): nccl impls skipped");
-        std::process::exit(EXIT_NO_NCCL);
+        skip(say, format_args!("# NCCL: library not found (cudarc looks for libnccl.so; pass --nccl-lib /path/to/libnccl.so.2): nccl impls skipped"));
     }
-    let v = result::get_nccl_version().map_err(|e| err("ncclGetVersion", e))?;
-    let ctxs = contexts(args)?;
-    let streams = ctxs.iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let comms = Comm::from_devices(streams.clone()).map_err(|e| err("ncclCommInitAll", e))?;
+}
+
+/// The header of an NCCL impl's table: `what`, the library's version, the
+/// ranks' `layout`, and NCCL's settings.
+pub(crate) fn print_header(what: &str, version: i32, layout: &str) {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| "(unset)".into());
     println!("#");
     println!(
-        "# {}: NCCL {}.{}.{}, {} ranks, NCCL_P2P_DISABLE={}, NCCL_NVLS_ENABLE={}",
-        imp.name(),
-        v / 10000,
-        v / 100 % 100,
-        v % 100,
-        comms.len(),
-        std::env::var("NCCL_P2P_DISABLE").unwrap_or_else(|_| "(unset)".into()),
-        std::env::var("NCCL_NVLS_ENABLE").unwrap_or_else(|_| "(unset)".into()),
+        "# {what}: NCCL {}.{}.{}, {layout}, NCCL_P2P_DISABLE={}, NCCL_NVLS_ENABLE={}",
+        version / 10000,
+        version / 100 % 100,
+        version % 100,
+        var("NCCL_P2P_DISABLE"),
+        var("NCCL_NVLS_ENABLE"),
     );
-    let backend = Backend { imp, streams, engine: Engine::Nccl(comms) };
-    let plan = Plan::new(args, backend.ranks());
-    let total = args.progress_total.unwrap_or(plan.points().len());
-    let mut progress = Progress { done: args.progress_offset, total };
-    let mut csv = Csv::append(&collectives_csv(args))?;
-    sweep(&backend, args, &plan, &mut progress, &mut csv)?;
-    let us = enqueue_us(&backend)?;
-    std::fs::write(report, format!("enqueue_us={us}\n"))?;
-    Ok(())
 }
 
 /// A directory of this run's own for the NCCL children's files (the
@@ -137,98 +112,68 @@ pub(crate) fn find_nccl() -> Option<PathBuf> {
     dirs.into_iter().map(|d| d.join("libnccl.so.2")).find(|p| p.exists())
 }
 
-/// The child's command line: this run's sweep settings, one NCCL impl, and
-/// where to report.
-pub(crate) fn child_args(args: &Args, imp: Impl, progress: &Progress, report: &Path) -> Vec<std::ffi::OsString> {
-    let list = |v: Vec<&str>| v.join(",");
-    let mut v: Vec<std::ffi::OsString> = [
-        "--impls".to_string(),
-        imp.name().to_string(),
-        "--ops".to_string(),
-        list(args.ops.iter().map(|o| o.name()).collect()),
-        "--dtypes".to_string(),
-        list(args.dtypes.iter().map(|d| d.name()).collect()),
-        format!("--min-bytes={}", args.min_bytes),
-        format!("--max-bytes={}", args.max_bytes),
-        format!("--warmup={}", args.warmup),
-        format!("--machine={}", args.machine),
+/// The flags that give a child this run's points and calls per point,
+/// where the CSV goes, and the progress so far; each mode adds its own
+/// (which impl, where to report).
+pub(crate) fn child_flags(common: &Common, progress: &Progress) -> Vec<OsString> {
+    let dtypes: Vec<&str> = common.dtypes.iter().map(|d| d.name()).collect();
+    let mut v: Vec<OsString> = [
+        format!("--dtypes={}", dtypes.join(",")),
+        format!("--min-bytes={}", common.min_bytes),
+        format!("--max-bytes={}", common.max_bytes),
+        format!("--warmup={}", common.warmup),
+        format!("--machine={}", common.machine),
         format!("--progress-offset={}", progress.done),
         format!("--progress-total={}", progress.total),
     ]
     .into_iter()
     .map(Into::into)
     .collect();
-    v.extend(["--out".into(), args.out.clone().into_os_string(), "--child-report".into(), report.as_os_str().to_owned()]);
-    v.extend(args.iters.map(|i| format!("--iters={i}").into()));
-    if args.quick {
+    v.extend(["--out".into(), common.out.clone().into_os_string()]);
+    v.extend(common.iters.map(|i| format!("--iters={i}").into()));
+    if common.quick {
         v.push("--quick".into());
-    }
-    if args.graph {
-        v.push("--graph".into());
     }
     v
 }
 
-/// How an NCCL child ended.
-pub(crate) enum ChildEnd {
-    /// Swept everything; its enqueue time in microseconds.
-    Finished(f64),
-    /// Failed part way (said so); its remaining points are missing.
-    Failed,
-    /// Could not load NCCL (said so in one line).
-    NoNccl,
+/// NCCL's environment in a child.
+pub(crate) struct ChildEnv {
+    /// `NCCL_P2P_DISABLE=1` (else the variable is removed).
+    pub(crate) no_p2p: bool,
+    /// Keep the caller's `NCCL_NVLS_ENABLE` where set (else always 0: never NVLink multicast).
+    pub(crate) caller_nvls: bool,
+    /// `MASTER_PORT` for the children's own rendezvous.
+    pub(crate) master_port: Option<u16>,
 }
 
-/// Runs one NCCL implementation in a child process: fresh NCCL state and
-/// its own environment.
-pub(crate) fn run_nccl_child(args: &Args, imp: Impl, progress: &Progress, shim: Option<&Path>, tmp: &Path) -> Res<ChildEnd> {
-    let report = tmp.join(format!("{}.report", imp.name()));
+/// Runs this program again with `args` as an NCCL child, in `env`, with
+/// `shim` (a [`nccl_shim`] directory) first on its `LD_LIBRARY_PATH`, and
+/// waits for it.
+pub(crate) fn run_child(args: &[OsString], env: &ChildEnv, shim: Option<&Path>) -> Res<std::process::ExitStatus> {
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.args(child_args(args, imp, progress, &report));
-    // Never NVLink multicast (NVLS); P2P off only for nccl-no-p2p.
-    cmd.env("NCCL_NVLS_ENABLE", "0");
-    match imp {
-        Impl::NcclNoP2p => cmd.env("NCCL_P2P_DISABLE", "1"),
-        _ => cmd.env_remove("NCCL_P2P_DISABLE"),
-    };
+    cmd.args(args);
+    if let Some(port) = env.master_port {
+        cmd.env("MASTER_PORT", port.to_string());
+    }
+    if !env.caller_nvls || std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        cmd.env("NCCL_NVLS_ENABLE", "0");
+    }
+    if env.no_p2p {
+        cmd.env("NCCL_P2P_DISABLE", "1");
+    } else {
+        cmd.env_remove("NCCL_P2P_DISABLE");
+    }
     if let Some(dir) = shim {
         let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
         cmd.env("LD_LIBRARY_PATH", if old.is_empty() { dir.display().to_string() } else { format!("{}:{old}", dir.display()) });
     }
-    let status = cmd.status()?;
-    let report = std::fs::read_to_string(&report).unwrap_or_default();
-    let enqueue_us = report.trim().strip_prefix("enqueue_us=").and_then(|v| v.parse().ok());
-    Ok(match (status.code(), enqueue_us) {
-        (Some(0), Some(us)) => ChildEnd::Finished(us),
-        (Some(EXIT_NO_NCCL), _) => ChildEnd::NoNccl,
-        _ => {
-            println!("# {}: the NCCL child process failed ({status}); its remaining points are missing", imp.name());
-            ChildEnd::Failed
-        }
-    })
+    Ok(cmd.status()?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::Cli;
-    use clap::Parser;
-
-    #[test]
-    fn the_childs_command_line_parses_back_to_the_same_settings() {
-        let cli = Cli::try_parse_from(["cuda-peer-bench", "--quick", "--dtypes", "f32", "--machine", "m", "--graph"]).expect("parses");
-        let args = cli.sweep;
-        let progress = Progress { done: 5, total: 20 };
-        let mut argv: Vec<std::ffi::OsString> = vec!["cuda-peer-bench".into()];
-        argv.extend(child_args(&args, Impl::NcclNoP2p, &progress, Path::new("/tmp/r")));
-        let child = Cli::try_parse_from(argv).expect("the child's arguments parse");
-        assert!(child.command.is_none());
-        let c = child.sweep;
-        assert_eq!(c.impls, vec![Impl::NcclNoP2p]);
-        assert_eq!(c.child_report, Some(PathBuf::from("/tmp/r")));
-        assert_eq!((c.progress_offset, c.progress_total), (5, Some(20)));
-        assert_eq!((c.quick, c.graph, c.machine.as_str(), c.dtypes.clone()), (true, true, "m", args.dtypes.clone()));
-    }
 
     #[test]
     fn the_private_directory_is_random_owner_only_and_removed_on_drop() {

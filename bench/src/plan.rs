@@ -1,13 +1,8 @@
 //! The plan: which points, in which order, and how many calls each.
 
-use crate::cli::{Args, Dt, Op};
-
-/// One KiB.
-pub(crate) const KIB: usize = 1 << 10;
-/// One MiB.
-pub(crate) const MIB: usize = 1 << 20;
-/// One GiB.
-pub(crate) const GIB: usize = 1 << 30;
+use crate::cli::Common;
+use crate::kinds::{Dt, Op};
+use crate::units::GIB;
 /// Bytes moved per timed point, at most (more only where `MIN_ITERS` needs it).
 const BYTES_PER_POINT: usize = 2 * GIB;
 const MIN_ITERS: usize = 5;
@@ -59,10 +54,11 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
-    /// The sweep's plan from the command line.
-    pub(crate) fn new(args: &Args, ranks: usize) -> Plan {
-        let (ops, factor) = if args.quick { (vec![Op::AllReduce], 4) } else { (args.ops.clone(), 2) };
-        Plan { ops, dtypes: args.dtypes.clone(), sizes: geometric(args.min_bytes, args.max_bytes, factor), ranks }
+    /// The plan of `ops` over `ranks` from the command line: its element
+    /// types, and its sizes doubling (quadrupling with `--quick`).
+    pub(crate) fn new(ops: Vec<Op>, common: &Common, ranks: usize) -> Plan {
+        let factor = if common.quick { 4 } else { 2 };
+        Plan { ops, dtypes: common.dtypes.clone(), sizes: geometric(common.min_bytes, common.max_bytes, factor), ranks }
     }
 
     /// The points of one implementation, in order.
@@ -110,6 +106,12 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
+    /// A child process's progress: `--progress-offset` points of
+    /// `--progress-total` done (by default, of the child's own `points`).
+    pub(crate) fn resume(common: &Common, points: usize) -> Progress {
+        Progress { done: common.progress_offset, total: common.progress_total.unwrap_or(points) }
+    }
+
     /// Counts one more point and says which.
     pub(crate) fn tick(&mut self, what: std::fmt::Arguments) {
         self.done += 1;
