@@ -1,32 +1,41 @@
 //! Data-parallel training of a small MLP with candle on every visible GPU,
-//! with the gradients all-reduced in place through cuda-peer on candle's own
-//! device buffers (no copy), on candle's own streams.
+//! one thread per GPU, with the gradients all-reduced in place through
+//! cuda-peer's per-rank communicator on candle's own device buffers (no
+//! copy), on candle's own streams.
 //!
 //! Each of the N GPUs holds a replica of the weights and 1/N of a fixed
-//! synthetic batch (fixed seed). Every step: forward and backward on each
-//! GPU, then every gradient is averaged across the GPUs in place
-//! (`Group::all_reduce_raw`, `ReduceOp::Avg`), then each replica takes the
-//! same SGD step. The loss curve is checked against single-GPU training on
-//! the full batch, and the time per step is printed with the all-reduce's
-//! share. Last, a trained weight is copied from GPU 0 to GPU 1 through a
-//! verified `Link`, into a new candle tensor, and compared.
+//! synthetic batch (fixed seed), and is driven by a thread of its own with
+//! its own `cuda_peer::Comm` (`Comm::from_devices` on the replicas' candle
+//! streams, as `ncclCommInitAll` would make them). Every step, on every
+//! rank's thread: forward and backward, then each gradient is averaged
+//! across the ranks in place (`Comm::all_reduce_in_place`, `ReduceOp::Avg`,
+//! from a candle in-place op, which holds the tensor's storage for writing),
+//! then the same SGD step. The loss curve is checked against single-GPU
+//! training on the full batch, and the time per step is printed with the
+//! all-reduce's share. Last, a trained weight is copied from GPU 0 to GPU 1
+//! through a verified `Link`, into a new candle tensor, and compared.
 //!
-//! Exit codes: 0 checked, 1 a check failed, 2 no usable GPU.
+//! `--ranks N` runs N ranks laid round-robin over the GPUs (default: one per
+//! GPU; ranks may share one, as for a test on a machine with one GPU).
+//!
+//! Exit codes: 0 checked, 1 a check failed, 2 no usable GPU, 64 a bad
+//! argument.
 
 use candle_core::backprop::GradStore;
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{Device, Storage, Tensor, Var};
-use cuda_peer::cudarc::driver::{CudaStream, DevicePtr};
-use cuda_peer::{DType, Group, GroupOptions, Link, LinkOptions, RawBuffer, RawStream, ReduceOp};
-use std::sync::Arc;
+use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Storage, Tensor, Var};
+use cuda_peer::cudarc::driver::CudaStream;
+use cuda_peer::{Comm, Link, LinkOptions, ReduceOp};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 const INPUTS: usize = 64;
 const HIDDEN: usize = 512;
 const OUTPUTS: usize = 16;
-/// The full batch; divisible by 1..8 GPUs.
-const BATCH: usize = 8 * 1024;
+/// The full batch: a multiple of 840 (the least common multiple of 1..8),
+/// so that 1 to 8 ranks get equal shards of all of it.
+const BATCH: usize = 8 * 840;
 const STEPS: usize = 60;
 const LR: f64 = 0.05;
 /// Largest relative difference allowed between the data-parallel loss and
@@ -35,7 +44,7 @@ const LR: f64 = 0.05;
 /// to rounding, which grows slowly over the steps.
 const LOSS_RTOL: f64 = 1e-3;
 
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 /// A small deterministic generator (64-bit LCG), so that every run and every
 /// replica sees the same data and initial weights.
@@ -114,10 +123,7 @@ impl Replica {
     }
 
     fn grads(&self, g: &GradStore) -> Res<Vec<Tensor>> {
-        self.vars
-            .iter()
-            .map(|v| g.get(v.as_tensor()).cloned().ok_or_else(|| "a weight has no gradient".into()))
-            .collect()
+        self.vars.iter().map(|v| g.get(v.as_tensor()).cloned().ok_or_else(|| "a weight has no gradient".into())).collect()
     }
 
     fn sgd(&self, grads: &[Tensor]) -> candle_core::Result<()> {
@@ -132,86 +138,62 @@ impl Replica {
     }
 }
 
-/// Averages `grads[r]` (one tensor per replica, same shape) across the
-/// replicas in place, on candle's own buffers and streams.
-fn all_reduce_avg(group: &Group, grads: &[Tensor], streams: &[Arc<CudaStream>]) -> Res<()> {
-    let count = grads[0].elem_count();
-    // Read guards keep each tensor's storage in place while its pointer is
-    // used. Writing through them is sound here: the gradients are fresh
-    // tensors of this step (nothing else holds or reads them), contiguous,
-    // and all of candle's work on them is on the same stream as ours.
-    let storages: Vec<_> = grads.iter().map(|g| g.storage_and_layout()).collect();
-    let mut bufs = Vec::with_capacity(grads.len());
-    let mut events = Vec::with_capacity(grads.len());
-    for (r, (storage, layout)) in storages.iter().enumerate() {
-        if !layout.is_contiguous() || layout.shape().elem_count() != count {
-            return Err(format!("gradient {r} is not contiguous with {count} elements").into());
-        }
-        let Storage::Cuda(cuda) = &**storage else {
-            return Err("gradient not on a CUDA device".into());
-        };
-        let slice = cuda.as_cuda_slice::<f32>()?;
-        // cudarc's guard orders our stream after the slice's last write and
-        // records its read event when dropped, after the all-reduce is enqueued.
-        let (ptr, event) = slice.device_ptr(&streams[r]);
-        bufs.push(RawBuffer(ptr + (layout.start_offset() * 4) as u64));
-        events.push(event);
+/// The in-place average of a gradient across the ranks of `comm`, as a
+/// candle in-place op: candle hands the op its storage behind the tensor's
+/// write lock, so the all-reduce writes candle's own buffer, on candle's
+/// stream (the communicator's), with no copy and no `unsafe`.
+struct AllReduceAvg<'a>(&'a Comm);
+
+impl InplaceOp1 for AllReduceAvg<'_> {
+    fn name(&self) -> &'static str {
+        "cuda-peer all-reduce (avg)"
     }
-    let raw: Vec<RawStream> = streams.iter().map(|s| RawStream::of(s)).collect();
-    // SAFETY: bufs[r] holds `count` f32 of replica r's gradient on GPU r, in
-    // cudarc's (candle's) allocation on that device's primary context, whose
-    // memory the group's peers reach; the storage guards keep it allocated,
-    // and nothing else uses it until candle's stream, which is the group's
-    // stream here, has passed the all-reduce. The replicas' buffers are
-    // distinct allocations on distinct devices.
-    unsafe { group.all_reduce_raw(&bufs, count, DType::F32, ReduceOp::Avg, &raw) }?;
-    drop(events);
-    Ok(())
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("{}: the gradients are on the CPU", self.name())
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else { candle_core::bail!("{}: a gradient that is not contiguous", self.name()) };
+        let mut grad = storage.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
+        self.0.all_reduce_in_place(&mut grad, ReduceOp::Avg).map_err(candle_core::Error::wrap)
+    }
 }
 
-fn synchronize(replicas: &[Replica]) -> Res<()> {
-    for r in replicas {
-        r.device.synchronize()?;
-    }
-    Ok(())
+/// What one rank's training gives: the loss on its shard at each step
+/// (before its update), the mean time per step and of the all-reduce.
+struct Trained {
+    losses: Vec<f64>,
+    step: Duration,
+    reduce: Duration,
 }
 
-/// Trains `replicas` (one per GPU) for STEPS steps; returns the loss at each
-/// step (before its update), the time per step and the all-reduce's time.
-fn train(replicas: &[Replica], group: Option<&Group>) -> Res<(Vec<f64>, Duration, Duration)> {
-    let streams = replicas.iter().map(Replica::stream).collect::<Res<Vec<_>>>()?;
+/// Trains `replica` for STEPS steps on the calling thread, its gradients
+/// averaged through `comm` (none: alone). The ranks' threads meet at
+/// `barrier` between the phases, so that each phase's time is every
+/// rank's.
+fn train(replica: &Replica, comm: Option<&Comm>, barrier: &Barrier) -> Res<Trained> {
     let mut losses = Vec::with_capacity(STEPS);
     let (mut total, mut reducing) = (Duration::ZERO, Duration::ZERO);
     for step in 0..STEPS {
-        synchronize(replicas)?;
+        replica.device.synchronize()?;
+        barrier.wait();
         let t0 = Instant::now();
-        // Every GPU's forward and backward are enqueued before any loss is read.
-        let mut all_grads = Vec::with_capacity(replicas.len());
-        let mut step_losses = Vec::with_capacity(replicas.len());
-        for r in replicas {
-            let l = r.loss()?;
-            all_grads.push(r.grads(&l.backward()?)?);
-            step_losses.push(l);
-        }
-        let mut loss = 0f64;
-        for l in &step_losses {
-            loss += l.to_scalar::<f32>()? as f64 / replicas.len() as f64;
-        }
-        losses.push(loss);
-        synchronize(replicas)?;
+        let l = replica.loss()?;
+        let grads = replica.grads(&l.backward()?)?;
+        losses.push(l.to_scalar::<f32>()? as f64);
+        replica.device.synchronize()?;
+        barrier.wait();
         let t1 = Instant::now();
-        if let Some(group) = group {
-            for k in 0..all_grads[0].len() {
-                let per_rank: Vec<Tensor> = all_grads.iter().map(|g| g[k].clone()).collect();
-                all_reduce_avg(group, &per_rank, &streams)?;
+        if let Some(comm) = comm {
+            for g in &grads {
+                g.inplace_op1(&AllReduceAvg(comm))?;
             }
         }
-        synchronize(replicas)?;
+        replica.device.synchronize()?;
         let t2 = Instant::now();
-        for (r, g) in replicas.iter().zip(&all_grads) {
-            r.sgd(g)?;
-        }
-        synchronize(replicas)?;
+        replica.sgd(&grads)?;
+        replica.device.synchronize()?;
         if step >= 5 {
             // The first steps load kernels and grow candle's and cuBLAS's workspaces.
             total += t0.elapsed();
@@ -219,7 +201,26 @@ fn train(replicas: &[Replica], group: Option<&Group>) -> Res<(Vec<f64>, Duration
         }
     }
     let timed = (STEPS - 5) as u32;
-    Ok((losses, total / timed, reducing / timed))
+    Ok(Trained { losses, step: total / timed, reduce: reducing / timed })
+}
+
+/// Trains every replica on a thread of its own, rank r through `comms[r]`;
+/// returns the mean of the ranks' losses at each step (the full batch's
+/// loss: equal shards) and the slowest rank's times.
+fn train_data_parallel(replicas: &[Replica], comms: &[Comm]) -> Res<Trained> {
+    let barrier = Barrier::new(replicas.len());
+    let per_rank: Vec<Res<Trained>> = std::thread::scope(|s| {
+        let barrier = &barrier;
+        let handles: Vec<_> = replicas.iter().zip(comms).map(|(r, c)| s.spawn(move || train(r, Some(c), barrier))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank's thread panicked".into()))).collect()
+    });
+    let per_rank = per_rank.into_iter().collect::<Res<Vec<_>>>()?;
+    let n = per_rank.len() as f64;
+    Ok(Trained {
+        losses: (0..STEPS).map(|s| per_rank.iter().map(|t| t.losses[s]).sum::<f64>() / n).collect(),
+        step: per_rank.iter().map(|t| t.step).max().unwrap_or_default(),
+        reduce: per_rank.iter().map(|t| t.reduce).max().unwrap_or_default(),
+    })
 }
 
 /// Copies weight 0 of GPU 0's replica to GPU 1 through a verified link, into
@@ -243,12 +244,7 @@ fn link_copy(replicas: &[Replica]) -> Res<bool> {
         dst
     };
     let cuda_b = b.device.as_cuda_device()?.clone();
-    let copied = Tensor::from_storage(
-        Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, cuda_b)),
-        w.shape().clone(),
-        BackpropOp::none(),
-        false,
-    );
+    let copied = Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, cuda_b)), w.shape().clone(), BackpropOp::none(), false);
     let same = copied.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()? == w.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
     println!(
         "# link GPU0 -> GPU1: {:?}; copied a {:?} weight into a candle tensor on GPU 1: {}",
@@ -259,27 +255,27 @@ fn link_copy(replicas: &[Replica]) -> Res<bool> {
     Ok(same)
 }
 
-fn run() -> Res<bool> {
-    let n = cuda_peer::driver::device_count()?;
+fn run(gpus: usize, ranks: Option<usize>) -> Res<bool> {
+    let n = ranks.unwrap_or(gpus);
     let p = problem();
-    // candle's devices with their own streams (not the per-thread default
-    // stream, which would differ on cuda-peer's launcher threads).
-    let devices = (0..n).map(Device::new_cuda_with_stream).collect::<candle_core::Result<Vec<_>>>()?;
+    // candle's devices, rank r on GPU r % gpus, each with a stream of its own
+    // (not the per-thread default stream, which differs between the
+    // threads): the stream its rank's communicator enqueues on.
+    let devices = (0..n).map(|r| Device::new_cuda_with_stream(r % gpus)).collect::<candle_core::Result<Vec<_>>>()?;
     let shard = BATCH / n;
-    let replicas = (0..n)
-        .map(|r| Replica::new(devices[r].clone(), &p, r * shard..(r + 1) * shard))
-        .collect::<Res<Vec<_>>>()?;
+    let replicas = (0..n).map(|r| Replica::new(devices[r].clone(), &p, r * shard..(r + 1) * shard)).collect::<Res<Vec<_>>>()?;
     let streams = replicas.iter().map(Replica::stream).collect::<Res<Vec<_>>>()?;
-    let group = Group::new(streams, &GroupOptions::default())?;
+    let comms = Comm::from_devices(streams)?;
     let bytes: usize = p.init.iter().map(|(v, _)| v.len() * 4).sum();
-    println!("# candle_data_parallel: {n} GPU(s), MLP {INPUTS}-{HIDDEN}-{OUTPUTS} ({bytes} bytes of gradients in 4 tensors), batch {BATCH} ({shard} per GPU), {STEPS} SGD steps");
-    for (k, (v, _)) in p.init.iter().enumerate() {
-        println!("#   gradient {k}: {} bytes -> {:?}", v.len() * 4, group.all_reduce_algorithm(v.len() * 4));
-    }
-    let (dp, dp_step, dp_reduce) = train(&replicas, Some(&group))?;
-    let single = [Replica::new(devices[0].clone(), &p, 0..BATCH)?];
-    let (one, one_step, _) = train(&single, None)?;
-    println!("{:>5} {:>14} {:>14} {:>10}", "step", "loss (N GPUs)", "loss (1 GPU)", "rel diff");
+    println!("# candle_data_parallel: {n} rank(s) on {gpus} GPU(s), MLP {INPUTS}-{HIDDEN}-{OUTPUTS} ({bytes} bytes of gradients in 4 tensors), batch {BATCH} ({shard} per rank), {STEPS} SGD steps");
+    println!("#   one thread and one cuda_peer::Comm per rank (Comm::from_devices on candle's streams): {:?}", comms[0].engine());
+    let dp = train_data_parallel(&replicas, &comms)?;
+    let (dp_step, dp_reduce) = (dp.step, dp.reduce);
+    let dp = dp.losses;
+    let single = Replica::new(devices[0].clone(), &p, 0..BATCH)?;
+    let alone = train(&single, None, &Barrier::new(1))?;
+    let (one, one_step) = (alone.losses, alone.step);
+    println!("{:>5} {:>14} {:>14} {:>10}", "step", "loss (N ranks)", "loss (1 GPU)", "rel diff");
     let mut worst = 0f64;
     for (s, (a, b)) in dp.iter().zip(&one).enumerate() {
         let rel = (a - b).abs() / b.abs().max(1e-12);
@@ -297,23 +293,41 @@ fn run() -> Res<bool> {
     );
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
-        "# time per step (host-synchronised between phases, mean of steps 5..{STEPS}): {:.1} us on {n} GPU(s), all-reduce {:.1} us ({:.1}%); {:.1} us on 1 GPU with the full batch",
+        "# time per step (host-synchronised between phases, mean of steps 5..{STEPS}, the slowest rank): {:.1} us on {n} rank(s), all-reduce {:.1} us ({:.1}%); {:.1} us on 1 GPU with the full batch",
         us(dp_step),
         us(dp_reduce),
         100.0 * dp_reduce.as_secs_f64() / dp_step.as_secs_f64(),
         us(one_step)
     );
-    let linked = if n >= 2 {
+    let linked = if n >= 2 && gpus >= 2 {
         link_copy(&replicas)?
     } else {
-        println!("# link copy skipped: one GPU");
+        println!("# link copy skipped: ranks 0 and 1 are not on two GPUs");
         true
     };
     Ok(curves_match && linked)
 }
 
+/// `--ranks N` (1 to 8), if given; anything else is a usage error.
+fn ranks_arg() -> Result<Option<usize>, String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [] => Ok(None),
+        [flag, n] if flag == "--ranks" => match n.parse::<usize>() {
+            Ok(n) if (1..=8).contains(&n) => Ok(Some(n)),
+            _ => Err(format!("--ranks {n}: expected 1 to 8")),
+        },
+        _ => Err(format!("usage: candle_data_parallel [--ranks N]; got {args:?}")),
+    }
+}
+
 fn main() {
-    match cuda_peer::driver::device_count() {
+    // Checked before any GPU is opened.
+    let ranks = ranks_arg().unwrap_or_else(|e| {
+        eprintln!("candle_data_parallel: {e}");
+        std::process::exit(64)
+    });
+    let gpus = match cuda_peer::driver::device_count() {
         Ok(0) => {
             println!("candle_data_parallel: no usable CUDA device: none found");
             std::process::exit(2);
@@ -322,9 +336,9 @@ fn main() {
             println!("candle_data_parallel: no usable CUDA device: {e}");
             std::process::exit(2);
         }
-        Ok(_) => {}
-    }
-    match run() {
+        Ok(n) => n,
+    };
+    match run(gpus, ranks) {
         Ok(true) => println!("# OK"),
         Ok(false) => {
             println!("# FAILED");
