@@ -10,15 +10,15 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// The most pinned staging buffers a link may have
-/// ([`LinkOptions::staging_buffers`]).
+/// ([`LinkOptions::staging_buffers`](super::LinkOptions::staging_buffers)).
 pub const MAX_STAGING_BUFFERS: usize = 64;
 
-/// The largest staging chunk, in bytes ([`LinkOptions::staging_chunk_bytes`]).
+/// The largest staging chunk, in bytes ([`LinkOptions::staging_chunk_bytes`](super::LinkOptions::staging_chunk_bytes)).
 pub const MAX_STAGING_CHUNK_BYTES: usize = 1 << 30;
 
 /// The most pinned host memory, in bytes, one link's staging buffers may
-/// hold together ([`LinkOptions::staging_buffers`] times
-/// [`LinkOptions::staging_chunk_bytes`]).
+/// hold together ([`LinkOptions::staging_buffers`](super::LinkOptions::staging_buffers) times
+/// [`LinkOptions::staging_chunk_bytes`](super::LinkOptions::staging_chunk_bytes)).
 pub const MAX_STAGING_BYTES: u64 = 16 << 30;
 
 /// The fewest pinned staging buffers a link has: smaller counts count as this.

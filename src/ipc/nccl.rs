@@ -15,7 +15,7 @@
 //! to simulate several hosts on one).
 //!
 //! ```no_run
-//! use cuda_peer::{ipc::nccl::NcclComm, ReduceOp};
+//! use cuda_peer::{ipc::nccl::NcclComm, Collectives, ReduceOp};
 //! # fn main() -> Result<(), cuda_peer::Error> {
 //! let comm = NcclComm::from_env(std::time::Duration::from_secs(60))?; // under torchrun or cuda-peer-run
 //! let mut x = comm.stream().clone_htod(&[comm.rank() as f32; 1024]).unwrap();

@@ -14,7 +14,7 @@
 //! Layout: every host runs the same number of ranks, numbered
 //! contiguously (host h has ranks h·L to h·L + L − 1, as torchrun and
 //! `cuda-peer-run` number them). Where a job's hosts do not fit,
-//! [`super::WorldComm`] uses NCCL alone.
+//! [`crate::Comm`] uses NCCL alone.
 
 use super::bootstrap::{agree as gather, Bootstrap, Exchange};
 use super::comm::{Comm, CommOptions};
@@ -47,7 +47,7 @@ pub(crate) fn layout(hosts_of: &[Vec<u8>]) -> Option<(usize, usize)> {
 }
 
 /// A communicator of ranks on several hosts in two tiers (see the module
-/// docs); made by [`super::WorldComm`].
+/// docs); made by [`crate::Comm`].
 pub struct Tiered {
     // Dropped first: a bounded wait for the shared stream, then the NCCL
     // communicator aborted, so that NCCL work stuck on a dead host cannot
