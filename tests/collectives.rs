@@ -1,6 +1,8 @@
 //! GPU tests of the collectives against a CPU reference. Ranks are laid
-//! round-robin over the visible GPUs, so groups of 2-8 ranks run on one
-//! device (the ring, every link local) or two. Inputs are drawn afresh for
+//! round-robin over the visible GPUs (rank r on device r % count), so
+//! groups of 2-8 ranks run on one device (the ring, the mesh and the
+//! one-shot, every link local; the fused algorithms divide the device's
+//! multiprocessors among its ranks) or on two or more. Inputs are drawn afresh for
 //! every case, outputs poisoned before every run; integers must match
 //! exactly, floats within the per-element bound of `common::num` (the
 //! largest error of any order of the reduction's steps), on inputs chosen
@@ -8,7 +10,8 @@
 //! (`docs/testing.md`). CPU self-checks at the end plant those defects and
 //! check that the comparison and the back-to-back chains catch them. The
 //! GPU tests skip without a GPU (fail with CUDA_PEER_REQUIRE_GPU=1 then),
-//! and say which parts need two GPUs where only one is present.
+//! and say which parts need two GPUs (links between devices: P2P, staged,
+//! mixed, the host one-shot) where only one is present.
 
 mod common;
 
@@ -301,37 +304,42 @@ fn counts(n: usize) -> Vec<usize> {
     c
 }
 
-/// P2P ring, staged (Auto), a ring mixing both (Auto), and with one rank per
-/// GPU also the mesh, the one-shot over P2P and over host memory, and the
-/// staged ring forced (Auto picks the host one-shot there). On one GPU
-/// every link is local whatever its policy, so one set: the ring.
+/// The ring, the mesh and the one-shot over direct routes (P2P between
+/// devices, local within one), and with two GPUs or more also the links
+/// between devices: staged (Auto), a ring mixing P2P and staged (Auto),
+/// the one-shot through host memory and the staged ring forced (Auto picks
+/// the host one-shot there). Ranks share devices where there are more than
+/// GPUs. On one GPU every link is local whatever its policy (and the
+/// one-shot never goes through host memory), so the first three only.
 fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
     if gpus == 1 {
-        return vec![("one-device-ring", Vec::new(), Algorithm::Ring)];
+        return vec![
+            ("one-device-ring", Vec::new(), Algorithm::Ring),
+            ("one-device-mesh", Vec::new(), Algorithm::Mesh),
+            ("one-device-oneshot", Vec::new(), Algorithm::OneShot),
+        ];
     }
     let mixed: Vec<PathPolicy> = (0..n).map(|r| if r % 2 == 0 { PathPolicy::P2pOnly } else { PathPolicy::StagedOnly }).collect();
-    let mut sets = vec![
+    vec![
         ("p2p-ring", Vec::new(), Algorithm::Ring),
         ("staged", vec![PathPolicy::StagedOnly; n], Algorithm::Auto),
         ("mixed", mixed, Algorithm::Auto),
-    ];
-    if n <= gpus {
-        sets.push(("p2p-mesh", Vec::new(), Algorithm::Mesh));
-        sets.push(("p2p-oneshot", Vec::new(), Algorithm::OneShot));
-        sets.push(("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot));
-        sets.push(("staged-ring", vec![PathPolicy::StagedOnly; n], Algorithm::Ring));
-    }
-    sets
+        ("p2p-mesh", Vec::new(), Algorithm::Mesh),
+        ("p2p-oneshot", Vec::new(), Algorithm::OneShot),
+        ("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot),
+        ("staged-ring", vec![PathPolicy::StagedOnly; n], Algorithm::Ring),
+    ]
 }
 
 /// Says (in a `SKIPPED` line) which path sets `n` ranks on `gpus` GPUs do
-/// not cover.
+/// not cover: on one GPU, the links between devices.
 fn say_uncovered(test: &str, n: usize, gpus: usize) {
-    if gpus == 1 {
-        common::skipped(test, format!("n={n}: the P2P, staged and mixed links and the mesh and one-shot need 2 GPUs, 1 present (the ring ran)"));
-    } else if n > gpus {
-        common::skipped(test, format!("n={n}: the mesh, the one-shots and the forced staged ring need {n} GPUs, {gpus} present"));
-    }
+    common::has_gpus(
+        test,
+        &format!("n={n}: the P2P, staged and mixed links between devices and the host one-shot (the ring, mesh and one-shot ran on one)"),
+        gpus,
+        2,
+    );
 }
 
 macro_rules! for_types {
@@ -470,13 +478,16 @@ fn sum_only<T: TestElem>(s: &Setup, count: usize, tag: &str) {
     run_all::<T>(s, ReduceOp::Sum, count, tag);
 }
 
-/// 16M elements, f32 and bf16 sum, every N and path set (two GPUs: on one,
-/// the ring at these sizes is what `larger_rings_every_type` runs at 1M).
+/// 16M elements, f32 and bf16 sum, every N and path set (on one GPU the
+/// mesh and the one-shot: the ring on one device at these sizes is what
+/// `larger_rings_every_type` runs at 1M).
 #[test]
 fn sixteen_million_elements() {
-    let Some(ctx) = gpus("sixteen_million_elements", 2) else { return };
+    let test = "sixteen_million_elements";
+    let Some(ctx) = gpus(test, 1) else { return };
     for n in [2, 3, 4, 5, 8] {
-        for set in path_sets(n, ctx.len()) {
+        say_uncovered(test, n, ctx.len());
+        for set in path_sets(n, ctx.len()).into_iter().filter(|set| ctx.len() > 1 || set.2 != Algorithm::Ring) {
             let tag = set.0;
             let s = setup(&ctx, n, set);
             // Not a whole number of one-shot rounds or 16-byte units.
@@ -537,19 +548,20 @@ fn hundred_back_to_back_all_reduces() {
 /// under Auto), with out-of-place calls between them: chains of wrapping
 /// u32 sums (`common::chain`) make any race between them exact. Each set
 /// runs with launcher threads spinning, without them, and with them parked
-/// at every call.
+/// at every call. On one GPU both ranks share it (the one-shot and Auto
+/// over local routes); the host one-shot and staged Auto need two.
 #[test]
 fn interleaved_sizes_back_to_back() {
-    let Some(ctx) = gpus("interleaved_sizes_back_to_back", 2) else { return };
+    let test = "interleaved_sizes_back_to_back";
+    let Some(ctx) = gpus(test, 1) else { return };
     let n = 2;
     // 4 KB, 40 KB, 240 KB, 4 MB and 40 MB per rank.
     let sizes = [1_000, 10_000, 60_000, 1_000_003, 10_000_000];
-    let sets = [
-        ("p2p-oneshot", Vec::new(), Algorithm::OneShot),
-        ("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot),
-        ("p2p-auto", Vec::new(), Algorithm::Auto),
-        ("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto),
-    ];
+    let mut sets = vec![("p2p-oneshot", Vec::new(), Algorithm::OneShot), ("p2p-auto", Vec::new(), Algorithm::Auto)];
+    if common::has_gpus(test, "the host one-shot and staged Auto (staged links between devices)", ctx.len(), 2) {
+        sets.push(("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot));
+        sets.push(("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto));
+    }
     // Launcher threads as by default, none, and parked before every call
     // (spin 0: the calling thread launches every rank and wakes them).
     let spins = [GroupOptions::default().launch_spin, None, Some(Duration::ZERO)];
@@ -605,26 +617,30 @@ fn interleaved_sizes_back_to_back() {
     }
 }
 
-/// Bad input is a typed error, never a panic.
+/// Bad input is a typed error, never a panic. Ranks round robin over the
+/// GPUs; the buffers swapped between devices need two.
 #[test]
 fn bad_input_is_refused() {
-    let Some(ctx) = gpus("bad_input_is_refused", 2) else { return };
+    let test = "bad_input_is_refused";
+    let Some(ctx) = gpus(test, 1) else { return };
     let s = setup(&ctx, 2, ("p2p", Vec::new(), Algorithm::Auto));
-    let shared: Vec<_> = (0..3).map(|r| ctx[r % 2].new_stream().unwrap()).collect();
-    let mesh_opts = GroupOptions::default().algorithm(Algorithm::Mesh);
-    assert!(
-        matches!(Group::new(shared.clone(), &mesh_opts), Err(Error::AlgorithmUnavailable { algorithm: "mesh", .. })),
-        "mesh with a shared device"
-    );
-    let oneshot_opts = GroupOptions::default().algorithm(Algorithm::OneShot);
-    assert!(
-        matches!(Group::new(shared, &oneshot_opts), Err(Error::AlgorithmUnavailable { algorithm: "one-shot", .. })),
-        "one-shot with a shared device"
-    );
+    // The fused algorithms take 2 to 8 ranks (sharing devices or not): one
+    // rank or nine are refused when forced.
+    for (ranks, what) in [(1, "one rank"), (MAX_RANKS + 1, "nine ranks")] {
+        let streams: Vec<_> = (0..ranks).map(|r| ctx[r % ctx.len()].new_stream().unwrap()).collect();
+        for (algorithm, name) in [(Algorithm::Mesh, "mesh"), (Algorithm::OneShot, "one-shot")] {
+            match Group::new(streams.clone(), &GroupOptions::default().algorithm(algorithm)) {
+                Err(Error::AlgorithmUnavailable { algorithm, .. }) => assert_eq!(algorithm, name, "{name} on {what}"),
+                other => panic!("{name} on {what}: expected AlgorithmUnavailable, got {:?}", other.map(|_| "a group")),
+            }
+        }
+    }
     let mut a = vec![s.streams[0].alloc_zeros::<f32>(10).unwrap(), s.streams[1].alloc_zeros::<f32>(11).unwrap()];
     assert!(matches!(s.group.all_reduce_in_place(&mut a, ReduceOp::Sum), Err(Error::LengthMismatch { .. })));
-    let mut swapped = vec![s.streams[1].alloc_zeros::<f32>(10).unwrap(), s.streams[0].alloc_zeros::<f32>(10).unwrap()];
-    assert!(matches!(s.group.all_reduce_in_place(&mut swapped, ReduceOp::Sum), Err(Error::WrongDevice { .. })));
+    if common::has_gpus(test, "buffers swapped between the ranks' devices (WrongDevice)", ctx.len(), 2) {
+        let mut swapped = vec![s.streams[1].alloc_zeros::<f32>(10).unwrap(), s.streams[0].alloc_zeros::<f32>(10).unwrap()];
+        assert!(matches!(s.group.all_reduce_in_place(&mut swapped, ReduceOp::Sum), Err(Error::WrongDevice { .. })));
+    }
     let mut ints = vec![s.streams[0].alloc_zeros::<i32>(10).unwrap(), s.streams[1].alloc_zeros::<i32>(10).unwrap()];
     assert!(matches!(s.group.all_reduce_in_place(&mut ints, ReduceOp::Avg), Err(Error::UnsupportedOp { .. })));
     assert!(matches!(s.group.broadcast(&mut ints, 2), Err(Error::RootOutOfRange { root: 2, size: 2 })));
@@ -657,12 +673,17 @@ fn single_rank_group_is_identity() {
 /// unaligned views, interleaved back to back with no host synchronisation:
 /// chains of wrapping u32 sums (`common::chain`, over the whole buffer or
 /// the view's elements) show any slot reused too early or any race between
-/// algorithms exactly.
+/// algorithms exactly. On one GPU both ranks share it (Auto over local
+/// routes); staged Auto needs two.
 #[test]
 fn interleaved_sizes_and_algorithms() {
-    let Some(ctx) = gpus("interleaved_sizes_and_algorithms", 2) else { return };
+    let test = "interleaved_sizes_and_algorithms";
+    let Some(ctx) = gpus(test, 1) else { return };
     let n = 2;
-    let sets: Vec<PathSet> = vec![("p2p-auto", Vec::new(), Algorithm::Auto), ("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto)];
+    let mut sets: Vec<PathSet> = vec![("p2p-auto", Vec::new(), Algorithm::Auto)];
+    if common::has_gpus(test, "staged Auto (staged links between devices)", ctx.len(), 2) {
+        sets.push(("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto));
+    }
     for set in sets {
         let tag = set.0;
         let s = setup(&ctx, n, set);
