@@ -9,8 +9,11 @@
 //! compared exactly (wrapping sums), f32 within `common::num`'s per-element
 //! bound (inputs in [1, 2), so that a dropped rank lies outside it); calls
 //! back to back are chains (`common::chain`) whose every call's error
-//! reaches the end. Skips without a GPU (fails with CUDA_PEER_REQUIRE_GPU=1
-//! then); where a part needs two GPUs and one is present, says so.
+//! reaches the end. Ranks are laid round robin over the GPUs (rank r on
+//! device r % count): on one GPU they share it, every algorithm included.
+//! Skips without a GPU (fails with CUDA_PEER_REQUIRE_GPU=1 then); where a
+//! part needs two GPUs (staged links, buffers or streams of the wrong
+//! device) and one is present, says so.
 mod common;
 
 use common::chain;
@@ -187,35 +190,31 @@ fn raw_all_reduce_every_algorithm() {
     let Some(gpus) = common::gpus(test, 1) else {
         return;
     };
-    if common::has_gpus(test, "one rank per GPU (Auto, the forced ring, staged ring, host one-shot and mesh)", gpus.len(), 2) {
-        let two = &gpus[..2];
-        // Auto on one rank per GPU: 4 KiB takes the one-shot, 16 MiB the mesh
-        // (P2P) or the host one-shot (none); 4 MiB + 4 B every path's largest case.
-        let auto = setup(two, 2, &GroupOptions::default());
-        let p2p = auto.group.uses_mesh();
-        assert_eq!(auto.group.all_reduce_algorithm(4096), Algorithm::OneShot);
-        sizes_and_types(&auto, "auto", &[4096, 16 << 20, (4 << 20) + 4]);
-        let forced = [
-            ("ring", GroupOptions::default().algorithm(Algorithm::Ring)),
-            ("staged-ring", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::Ring)),
-            ("host-oneshot", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::OneShot)),
-        ];
-        for (tag, opts) in forced {
-            let s = setup(two, 2, &opts);
-            sizes_and_types(&s, tag, &[4096, 1 << 20]);
-        }
-        if p2p {
-            let s = setup(two, 2, &GroupOptions::default().algorithm(Algorithm::Mesh));
-            sizes_and_types(&s, "mesh", &[4096, 16 << 20]);
-        } else {
-            common::skipped(test, "the forced mesh: the Auto group of devices 0 and 1 has no mesh (no verified P2P)");
-        }
-    } else {
-        // Two ranks on the one device: the ring, every link local.
-        let s = setup(&gpus, 2, &GroupOptions::default());
-        sizes_and_types(&s, "2 ranks on one device", &[4096, (1 << 20) + 12]);
+    // Two ranks, one per GPU where there are two, else both on the one.
+    let two = &gpus[..gpus.len().min(2)];
+    // Auto: 4 KiB takes the one-shot, 16 MiB the mesh (P2P, or local on
+    // one device) or the host one-shot (none); 4 MiB + 4 B every path's
+    // largest case.
+    let auto = setup(two, 2, &GroupOptions::default());
+    let p2p = auto.group.uses_mesh();
+    assert_eq!(auto.group.all_reduce_algorithm(4096), Algorithm::OneShot);
+    sizes_and_types(&auto, "auto", &[4096, 16 << 20, (4 << 20) + 4]);
+    let mut forced = vec![("ring", GroupOptions::default().algorithm(Algorithm::Ring))];
+    if common::has_gpus(test, "the staged ring and the host one-shot (staged links between two devices)", gpus.len(), 2) {
+        forced.push(("staged-ring", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::Ring)));
+        forced.push(("host-oneshot", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::OneShot)));
     }
-    // Three ranks on the GPUs there are: the ring (several ranks per device on two GPUs).
+    for (tag, opts) in forced {
+        let s = setup(two, 2, &opts);
+        sizes_and_types(&s, tag, &[4096, 1 << 20]);
+    }
+    if p2p {
+        let s = setup(two, 2, &GroupOptions::default().algorithm(Algorithm::Mesh));
+        sizes_and_types(&s, "mesh", &[4096, 16 << 20]);
+    } else {
+        common::skipped(test, "the forced mesh: the Auto group of devices 0 and 1 has no mesh (no verified P2P)");
+    }
+    // Three ranks on the GPUs there are, sharing devices (Auto: by size).
     let s = setup(&gpus, 3, &GroupOptions::default());
     sizes_and_types(&s, "3 ranks", &[4096, (1 << 20) + 12]);
 }
@@ -225,21 +224,22 @@ fn raw_all_reduce_back_to_back_on_the_callers_streams() {
     let Some(gpus) = common::gpus("raw_all_reduce_back_to_back_on_the_callers_streams", 1) else {
         return;
     };
-    // One rank per GPU where there are two (the one-shot), else both on one (the ring).
+    // One rank per GPU where there are two, else both on one (the one-shot either way).
     let s = setup(&gpus[..gpus.len().min(2)], 2, &GroupOptions::default());
     back_to_back(&s, 1024, 24);
 }
 
 #[test]
 fn raw_oneshot_over_many_rounds_back_to_back() {
-    let Some(gpus) = common::gpus("raw_oneshot_over_many_rounds_back_to_back", 2) else {
+    let Some(gpus) = common::gpus("raw_oneshot_over_many_rounds_back_to_back", 1) else {
         return;
     };
     // 23 MiB + 12 B per rank: six rounds of the large lane's 4 MiB slots
     // (ONESHOT_SCRATCH_BYTES, 32 MiB: four sets of one slot per rank), so
     // the slot sets wrap within one call, and each round is pushed while the
     // one before is reduced; then calls back to back, so they wrap across calls.
-    let s = setup(&gpus[..2], 2, &GroupOptions::default().algorithm(Algorithm::OneShot));
+    // One rank per GPU where there are two, else both sharing the one.
+    let s = setup(&gpus[..gpus.len().min(2)], 2, &GroupOptions::default().algorithm(Algorithm::OneShot));
     let bytes = (23 << 20) + 12;
     assert_eq!(s.group.all_reduce_algorithm(bytes), Algorithm::OneShot);
     sizes_and_types(&s, "one-shot rounds", &[bytes]);
@@ -295,10 +295,13 @@ fn back_to_back(s: &Setup, count: usize, calls: usize) {
 
 #[test]
 fn raw_all_reduce_refuses_bad_input() {
-    let Some(gpus) = common::gpus("raw_all_reduce_refuses_bad_input", 2) else {
+    let test = "raw_all_reduce_refuses_bad_input";
+    let Some(gpus) = common::gpus(test, 1) else {
         return;
     };
-    let s = setup(&gpus[..2], 2, &GroupOptions::default());
+    // One rank per GPU where there are two, else both sharing the one.
+    let s = setup(&gpus[..gpus.len().min(2)], 2, &GroupOptions::default());
+    let two_devices = common::has_gpus(test, "streams and buffers of the wrong device (swapped between two devices)", gpus.len(), 2);
     let count = 256;
     let a: Vec<DeviceAlloc> = s.ctxs.iter().map(|c| DeviceAlloc::new(c, count * 4)).collect();
     let bufs: Vec<RawBuffer> = a.iter().map(DeviceAlloc::buf).collect();
@@ -316,9 +319,13 @@ fn raw_all_reduce_refuses_bad_input() {
     invalid(call(&bufs, count, DType::U32, ReduceOp::Sum, &streams[..1]), "one stream for two ranks");
     invalid(call(&[bufs[0], RawBuffer(0)], count, DType::U32, ReduceOp::Sum, &streams), "null pointer");
     invalid(call(&[bufs[0], RawBuffer(bufs[1].0 + 2)], 8, DType::U32, ReduceOp::Sum, &streams), "misaligned");
-    invalid(call(&bufs, count, DType::U32, ReduceOp::Sum, &[streams[1], streams[0]]), "streams of the wrong contexts");
+    if two_devices {
+        invalid(call(&bufs, count, DType::U32, ReduceOp::Sum, &[streams[1], streams[0]]), "streams of the wrong contexts");
+    }
     assert!(matches!(call(&bufs, count, DType::U32, ReduceOp::Avg, &streams), Err(Error::UnsupportedOp { .. })));
-    assert!(matches!(call(&[bufs[1], bufs[0]], count, DType::U32, ReduceOp::Sum, &streams), Err(Error::WrongDevice { .. })));
+    if two_devices {
+        assert!(matches!(call(&[bufs[1], bufs[0]], count, DType::U32, ReduceOp::Sum, &streams), Err(Error::WrongDevice { .. })));
+    }
     match call(&bufs, count + 1, DType::U32, ReduceOp::Sum, &streams) {
         Err(Error::LengthMismatch { expected, got, .. }) => assert_eq!((expected, got), (count + 1, count)),
         other => panic!("buffer too short: expected LengthMismatch, got {other:?}"),
