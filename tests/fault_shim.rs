@@ -27,9 +27,15 @@
 //! them) and that, with verification turned off, the corruption really
 //! reaches the results, so the passing cases are not vacuous.
 //!
-//! `tests/fakecuda/run.sh` runs this binary once per mode. Without the shim
-//! (or without two GPUs) the GPU tests skip; with `CUDA_PEER_REQUIRE_GPU=1`
-//! and `CUDA_PEER_FAKE_EXPECTED=1` they fail instead. The CPU test at the
+//! `tests/fakecuda/run.sh` runs this binary once per mode. Groups lay their
+//! two ranks round robin over the GPUs (both on device 0 where there is
+//! one). The faults of peer access and peer copies, links between two
+//! devices, a ring pulling over P2P, and a fault on a device that is not
+//! there (`drop-sm-stores=1` on one GPU) need two GPUs and say SKIPPED
+//! with one; `drop-sm-stores=0` and `fail-module-load=0` run their group
+//! cases on one. Without the shim (or without a GPU) the GPU tests skip;
+//! with `CUDA_PEER_REQUIRE_GPU=1` and `CUDA_PEER_FAKE_EXPECTED=1` they fail
+//! instead. The CPU test at the
 //! end builds the shim and runs its self-test where gcc is available.
 
 mod common;
@@ -122,10 +128,11 @@ fn find_shim() -> Option<Shim> {
 }
 
 /// The shim and every device's context when the shim runs in a mode that
-/// `accept` takes and there are two GPUs; `None` after saying why the
-/// test is skipped (or a panic where the runner requires the shim).
+/// `accept` takes and there is a GPU; `None` after saying why the test is
+/// skipped (or a panic where the runner requires the shim). Tests that
+/// need two GPUs say so themselves (`common::has_gpus`).
 fn under(test: &str, accept: impl Fn(&str) -> bool) -> Option<(Shim, Vec<Arc<CudaContext>>)> {
-    let ctxs = common::gpus(test, 2)?;
+    let ctxs = common::gpus(test, 1)?;
     let Some(shim) = find_shim() else {
         if expected() {
             panic!("{test}: CUDA_PEER_FAKE_EXPECTED=1 but the libcuda in use is not the fakecuda shim (LD_LIBRARY_PATH?)");
@@ -308,11 +315,12 @@ fn group_opts(policy: PathPolicy, algorithm: Algorithm) -> GroupOptions {
 const ALGORITHMS: [Algorithm; 4] = [Algorithm::Auto, Algorithm::Ring, Algorithm::Mesh, Algorithm::OneShot];
 const POLICIES: [PathPolicy; 3] = [PathPolicy::Auto, PathPolicy::P2pOnly, PathPolicy::StagedOnly];
 
-/// Every (policy, algorithm) group on devices 0 and 1; `judge` says
-/// whether each outcome is acceptable (`Err(why)` fails the test after all
-/// cases ran). A wrong answer always fails.
+/// Every (policy, algorithm) group of two ranks on devices 0 and 1 (both
+/// on device 0 where there is one GPU); `judge` says whether each outcome
+/// is acceptable (`Err(why)` fails the test after all cases ran). A wrong
+/// answer always fails.
 fn every_group(mode: &str, ctxs: &[Arc<CudaContext>], judge: impl Fn(PathPolicy, Algorithm, &Outcome) -> Result<(), String>) {
-    let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
+    let streams: Vec<Arc<CudaStream>> = (0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
     let mut failures = Vec::new();
     for policy in POLICIES {
         for algorithm in ALGORITHMS {
@@ -380,6 +388,9 @@ fn links_under_p2p_lie(mode: &str, ctxs: &[Arc<CudaContext>], want_unverified: b
 fn peer_unavailable_falls_back_or_errors() {
     const T: &str = "peer_unavailable_falls_back_or_errors";
     let Some((shim, ctxs)) = under(T, |m| m == "peer-unavailable") else { return };
+    if !common::has_gpus(T, "peer access between two devices", ctxs.len(), 2) {
+        return;
+    }
     bounded(T, move || {
         links_under_p2p_lie("peer-unavailable", &ctxs, false);
         every_group("peer-unavailable", &ctxs, judge_p2p_lie);
@@ -392,6 +403,9 @@ fn peer_unavailable_falls_back_or_errors() {
 fn corrupt_peer_copies_are_caught() {
     const T: &str = "corrupt_peer_copies_are_caught";
     let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
+    if !common::has_gpus(T, "peer copies between two devices", ctxs.len(), 2) {
+        return;
+    }
     bounded(T, move || {
         links_under_p2p_lie("corrupt-peer-copies", &ctxs, true);
         every_group("corrupt-peer-copies", &ctxs, judge_p2p_lie);
@@ -408,6 +422,9 @@ fn corrupt_peer_copies_are_caught() {
 fn corrupt_peer_copies_reach_unverified_p2p() {
     const T: &str = "corrupt_peer_copies_reach_unverified_p2p";
     let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
+    if !common::has_gpus(T, "peer copies between two devices", ctxs.len(), 2) {
+        return;
+    }
     bounded(T, move || {
         let mut link = link_opts(PathPolicy::P2pOnly);
         link.verify = false;
@@ -434,6 +451,10 @@ fn corrupt_peer_copies_reach_unverified_p2p() {
 fn dropped_sm_stores_leave_the_ring_or_a_typed_error() {
     const T: &str = "dropped_sm_stores_leave_the_ring_or_a_typed_error";
     let Some((shim, ctxs)) = under(T, |m| m.starts_with("drop-sm-stores=")) else { return };
+    let dropped: usize = shim.mode["drop-sm-stores=".len()..].parse().expect("drop-sm-stores=<ordinal>");
+    if !common::has_gpus(T, &format!("{} (device {dropped})", shim.mode), ctxs.len(), dropped + 1) {
+        return;
+    }
     bounded(T, move || {
         let mode = shim.mode.clone();
         every_group(&mode, &ctxs, |_, algorithm, o| match (algorithm, o) {
@@ -455,7 +476,13 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
     let Some((shim, ctxs)) = under(T, |m| m.starts_with("fail-module-load=")) else { return };
     let bad: usize = shim.mode["fail-module-load=".len()..].parse().expect("fail-module-load=<ordinal>");
     assert!(bad < 2, "fail-module-load={bad}: the groups here are on devices 0 and 1");
-    let good = if bad == 0 { 1 } else { 0 };
+    if !common::has_gpus(T, &format!("{} (device {bad})", shim.mode), ctxs.len(), bad + 1) {
+        return;
+    }
+    // Where there is one GPU, every group's ranks are on the bad device,
+    // and there is no good device.
+    let good =
+        common::has_gpus(T, "a group on the good device and a link between two devices", ctxs.len(), 2).then_some(if bad == 0 { 1 } else { 0 });
     bounded(T, move || {
         let mode = shim.mode.clone();
         // Every group with a rank on the bad device fails to be created,
@@ -466,11 +493,13 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
         });
         assert!(shim.fired() > 0, "the shim never failed a module load: the test proved nothing");
         // Two ranks on the good device alone: exact.
-        let streams: Vec<Arc<CudaStream>> = (0..2).map(|_| ctxs[good].new_stream().unwrap()).collect();
-        for algorithm in [Algorithm::Auto, Algorithm::Ring] {
-            let o = group_case(&streams, &group_opts(PathPolicy::Auto, algorithm));
-            say(&format!("  [{mode}] two ranks on device {good}, {algorithm:?}: {}", o.short()));
-            assert!(matches!(o, Outcome::Correct(_)), "a group on device {good} alone: {}", o.short());
+        if let Some(good) = good {
+            let streams: Vec<Arc<CudaStream>> = (0..2).map(|_| ctxs[good].new_stream().unwrap()).collect();
+            for algorithm in [Algorithm::Auto, Algorithm::Ring] {
+                let o = group_case(&streams, &group_opts(PathPolicy::Auto, algorithm));
+                say(&format!("  [{mode}] two ranks on device {good}, {algorithm:?}: {}", o.short()));
+                assert!(matches!(o, Outcome::Correct(_)), "a group on device {good} alone: {}", o.short());
+            }
         }
         // Plain cudarc work on the bad device's context still works.
         let s = ctxs[bad].new_stream().unwrap();
@@ -479,9 +508,11 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
         let copy = s.clone_dtod(&buf).unwrap();
         assert!(s.clone_dtoh(&copy).unwrap() == data, "a device-to-device copy on device {bad}");
         // And links (no kernels) between the two devices work.
-        let o = link_case(&ctxs, &link_opts(PathPolicy::Auto));
-        say(&format!("  [{mode}] link 0 -> 1: {}", o.short()));
-        assert!(matches!(o, Outcome::Correct(_)), "a link after the failed loads: {}", o.short());
+        if good.is_some() {
+            let o = link_case(&ctxs, &link_opts(PathPolicy::Auto));
+            say(&format!("  [{mode}] link 0 -> 1: {}", o.short()));
+            assert!(matches!(o, Outcome::Correct(_)), "a link after the failed loads: {}", o.short());
+        }
         say(&format!("  [{mode}] faults injected: {}", shim.fired()));
     });
 }
@@ -502,6 +533,9 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
 fn failed_verification_frees_nothing_its_copies_touch() {
     const T: &str = "failed_verification_frees_nothing_its_copies_touch";
     let Some((shim, ctxs)) = under(T, |m| matches!(fail_call(m), Some("cuMemcpyDtoHAsync_v2" | "cuEventRecord"))) else { return };
+    if !common::has_gpus(T, "a link verified between two devices", ctxs.len(), 2) {
+        return;
+    }
     bounded(T, move || {
         let call = fail_call(&shim.mode).unwrap_or_default().to_string();
         // cuda-peer names the readback "cuMemcpyDtoHAsync".
@@ -544,6 +578,9 @@ fn failed_verification_frees_nothing_its_copies_touch() {
 fn failed_ring_pull_leaves_no_read_of_a_returned_buffer() {
     const T: &str = "failed_ring_pull_leaves_no_read_of_a_returned_buffer";
     let Some((shim, ctxs)) = under(T, |m| fail_call(m) == Some("cuMemcpyPeerAsync")) else { return };
+    if !common::has_gpus(T, "a ring pulling over P2P between two devices", ctxs.len(), 2) {
+        return;
+    }
     bounded(T, move || {
         let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
         let group = Group::new(streams.clone(), &group_opts(PathPolicy::P2pOnly, Algorithm::Ring)).expect("a ring group over P2P");
