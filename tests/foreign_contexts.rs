@@ -7,7 +7,11 @@
 //! writes the inputs (or of the group's own stream), so work that is not
 //! ordered after it reads stale data or is read back too early: the results,
 //! compared exactly against a CPU reference (wrapping u32 sums), then come
-//! out wrong. Skips without two GPUs; fails with CUDA_PEER_REQUIRE_GPU=1.
+//! out wrong. The two ranks are laid round robin over the GPUs (rank r on
+//! device r % count): on one GPU both are on it, and the parts that need
+//! two devices (staged links, a group on the default streams of two
+//! devices, memory unmapped for a peer device) say SKIPPED. Skips without
+//! a GPU; fails then with CUDA_PEER_REQUIRE_GPU=1.
 
 mod common;
 
@@ -50,22 +54,33 @@ fn wrapping_sum(inputs: &[Vec<u32>]) -> Vec<u32> {
     (0..inputs[0].len()).map(|i| inputs.iter().fold(0u32, |acc, v| acc.wrapping_add(v[i]))).collect()
 }
 
-/// Fresh context objects of devices 0 and 1 that have made no stream
-/// (cudarc's single-stream mode), with their default streams.
-fn fresh_objects() -> Vec<Arc<CudaStream>> {
-    (0..2).map(|i| CudaContext::new(i).unwrap().default_stream()).collect()
+/// Fresh context objects of devices 0 and 1 (of device r % `gpus` for
+/// rank r) that have made no stream (cudarc's single-stream mode), with
+/// their default streams.
+fn fresh_objects(gpus: usize) -> Vec<Arc<CudaStream>> {
+    (0..2).map(|r| CudaContext::new(r % gpus).unwrap().default_stream()).collect()
 }
 
-/// The group configurations: every all-reduce algorithm the two GPUs run.
-fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
+/// The ranks' devices: 0 and 1, or 0 twice on one GPU.
+fn devices(gpus: usize) -> [usize; 2] {
+    [0, 1 % gpus]
+}
+
+/// The group configurations: every all-reduce algorithm the GPUs run
+/// (over P2P between two, or local on one; the staged ones need two: on
+/// one device every link is local).
+fn configs(test: &str, gpus: usize) -> Vec<(&'static str, GroupOptions, usize)> {
     let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions::with_policy(policy).algorithm(algorithm);
-    vec![
+    let mut configs = vec![
         ("one-shot over P2P", with(PathPolicy::Auto, Algorithm::OneShot), 1024),
         ("mesh", with(PathPolicy::Auto, Algorithm::Mesh), 1 << 18),
         ("ring over P2P", with(PathPolicy::Auto, Algorithm::Ring), (1 << 18) + 3),
-        ("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099),
-        ("staged ring", with(PathPolicy::StagedOnly, Algorithm::Ring), (1 << 18) + 5),
-    ]
+    ];
+    if common::has_gpus(test, "the one-shot through host memory and the staged ring (staged links between two devices)", gpus, 2) {
+        configs.push(("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099));
+        configs.push(("staged ring", with(PathPolicy::StagedOnly, Algorithm::Ring), (1 << 18) + 5));
+    }
+    configs
 }
 
 /// The reproduction, for every algorithm, in place and out of place:
@@ -73,13 +88,14 @@ fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
 /// are written on the default streams of other objects of the same devices.
 #[test]
 fn single_stream_buffers_of_other_context_objects_are_ordered() {
-    if gpus("single_stream_buffers_of_other_context_objects_are_ordered", 2).is_none() {
+    let test = "single_stream_buffers_of_other_context_objects_are_ordered";
+    let Some(ctxs) = gpus(test, 1) else {
         return;
-    }
-    let user = fresh_objects();
+    };
+    let user = fresh_objects(ctxs.len());
     let mut delays: Vec<Delay> = user.iter().map(Delay::new).collect();
-    for (name, opts, count) in configs() {
-        let group = Group::from_devices(&[0, 1], &opts).unwrap();
+    for (name, opts, count) in configs(test, ctxs.len()) {
+        let group = Group::from_devices(&devices(ctxs.len()), &opts).unwrap();
         for in_place in [true, false] {
             let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
             let expected = wrapping_sum(&inputs);
@@ -125,16 +141,21 @@ fn single_stream_buffers_of_other_context_objects_are_ordered() {
 /// track events on streams of their own. The caller reads back on its own
 /// stream, which waits only for the buffers' events: they must be recorded
 /// after the collective, which starts late behind a delay on the group's
-/// stream.
+/// stream. Needs two devices: on one, both ranks would be on its one
+/// default stream (a fused kernel would wait behind itself for its peer).
 #[test]
 fn event_tracked_buffers_on_a_group_of_default_streams() {
-    let Some(ctxs) = gpus("event_tracked_buffers_on_a_group_of_default_streams", 2) else {
+    let test = "event_tracked_buffers_on_a_group_of_default_streams";
+    let Some(ctxs) = gpus(test, 1) else {
         return;
     };
-    let group_streams = fresh_objects();
+    if !common::has_gpus(test, "a group on the default streams of two devices (one device has one default stream)", ctxs.len(), 2) {
+        return;
+    }
+    let group_streams = fresh_objects(ctxs.len());
     let mut delays: Vec<Delay> = group_streams.iter().map(Delay::new).collect();
     let user: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
-    for (name, opts, count) in configs() {
+    for (name, opts, count) in configs(test, ctxs.len()) {
         let group = Group::new(group_streams.clone(), &opts).unwrap();
         let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
         let expected = wrapping_sum(&inputs);
@@ -155,17 +176,25 @@ fn event_tracked_buffers_on_a_group_of_default_streams() {
 
 /// A verified link copies between buffers of single-stream objects on a
 /// stream of its own: the copy waits for the source's writer and the
-/// destination's stream waits for the copy.
+/// destination's stream waits for the copy. On one GPU the link is local
+/// (device 0 to itself, the two objects' default streams one stream); the
+/// staged link needs two devices.
 #[test]
 fn link_copies_order_single_stream_buffers() {
-    let Some(ctxs) = gpus("link_copies_order_single_stream_buffers", 2) else {
+    let test = "link_copies_order_single_stream_buffers";
+    let Some(ctxs) = gpus(test, 1) else {
         return;
     };
-    let user = fresh_objects();
+    let [d0, d1] = devices(ctxs.len());
+    let user = fresh_objects(ctxs.len());
     let mut delay = Delay::new(&user[0]);
-    let link_stream = ctxs[1].new_stream().unwrap();
-    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
-        let mut link = Link::open(&ctxs[0], &ctxs[1], &LinkOptions::with_policy(policy)).unwrap();
+    let link_stream = ctxs[d1].new_stream().unwrap();
+    let mut policies = vec![PathPolicy::Auto];
+    if common::has_gpus(test, "the staged link (between two devices)", ctxs.len(), 2) {
+        policies.push(PathPolicy::StagedOnly);
+    }
+    for policy in policies {
+        let mut link = Link::open(&ctxs[d0], &ctxs[d1], &LinkOptions::with_policy(policy)).unwrap();
         let count = (3 << 20) + 7;
         let data = random_u32(count);
         let staged = user[0].clone_htod(&data).unwrap();
@@ -184,25 +213,28 @@ fn link_copies_order_single_stream_buffers() {
 }
 
 /// Buffers of a non-primary context are not mapped in the primary context
-/// the group and the link use: a typed error, never a kernel fault.
+/// the group and the link use: a typed error, never a kernel fault. Ranks
+/// on devices 0 and 1, or both on device 0 where there is one GPU (the
+/// check is of contexts, not of devices).
 #[test]
 fn buffers_of_a_non_primary_context_are_refused() {
-    let Some(ctxs) = gpus("buffers_of_a_non_primary_context_are_refused", 2) else {
+    let Some(ctxs) = gpus("buffers_of_a_non_primary_context_are_refused", 1) else {
         return;
     };
-    let other = CudaContext::new_non_primary(0, 0).unwrap();
+    let [d0, d1] = devices(ctxs.len());
+    let other = CudaContext::new_non_primary(d0, 0).unwrap();
     let s = other.default_stream();
-    let mut foreign = vec![s.clone_htod(&[1u32; 64]).unwrap(), ctxs[1].default_stream().clone_htod(&[1u32; 64]).unwrap()];
-    let group = Group::from_devices(&[0, 1], &GroupOptions::default()).unwrap();
+    let mut foreign = vec![s.clone_htod(&[1u32; 64]).unwrap(), ctxs[d1].default_stream().clone_htod(&[1u32; 64]).unwrap()];
+    let group = Group::from_devices(&[d0, d1], &GroupOptions::default()).unwrap();
     let err = group.all_reduce_in_place(&mut foreign, ReduceOp::Sum).unwrap_err();
     assert!(matches!(err, Error::WrongContext { device: 0, .. }), "{err}");
-    let mut dst = ctxs[1].default_stream().clone_htod(&[0u32; 64]).unwrap();
-    let mut link = Link::open(&ctxs[0], &ctxs[1], &LinkOptions::default()).unwrap();
-    let err = link.copy(&foreign[0], &mut dst, &ctxs[1].default_stream()).unwrap_err();
+    let mut dst = ctxs[d1].default_stream().clone_htod(&[0u32; 64]).unwrap();
+    let mut link = Link::open(&ctxs[d0], &ctxs[d1], &LinkOptions::default()).unwrap();
+    let err = link.copy(&foreign[0], &mut dst, &ctxs[d1].default_stream()).unwrap_err();
     assert!(matches!(err, Error::WrongContext { what: "source", .. }), "{err}");
     // A stream of the non-primary context is refused as the copy's stream too.
-    let other1 = CudaContext::new_non_primary(1, 0).unwrap();
-    let src = ctxs[0].default_stream().clone_htod(&[3u32; 64]).unwrap();
+    let other1 = CudaContext::new_non_primary(d1, 0).unwrap();
+    let src = ctxs[d0].default_stream().clone_htod(&[3u32; 64]).unwrap();
     let err = link.copy(&src, &mut dst, &other1.default_stream()).unwrap_err();
     assert!(matches!(err, Error::WrongContext { what: "stream", .. }), "{err}");
 }
@@ -238,13 +270,18 @@ fn grant(pool: cuda_peer::cudarc::driver::sys::CUmemoryPool, to: i32) {
 /// refuse them with a typed error instead of faulting (which would kill the
 /// context); once the pools grant the peers access, the same buffers are
 /// all-reduced exactly. The one-shot never touches a peer's buffer and
-/// takes them as they are.
+/// takes them as they are. Needs two devices: a device's own pool is
+/// always mapped for itself.
 #[test]
 fn buffers_of_a_private_pool_are_refused_until_granted() {
     use cuda_peer::cudarc::driver::sys;
-    let Some(ctxs) = gpus("buffers_of_a_private_pool_are_refused_until_granted", 2) else {
+    let test = "buffers_of_a_private_pool_are_refused_until_granted";
+    let Some(ctxs) = gpus(test, 1) else {
         return;
     };
+    if !common::has_gpus(test, "memory of a private pool unmapped for the peer device", ctxs.len(), 2) {
+        return;
+    }
     let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
     let pools: Vec<_> = (0..2).map(private_pool).collect();
     let count = (1 << 20) + 3;
