@@ -9,8 +9,8 @@
 //!
 //! A GPU test: a cache written for this machine's real key decides `Auto`
 //! links and groups, says so in their `LinkStatus`, and is ignored when
-//! opted out or when its key does not match. It skips without two GPUs,
-//! saying so in a `SKIPPED` line (fails instead with CUDA_PEER_REQUIRE_GPU=1
+//! opted out or when its key does not match. It needs a pair of devices
+//! and skips without two GPUs, saying so in a `SKIPPED` line (fails instead with CUDA_PEER_REQUIRE_GPU=1
 //! where there is no GPU at all), and says which cases it left out where
 //! the driver claims no P2P. It is the one test here
 //! that sets process environment variables (`CUDA_PEER_DOCTOR_CACHE`,
@@ -81,7 +81,11 @@ fn from_doctor(reason: &str, path: &std::path::Path) -> bool {
 #[test]
 fn auto_links_and_groups_follow_the_doctors_verdicts() {
     let test = "auto_links_and_groups_follow_the_doctors_verdicts";
-    let Some(ctx) = gpus(test, 2) else { return };
+    let Some(ctx) = gpus(test, 1) else { return };
+    // The doctor's verdicts are for pairs of devices; a pair on one device is local.
+    if !common::has_gpus(test, "the doctor's verdicts for the pair of devices 0 and 1", ctx.len(), 2) {
+        return;
+    }
     let key = CacheKey::current().expect("this machine's cache key");
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = dir.path().join("doctor.json");
