@@ -43,8 +43,9 @@ pub trait Collectives {
     /// rank's `send` (`world_size() * c` elements).
     fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()>;
 
-    /// Every rank's `recv` becomes rank `root`'s `send`, which only the root
-    /// passes (`None` elsewhere; a root without one is an error).
+    /// Every rank's `recv` becomes rank `root`'s `send`: only the root's is
+    /// read (the others may pass `None`, and what they pass is ignored); a
+    /// root without one is an error.
     fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()>;
 
     /// Every rank's `buf` becomes rank `root`'s.

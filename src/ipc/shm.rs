@@ -306,6 +306,7 @@ impl CallBoard {
         seq.store(call + 1, Ordering::Release);
         let start = Instant::now();
         let mut spins = 0u32;
+        let mut mismatch = None;
         for k in 0..self.size {
             if k == rank {
                 continue;
@@ -331,15 +332,18 @@ impl CallBoard {
                 }
             }
             let theirs = CallDesc::unpack(packed.load(Ordering::Relaxed), count.load(Ordering::Relaxed));
-            if theirs != Some(*desc) {
-                return Err(Error::Mismatch {
+            if theirs != Some(*desc) && mismatch.is_none() {
+                // Every other peer's call is still waited for: a rank returns
+                // only once every rank has published this call, so that none
+                // runs ahead of a slow one by more than a call.
+                mismatch = Some(Error::Mismatch {
                     rank: k,
                     ours: desc.to_string(),
                     theirs: theirs.map(|t| t.to_string()).unwrap_or_else(|| "an unknown call".into()),
                 });
             }
         }
-        Ok(())
+        mismatch.map_or(Ok(()), Err)
     }
 }
 
