@@ -119,7 +119,7 @@ impl Group {
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
         let pick = self.pick(count * T::DTYPE.size());
-        if let (Pick::OneShot(os), true) = (&pick, count > 0) {
+        if let (Pick::OneShot(os), true) = (&pick, count > 0 && streams_distinct(bufs)) {
             return os.in_place(&self.comm, op, bufs, count);
         }
         let b = self.write_ptrs(bufs)?;
@@ -139,7 +139,7 @@ impl Group {
         self.check_bufs("all_reduce", "send", send, count)?;
         self.check_bufs("all_reduce", "recv", recv, count)?;
         let pick = self.pick(count * T::DTYPE.size());
-        if let (Pick::OneShot(os), true) = (&pick, count > 0) {
+        if let (Pick::OneShot(os), true) = (&pick, count > 0 && streams_distinct(send) && streams_distinct(recv)) {
             return os.out_of_place(&self.comm, op, send, recv, count);
         }
         let s = self.read_ptrs(send)?;
@@ -341,4 +341,17 @@ impl Group {
         }
         Ok(held.iter().enumerate().map(|(r, s)| s.device_ptr(&self.comm.ranks[r].stream).0).collect())
     }
+}
+
+/// Whether no two ranks' buffers were last used on one stream. The
+/// one-shot orders each rank's buffers on that rank's launcher, and a rank
+/// hands its buffer back to the buffer's stream right after its kernel: two
+/// ranks whose buffers share one stream (ranks sharing a device, buffers on
+/// its default stream) would then have the second rank's kernel wait, on
+/// that stream, for the first's, which waits for the second's on the device
+/// (until the barrier timeout). Such buffers take the path that orders
+/// every rank's buffers before any kernel.
+fn streams_distinct<T, B: cudarc::driver::DeviceSlice<T>>(bufs: &[B]) -> bool {
+    let streams: Vec<(usize, usize)> = bufs.iter().map(|b| (b.stream().context().cu_ctx() as usize, b.stream().cu_stream() as usize)).collect();
+    streams.iter().enumerate().all(|(i, s)| !streams[..i].contains(s))
 }
