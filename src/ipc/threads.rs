@@ -79,7 +79,7 @@ impl Exchange for ThreadExchange {
             let c = calls.get_mut(&call).ok_or_else(|| Error::Internal(format!("thread exchange: call {call} vanished")))?;
             if c.blobs.iter().all(Option::is_some) {
                 let all: Vec<Vec<u8>> = c.blobs.iter().map(|b| b.clone().unwrap_or_default()).collect();
-                c.unread -= 1;
+                c.unread = c.unread.saturating_sub(1);
                 if c.unread == 0 {
                     calls.remove(&call);
                 }
@@ -89,7 +89,12 @@ impl Exchange for ThreadExchange {
             if now >= deadline {
                 let missing: Vec<String> = (0..n).filter(|&k| c.blobs[k].is_none()).map(|k| k.to_string()).collect();
                 // This rank's blob stays: a late peer still completes the
-                // call, and this rank is out of step from now on.
+                // call, and this rank is out of step from now on. It will
+                // not read the call: once every other rank has, it is gone.
+                c.unread = c.unread.saturating_sub(1);
+                if c.unread == 0 {
+                    calls.remove(&call);
+                }
                 return Err(Error::Bootstrap {
                     op: "thread exchange: all-gather",
                     reason: format!("rank {me} waited {:?} for rank(s) {}", self.shared.timeout, missing.join(", ")),
@@ -139,6 +144,10 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+        // The late rank still completes the call (with both blobs), and the
+        // call is then forgotten.
+        assert_eq!(ranks[1].all_gather(b"b").unwrap(), vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+        assert!(ranks[0].shared.calls.lock().unwrap().is_empty(), "a timed-out call is forgotten once read");
     }
 
     #[test]
