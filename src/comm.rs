@@ -224,6 +224,12 @@ impl Comm {
         either!(self, c => c.synchronize())
     }
 
+    /// A failure already known, without waiting for the device
+    /// ([`Collectives::async_error`]).
+    pub fn async_error(&self) -> Result<()> {
+        either!(self, c => Collectives::async_error(&**c))
+    }
+
     /// `recv` becomes the reduction, in rank order, of every rank's `send`
     /// ([`Collectives::all_reduce`]).
     pub fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
@@ -287,6 +293,10 @@ impl Collectives for Comm {
 
     fn synchronize(&self) -> Result<()> {
         Comm::synchronize(self)
+    }
+
+    fn async_error(&self) -> Result<()> {
+        Comm::async_error(self)
     }
 
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {

@@ -28,6 +28,12 @@ pub trait Collectives {
     /// a failure since the last call (a peer that gave up) is its error.
     fn synchronize(&self) -> Result<()>;
 
+    /// A failure already known, without waiting for the device: a peer that
+    /// gave up (found in the control block), NCCL's asynchronous error, or
+    /// an earlier call's failure that left the communicator unusable.
+    /// `Ok` does not mean that enqueued work will succeed.
+    fn async_error(&self) -> Result<()>;
+
     /// `recv` becomes the reduction, in rank order, of every rank's `send`
     /// (of one length).
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()>;

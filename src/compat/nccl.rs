@@ -556,12 +556,13 @@ pub mod safe {
         /// root, a type, ranks that called different collectives) do not count:
         /// the communicator stays usable after them.
         ///
-        /// A failure that no call has returned yet (a peer that gives up while
-        /// this rank's kernels wait on the device) is not seen here: it is the
-        /// error of this rank's next call, or of [`crate::Comm::synchronize`]
-        /// on [`Self::inner`], which waits, bounded.
+        /// A failure that no call has returned yet is asked of the
+        /// communicator underneath, without waiting
+        /// ([`crate::Comm::async_error`]: a peer that gave up on the device,
+        /// NCCL's asynchronous error), and recorded like a call's.
         pub fn async_error(&self) -> Result<(), NcclError> {
-            self.state.async_error()
+            self.state.async_error()?;
+            self.call(|c| c.async_error()).map(|_| ())
         }
 
         /// Runs one call of the communicator underneath, unless aborted, and

@@ -311,6 +311,10 @@ impl Collectives for NcclComm {
         NcclComm::synchronize(self)
     }
 
+    fn async_error(&self) -> Result<()> {
+        self.check_async()
+    }
+
     fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
         op.check(T::DTYPE)?;
         crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;

@@ -240,6 +240,11 @@ impl Collectives for Tiered {
         Tiered::synchronize(self)
     }
 
+    fn async_error(&self) -> Result<()> {
+        self.local.async_error()?;
+        self.cross.async_error()
+    }
+
     /// In-place all-reduce (as [`Comm::all_reduce_in_place`]). `Avg` is the
     /// average of the hosts' averages, which is every rank's average (every
     /// host has as many ranks).

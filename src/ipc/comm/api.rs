@@ -39,6 +39,10 @@ impl Collectives for Comm {
         Comm::synchronize(self)
     }
 
+    fn async_error(&self) -> Result<()> {
+        self.held.ctl.check()
+    }
+
     /// The one-shot over every rank's slots (see the module docs of
     /// [`super`]).
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
