@@ -243,9 +243,7 @@ impl Group {
     pub fn broadcast<T: Element, D: DevicePtrMut<T>>(&self, bufs: &mut [D], root: usize) -> Result<()> {
         let _serial = self.enter()?;
         let n = self.size();
-        if root >= n {
-            return Err(Error::RootOutOfRange { root, size: n });
-        }
+        crate::error::check_root(root, n)?;
         let count = bufs.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("broadcast", "buffer", bufs, count)?;
         let chunks = self.chain_chunks::<T>(count);
@@ -278,9 +276,7 @@ impl Group {
         let _serial = self.enter()?;
         op.check(T::DTYPE)?;
         let n = self.size();
-        if root >= n {
-            return Err(Error::RootOutOfRange { root, size: n });
-        }
+        crate::error::check_root(root, n)?;
         let count = send.first().map(|b| b.len()).unwrap_or(0);
         self.check_bufs("reduce", "send", send, count)?;
         self.check_bufs("reduce", "recv", recv, count)?;

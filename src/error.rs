@@ -316,6 +316,15 @@ pub(crate) fn cudarc_err(op: &'static str) -> impl Fn(cudarc::driver::DriverErro
     move |e| Error::driver(op, e.0 as u32)
 }
 
+/// [`Error::RootOutOfRange`] unless `root` is a rank of `size`: the one
+/// check of every rooted collective's root.
+pub(crate) fn check_root(root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(Error::RootOutOfRange { root, size });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

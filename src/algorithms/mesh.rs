@@ -19,6 +19,10 @@ pub(crate) struct Mesh {
     /// Each rank's flag area (zeroed once), kept alive with the group.
     _flags: Vec<CudaSlice<u32>>,
     flag_ptrs: [u64; kernels::MESH_MAX_RANKS],
+    /// The largest grid of a rank's launch: half the fewest elementwise
+    /// blocks of the ranks' devices, divided among the ranks that share a
+    /// device (so that every rank's blocks can be resident at once).
+    max_blocks: u32,
 }
 
 impl Mesh {
@@ -36,10 +40,7 @@ impl Mesh {
         let n = comm.size();
         let e = 16 / dtype.size();
         let seg = count.div_ceil(n).div_ceil(e) * e;
-        let devices: Vec<usize> = comm.ranks.iter().map(|r| r.ctx.ordinal()).collect();
-        let fewest = comm.ranks.iter().map(|r| r.max_blocks()).min().unwrap_or(1);
-        let max_blocks = (fewest / 2 / sharing(&devices)).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
-        let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, max_blocks as usize) as u32;
+        let blocks = seg.div_ceil(e * kernels::BLOCK_SIZE as usize).clamp(1, self.max_blocks as usize) as u32;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (kernels::BLOCK_SIZE, 1, 1), shared_mem_bytes: 0 };
         let (pin, pout, pflags) = (PtrArray::from_slice(ins), PtrArray::from_slice(outs), PtrArray(mesh.flag_ptrs));
         let (nranks, cnt, seg64, vec) = (n as i32, count as u64, seg as u64, aligned as i32);
@@ -109,7 +110,9 @@ impl AllReduce for Mesh {
         for rank in ranks {
             rank.stream.synchronize().map_err(cudarc_err("cuStreamSynchronize"))?;
         }
-        Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs }))
+        let fewest = ranks.iter().map(|r| r.max_blocks()).min().unwrap_or(1);
+        let max_blocks = (fewest / 2 / sharing(&devices)).clamp(1, kernels::MESH_MAX_BLOCKS as u32);
+        Ok(Some(Mesh { funcs: (0..n).map(|_| FnTable::default()).collect(), _flags: flags, flag_ptrs, max_blocks }))
     }
 
     fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, ins: &[u64], outs: &[u64], count: usize) -> Result<()> {

@@ -368,7 +368,7 @@ impl Collectives for NcclComm {
     }
 
     fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         crate::copy::check_context("broadcast", "recv", &self.ctx, recv.stream().context())?;
         let count = recv.len();
         let send = if self.rank == root {
@@ -395,7 +395,7 @@ impl Collectives for NcclComm {
     }
 
     fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
         let (ptr, held) = self.order.write(buf, &self.stream)?;
@@ -409,7 +409,7 @@ impl Collectives for NcclComm {
 
     fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         self.check_buffers("reduce", recv, send, send.len())?;
         let count = send.len();
         let (src, read) = self.order.read(send, &self.stream)?;
@@ -424,7 +424,7 @@ impl Collectives for NcclComm {
 
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         crate::copy::check_context("reduce", "buffer", &self.ctx, buf.stream().context())?;
         let count = buf.len();
         let (ptr, held) = self.order.write(buf, &self.stream)?;
@@ -462,13 +462,6 @@ impl NcclComm {
         let dt = nccl_dtype(dtype);
         // SAFETY: the caller's contract (size, device, order); in place.
         self.enqueue("ncclBroadcast", |api, comm, s| unsafe { (api.ncclBroadcast)(ptr as *const _, ptr as *mut _, count, dt, root as i32, comm, s) })
-    }
-
-    fn check_root(&self, root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::RootOutOfRange { root, size: self.size });
-        }
-        Ok(())
     }
 
     /// Both buffers on this rank's context, and `big` exactly `expected`

@@ -333,9 +333,7 @@ impl Collectives for Tiered {
     /// ranks with the root's local index, then inside every host.
     fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         self.same_context("broadcast", "buffer", buf)?;
-        if root >= self.size {
-            return Err(Error::RootOutOfRange { root, size: self.size });
-        }
+        crate::error::check_root(root, self.size)?;
         let count = buf.len();
         if count == 0 {
             return Ok(());
@@ -351,9 +349,7 @@ impl Collectives for Tiered {
     /// The root's `send` copied into its `recv`, then broadcast in place.
     fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         self.same_context("broadcast", "recv", recv)?;
-        if root >= self.size {
-            return Err(Error::RootOutOfRange { root, size: self.size });
-        }
+        crate::error::check_root(root, self.size)?;
         if self.rank == root {
             let send = send.ok_or_else(|| Error::InvalidArgument("broadcast: the root passes no send buffer".into()))?;
             self.same_context("broadcast", "send", send)?;
@@ -374,9 +370,7 @@ impl Collectives for Tiered {
         op.check(T::DTYPE)?;
         self.same_context("reduce", "send", send)?;
         self.same_context("reduce", "recv", recv)?;
-        if root >= self.size {
-            return Err(Error::RootOutOfRange { root, size: self.size });
-        }
+        crate::error::check_root(root, self.size)?;
         let (count, esz) = (send.len(), T::DTYPE.size());
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "reduce", expected: count, got: recv.len() });
@@ -401,9 +395,7 @@ impl Collectives for Tiered {
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
         self.same_context("reduce", "buffer", buf)?;
-        if root >= self.size {
-            return Err(Error::RootOutOfRange { root, size: self.size });
-        }
+        crate::error::check_root(root, self.size)?;
         let (count, esz) = (buf.len(), T::DTYPE.size());
         if count == 0 {
             return Ok(());

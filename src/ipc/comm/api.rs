@@ -10,13 +10,6 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 impl Comm {
-    fn check_root(&self, root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::RootOutOfRange { root, size: self.size });
-        }
-        Ok(())
-    }
-
     fn check_buffer<T, B: cudarc::driver::DeviceSlice<T>>(&self, op: &'static str, what: &'static str, b: &B) -> Result<()> {
         crate::copy::check_context(op, what, &self.ctx, b.stream().context())
     }
@@ -118,7 +111,7 @@ impl Collectives for Comm {
     /// the root before anything is enqueued (its peers then wait for its
     /// call: [`Error::Timeout`] with `check_calls`).
     fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         self.check_buffer("broadcast", "recv", recv)?;
         let count = recv.len();
         let send = if self.rank == root {
@@ -150,7 +143,7 @@ impl Collectives for Comm {
     }
 
     fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         self.check_buffer("broadcast", "buffer", buf)?;
         let count = buf.len();
         let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
@@ -164,7 +157,7 @@ impl Collectives for Comm {
 
     fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         self.check_buffer("reduce", "send", send)?;
         self.check_buffer("reduce", "recv", recv)?;
         let count = send.len();
@@ -183,7 +176,7 @@ impl Collectives for Comm {
 
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         op.check(T::DTYPE)?;
-        self.check_root(root)?;
+        crate::error::check_root(root, self.size)?;
         self.check_buffer("reduce", "buffer", buf)?;
         let count = buf.len();
         let _call = self.enter(desc(Kind::Reduce, T::DTYPE, Some(op), count, Some(root)))?;
