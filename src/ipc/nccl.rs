@@ -4,11 +4,25 @@
 //! cuda-peer moves data between the GPUs of one host itself; between hosts
 //! it uses an existing distributed engine rather than a network layer of
 //! its own. [`NcclComm`] is that engine behind cuda-peer's conventions:
-//! its [`Element`] types and [`ReduceOp`]s, its ordering of the caller's
-//! buffers (whatever stream or context object they were written on), typed
-//! errors instead of panics, a bounded [`NcclComm::synchronize`], and an
-//! NCCL communicator that is aborted, never left hanging, when it is
-//! dropped or a peer fails.
+//! its [`Element`] types (and the fp8 types, moved as bytes) and
+//! [`ReduceOp`]s, its ordering of the caller's buffers (whatever stream or
+//! context object they were written on), typed errors instead of panics,
+//! a bounded [`NcclComm::synchronize`], and an NCCL communicator that is
+//! aborted, never left hanging, when it is dropped or a peer fails.
+//!
+//! Point-to-point calls ([`Collectives::send`], [`Collectives::recv`], the
+//! all-to-alls and [`Collectives::all_gather_v`]) are NCCL groups of
+//! `ncclSend` and `ncclRecv` of bytes (one group per call; a transfer to
+//! this rank itself is a send and a receive inside it), and the uneven
+//! reduce-scatter is one group of `ncclReduce`, part j reduced to rank j.
+//! A group that fails to enqueue aborts the communicator. Two behaviours
+//! are NCCL's own: it may connect two ranks on their first transfer, waiting
+//! on the host inside the call for the peer's matching call (not bounded
+//! by the communicator's timeout: put sends and receives that pair up in
+//! one call or group), and a send and a receive of different lengths are
+//! not detected (NCCL leaves it undefined; the transfer does not
+//! complete), so that [`NcclComm::synchronize`] times out and aborts the
+//! communicator, a typed [`Error::Timeout`] on the ranks that wait for it.
 //!
 //! A job spans hosts when its ranks' host identities differ
 //! ([`super::host_identity`]: host name and boot id, or `CUDA_PEER_HOST_ID`
@@ -25,10 +39,10 @@
 //! ```
 
 use super::bootstrap::{Bootstrap, Exchange};
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::sync::{wait_bounded, Orderer};
-use crate::traits::Collectives;
+use crate::traits::{Blocks, Collectives, PointToPoint, Transfer};
 use cuda_peer_sys::nccl::{self as sys, NcclApi};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::sync::{Arc, Mutex};
@@ -59,6 +73,30 @@ pub(crate) fn nccl_op(op: ReduceOp) -> i32 {
         ReduceOp::Max => sys::op::MAX,
         ReduceOp::Avg => sys::op::AVG,
     }
+}
+
+/// How NCCL moves `count` elements of `T`: as its element type where it has
+/// one, as `count * size_of::<T>()` bytes (`ncclUint8`) where it has none
+/// (the fp8 types, only moved).
+pub(crate) fn movable_wire<T: Movable>(count: usize) -> (i32, usize) {
+    match movable_dtype::<T>() {
+        Some(d) => (nccl_dtype(d), count),
+        None => (sys::dtype::UINT8, count * std::mem::size_of::<T>()),
+    }
+}
+
+/// `T`'s [`DType`], where it has one (every [`Element`]; not the fp8
+/// types).
+pub(crate) fn movable_dtype<T: Movable>() -> Option<DType> {
+    DType::ALL.get(usize::from(crate::dtype::movable_index::<T>())).copied()
+}
+
+/// The `ncclReduce` calls of an uneven reduce-scatter: `(root, offset,
+/// count)` for each non-empty part (the parts laid out by `offsets`), the
+/// empty ones left out (on every rank alike: every rank passes the same
+/// counts).
+fn reduce_parts(counts: &[usize], offsets: &[usize]) -> Vec<(usize, usize, usize)> {
+    counts.iter().zip(offsets).enumerate().filter(|(_, (&c, _))| c > 0).map(|(j, (&c, &o))| (j, o, c)).collect()
 }
 
 /// An NCCL result as cuda-peer's error.
@@ -281,14 +319,45 @@ impl NcclComm {
     /// Runs `call` with the live communicator and this rank's context
     /// current; every collective goes through here.
     fn enqueue(&self, op: &'static str, call: impl FnOnce(&NcclApi, sys::NcclComm, *mut std::ffi::c_void) -> i32) -> Result<()> {
+        self.enqueue_calls(|api, comm, s| (op, call(api, comm, s)))
+    }
+
+    /// [`Self::enqueue`] of several NCCL calls, which return the name and
+    /// result of the one that failed (or of the last).
+    fn enqueue_calls(&self, calls: impl FnOnce(&NcclApi, sys::NcclComm, *mut std::ffi::c_void) -> (&'static str, i32)) -> Result<()> {
         let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = &h.failed {
             return Err(e.clone());
         }
         crate::driver::bind(&self.ctx)?;
-        let code = call(self.api, h.comm, self.stream.cu_stream() as *mut std::ffi::c_void);
+        let (op, code) = calls(self.api, h.comm, self.stream.cu_stream() as *mut std::ffi::c_void);
         drop(h);
         check(self.api, op, code)
+    }
+
+    /// [`Self::enqueue_calls`] inside one NCCL group: `ncclGroupStart`, the
+    /// calls (which stop at their first failure), and `ncclGroupEnd` on
+    /// every path once the group is open. A failure aborts the
+    /// communicator (its error is the abort's): the peers' side of the
+    /// group is enqueued and would otherwise match this rank's later calls.
+    fn enqueue_group(&self, calls: impl FnOnce(&NcclApi, sys::NcclComm, *mut std::ffi::c_void) -> (&'static str, i32)) -> Result<()> {
+        self.enqueue_calls(|api, comm, s| {
+            // SAFETY: opens a group on this thread, closed below on every
+            // path (the handle's mutex is held throughout).
+            let start = unsafe { (api.ncclGroupStart)() };
+            if start != sys::NCCL_SUCCESS {
+                return ("ncclGroupStart", start);
+            }
+            let (op, code) = calls(api, comm, s);
+            // SAFETY: closes the group opened above, on the same thread.
+            let end = unsafe { (api.ncclGroupEnd)() };
+            if code != sys::NCCL_SUCCESS {
+                (op, code)
+            } else {
+                ("ncclGroupEnd", end)
+            }
+        })
+        .map_err(|e| self.abort(e))
     }
 }
 
@@ -355,19 +424,20 @@ impl Collectives for NcclComm {
         r.and(read.finish()).and(write.finish())
     }
 
-    fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
-        let n = send.len();
-        self.check_buffers("all_gather", recv, send, n * self.size)?;
+    fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        let total = send.len().checked_mul(self.size).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
+        self.check_buffers("all_gather", recv, send, total)?;
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        let dt = nccl_dtype(T::DTYPE);
-        // SAFETY: `send` holds n and `recv` n*size elements of T on this
-        // rank's device (checked), distinct, ordered (guards).
+        let (dt, n) = movable_wire::<T>(send.len());
+        // SAFETY: `send` holds n and `recv` n*size NCCL elements of `dt`
+        // (the same bytes as T's) on this rank's device (checked),
+        // distinct, ordered (guards).
         let r = self.enqueue("ncclAllGather", |api, comm, s| unsafe { (api.ncclAllGather)(src as *const _, dst as *mut _, n, dt, comm, s) });
         r.and(read.finish()).and(write.finish())
     }
 
-    fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
+    fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         crate::error::check_root(root, self.size)?;
         crate::copy::check_context("broadcast", "recv", &self.ctx, recv.stream().context())?;
         let count = recv.len();
@@ -381,10 +451,10 @@ impl Collectives for NcclComm {
         let read = send.map(|s| self.order.read(s, &self.stream)).transpose()?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let src = read.as_ref().map_or(dst, |r| r.0);
-        let dt = nccl_dtype(T::DTYPE);
+        let (dt, count) = movable_wire::<T>(count);
         // SAFETY: `dst` (and on the root `src`, distinct: a & and a &mut)
-        // hold `count` elements of T on this device, ordered (guards); NCCL
-        // reads `src` only on the root.
+        // hold `count` NCCL elements of `dt` (T's bytes) on this device,
+        // ordered (guards); NCCL reads `src` only on the root.
         let r = self
             .enqueue("ncclBroadcast", |api, comm, s| unsafe { (api.ncclBroadcast)(src as *const _, dst as *mut _, count, dt, root as i32, comm, s) });
         let r = match read {
@@ -394,14 +464,14 @@ impl Collectives for NcclComm {
         r.and(write.finish())
     }
 
-    fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+    fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         crate::error::check_root(root, self.size)?;
         crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
-        let count = buf.len();
+        let (dt, count) = movable_wire::<T>(buf.len());
         let (ptr, held) = self.order.write(buf, &self.stream)?;
-        let dt = nccl_dtype(T::DTYPE);
-        // SAFETY: `ptr` is valid for `count` elements of T on this device,
-        // ordered (guard); in place is NCCL's same-pointer form.
+        // SAFETY: `ptr` is valid for `count` NCCL elements of `dt` (T's
+        // bytes) on this device, ordered (guard); in place is NCCL's
+        // same-pointer form.
         let r = self
             .enqueue("ncclBroadcast", |api, comm, s| unsafe { (api.ncclBroadcast)(ptr as *const _, ptr as *mut _, count, dt, root as i32, comm, s) });
         r.and(held.finish())
@@ -435,9 +505,133 @@ impl Collectives for NcclComm {
             .enqueue("ncclReduce", |api, comm, s| unsafe { (api.ncclReduce)(ptr as *const _, ptr as *mut _, count, dt, nop, root as i32, comm, s) });
         r.and(held.finish())
     }
+
+    fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
+        crate::traits::send(self, send, peer)
+    }
+
+    fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
+        crate::traits::recv(self, recv, peer)
+    }
+
+    fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        crate::traits::all_to_all(self, send, recv)
+    }
+
+    fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        send_blocks: &Blocks<'_>,
+        recv: &mut D,
+        recv_blocks: &Blocks<'_>,
+    ) -> Result<()> {
+        crate::traits::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
+    }
+
+    fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
+        crate::traits::all_gather_v(self, send, recv, counts)
+    }
+
+    /// One NCCL group of `ncclReduce` calls, part j reduced to rank j
+    /// (`Avg` is NCCL's, as in [`Collectives::reduce`]).
+    fn reduce_scatter_v<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        recv: &mut D,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        const OP: &str = "reduce_scatter_v";
+        op.check(T::DTYPE)?;
+        let (offsets, total) = crate::traits::parts(OP, counts, self.size)?;
+        self.check_buffers(OP, send, recv, total)?;
+        if recv.len() != counts[self.rank] {
+            return Err(Error::LengthMismatch { op: OP, expected: counts[self.rank], got: recv.len() });
+        }
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let r = self.reduce_scatter_v_ptrs(T::DTYPE, op, src, dst, counts, &offsets);
+        r.and(read.finish()).and(write.finish())
+    }
+}
+
+/// The point-to-point calls of [`crate::traits`] on NCCL: each call's
+/// transfers are one NCCL group.
+impl PointToPoint for NcclComm {
+    fn p2p_context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn orderer(&self) -> &Orderer {
+        &self.order
+    }
+
+    fn transfers(&self, ts: &[Transfer]) -> Result<()> {
+        self.transfers_ptrs(ts)
+    }
 }
 
 impl NcclComm {
+    /// One NCCL group of an `ncclSend` or `ncclRecv` of bytes per transfer,
+    /// in their order (a send to this rank and a receive from it pair up
+    /// inside the group); transfers of no bytes are left out (on both
+    /// sides alike, when the ranks agree on the lengths). The buffers are
+    /// on this device and ordered on this stream (the caller's contract).
+    pub(crate) fn transfers_ptrs(&self, ts: &[Transfer]) -> Result<()> {
+        for t in ts {
+            crate::traits::check_peer(if t.send { "send" } else { "recv" }, t.peer, self.size)?;
+        }
+        if ts.iter().all(|t| t.bytes == 0) {
+            return Ok(());
+        }
+        self.enqueue_group(|api, comm, s| {
+            for t in ts.iter().filter(|t| t.bytes > 0) {
+                // `peer` < size (checked above), which fits an int (checked
+                // when the communicator was made).
+                let peer = t.peer as i32;
+                let (op, code) = if t.send {
+                    // SAFETY: `ptr` holds `bytes` bytes on this device,
+                    // ordered on `s` (the caller's contract), inside the
+                    // group this thread opened.
+                    ("ncclSend", unsafe { (api.ncclSend)(t.ptr as *const _, t.bytes, sys::dtype::UINT8, peer, comm, s) })
+                } else {
+                    // SAFETY: as above, for the buffer received into.
+                    ("ncclRecv", unsafe { (api.ncclRecv)(t.ptr as *mut _, t.bytes, sys::dtype::UINT8, peer, comm, s) })
+                };
+                if code != sys::NCCL_SUCCESS {
+                    return (op, code);
+                }
+            }
+            ("ncclGroupEnd", sys::NCCL_SUCCESS)
+        })
+    }
+
+    /// The uneven reduce-scatter on pointers already ordered on this
+    /// stream: `src` holds the parts of `counts` elements of `dtype` at
+    /// `offsets`, `dst` this rank's part (`counts[rank()]` elements); one
+    /// group of `ncclReduce`, part j to rank j, empty parts left out.
+    pub(crate) fn reduce_scatter_v_ptrs(&self, dtype: DType, op: ReduceOp, src: u64, dst: u64, counts: &[usize], offsets: &[usize]) -> Result<()> {
+        let plan = reduce_parts(counts, offsets);
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let (dt, nop, esz) = (nccl_dtype(dtype), nccl_op(op), dtype.size());
+        self.enqueue_group(|api, comm, s| {
+            for &(root, offset, count) in &plan {
+                let part = src + (offset * esz) as u64;
+                // SAFETY: `part` holds `count` elements of `dtype` inside
+                // `src`, and on rank `root` (this one, when it is) `dst`
+                // holds `count` (the caller's contract); NCCL writes `dst`
+                // only on the root. `root` < size, which fits an int.
+                let code = unsafe { (api.ncclReduce)(part as *const _, dst as *mut _, count, dt, nop, root as i32, comm, s) };
+                if code != sys::NCCL_SUCCESS {
+                    return ("ncclReduce", code);
+                }
+            }
+            ("ncclGroupEnd", sys::NCCL_SUCCESS)
+        })
+    }
+
     /// The all-reduce on pointers already ordered on this communicator's
     /// stream (`count` elements of `dtype` each; the same or disjoint).
     pub(crate) fn all_reduce_ptrs(&self, dtype: DType, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
@@ -585,5 +779,25 @@ mod tests {
         assert_eq!(nccl_dtype(DType::F16), 6);
         let ops: Vec<i32> = ReduceOp::ALL.iter().map(|&o| nccl_op(o)).collect();
         assert_eq!(ops, vec![0, 1, 3, 2, 4]);
+    }
+
+    #[test]
+    fn movable_types_move_as_their_type_or_as_bytes() {
+        assert_eq!(movable_wire::<f32>(10), (sys::dtype::FLOAT32, 10));
+        assert_eq!(movable_wire::<half::bf16>(3), (sys::dtype::BFLOAT16, 3));
+        assert_eq!(movable_wire::<u8>(7), (sys::dtype::UINT8, 7));
+        assert_eq!(movable_wire::<float8::F8E4M3>(5), (sys::dtype::UINT8, 5));
+        assert_eq!(movable_wire::<float8::F8E5M2>(0), (sys::dtype::UINT8, 0));
+        assert_eq!(movable_dtype::<i64>(), Some(DType::I64));
+        assert_eq!(movable_dtype::<float8::F8E4M3>(), None);
+    }
+
+    #[test]
+    fn the_uneven_reduce_scatter_reduces_each_nonempty_part_to_its_rank() {
+        let counts = [3, 0, 2, 4];
+        let (offsets, total) = crate::traits::parts("rsv", &counts, 4).unwrap();
+        assert_eq!(total, 9);
+        assert_eq!(reduce_parts(&counts, &offsets), vec![(0, 0, 3), (2, 3, 2), (3, 5, 4)]);
+        assert!(reduce_parts(&[0, 0], &[0, 0]).is_empty());
     }
 }

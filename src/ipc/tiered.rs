@@ -15,15 +15,29 @@
 //! contiguously (host h has ranks h·L to h·L + L − 1, as torchrun and
 //! `cuda-peer-run` number them). Where a job's hosts do not fit,
 //! [`crate::Comm`] uses NCCL alone.
+//!
+//! The per-index NCCL communicators join only ranks of one local index, so
+//! they cannot carry a transfer between any two ranks. A third
+//! communicator, NCCL over every rank of the job (`world`), made with the
+//! other two (its id from rank 0 through the job's authenticated exchange,
+//! with the per-index ids; on the same stream, its creation bounded by the
+//! same timeout), carries the point-to-point calls and the uneven
+//! collectives: [`Collectives::send`], [`Collectives::recv`], the
+//! all-to-alls, [`Collectives::all_gather_v`] and
+//! [`Collectives::reduce_scatter_v`] (as [`NcclComm`] does them). It costs
+//! one more NCCL communicator per rank (NCCL connects its peers on their
+//! first transfer). The all-gather and the broadcast stay in two tiers,
+//! NCCL moving their bytes (so they take every [`crate::dtype::Movable`]
+//! type).
 
 use super::bootstrap::{agree as gather, Bootstrap, Exchange};
 use super::comm::{Comm, CommOptions};
 use super::nccl::NcclComm;
 use super::secret::JobSecret;
-use crate::dtype::{Element, ReduceOp};
+use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
 use crate::sync::Orderer;
-use crate::traits::Collectives;
+use crate::traits::{Blocks, Collectives, PointToPoint, Transfer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::sync::{Arc, Mutex};
 
@@ -46,12 +60,28 @@ pub(crate) fn layout(hosts_of: &[Vec<u8>]) -> Option<(usize, usize)> {
     Some((n / per, per))
 }
 
+/// This rank's two NCCL ids, from what the first host's ranks sent
+/// (`ids[l]` from its rank of local index l): its local index's (the first
+/// 128 bytes of `ids[local]`) and the world's (the 128 after them in
+/// rank 0's).
+fn nccl_ids(ids: &[Vec<u8>], local: usize) -> std::result::Result<([u8; 128], [u8; 128]), String> {
+    let cross = ids.get(local).and_then(|i| i.get(..128)).and_then(|i| i.try_into().ok()).ok_or_else(|| format!("rank {local} sent no NCCL id"))?;
+    let world = ids
+        .first()
+        .and_then(|i| i.get(128..256))
+        .and_then(|i| i.try_into().ok())
+        .ok_or_else(|| "rank 0 sent no NCCL id for every rank".to_string())?;
+    Ok((cross, world))
+}
+
 /// A communicator of ranks on several hosts in two tiers (see the module
 /// docs); made by [`crate::Comm`].
 pub struct Tiered {
-    // Dropped first: a bounded wait for the shared stream, then the NCCL
-    // communicator aborted, so that NCCL work stuck on a dead host cannot
-    // hold up the host communicator's own wait on the stream.
+    // The NCCL communicators are dropped first: a bounded wait for the
+    // shared stream, then each aborted, so that NCCL work stuck on a dead
+    // host cannot hold up the host communicator's own wait on the stream.
+    /// NCCL over every rank (the point-to-point and uneven calls).
+    world: NcclComm,
     cross: NcclComm,
     local: Comm,
     exchange: Box<dyn Exchange>,
@@ -115,11 +145,16 @@ impl Tiered {
             ),
             None => return Err(bad(format!("host {host}'s first rank sent no port"))),
         };
-        // 2. Each local index's NCCL id, from its rank on the first host
-        //    (every rank loads NCCL here, so a missing library stops all).
-        let id = if host == 0 { NcclComm::unique_id().map(|id| id.to_vec()) } else { crate::ipc::nccl::nccl_version().map(|_| Vec::new()) };
+        // 2. Each local index's NCCL id, from its rank on the first host,
+        //    and the world's, from rank 0 after its own (every rank loads
+        //    NCCL here, so a missing library stops all).
+        let id = match (host, local) {
+            (0, 0) => NcclComm::unique_id().and_then(|a| NcclComm::unique_id().map(|b| [a, b].concat())),
+            (0, _) => NcclComm::unique_id().map(|id| id.to_vec()),
+            _ => crate::ipc::nccl::nccl_version().map(|_| Vec::new()),
+        };
         let ids = gather(ex, "tiered communicator: NCCL ids", id)?;
-        let id: [u8; 128] = ids.get(local).and_then(|i| i.as_slice().try_into().ok()).ok_or_else(|| bad(format!("rank {local} sent no NCCL id")))?;
+        let (id, world_id) = nccl_ids(&ids, local).map_err(bad)?;
         // 3. This host's communicator, over its own rendezvous.
         let made = Bootstrap::new(local, per_host, local, per_host, "127.0.0.1", port)
             .map(|b| b.with_timeout(opts.timeout).with_secret(secret))
@@ -130,9 +165,14 @@ impl Tiered {
             .and_then(|rv| Comm::with_stream(Box::new(rv), stream, opts));
         gather(ex, "tiered communicator: every host's communicator", made.as_ref().map(|_| Vec::new()).map_err(Clone::clone))?;
         let local_comm = made?;
-        // 4. The NCCL communicator of this local index, on the same stream.
-        let cross = NcclComm::with_stream(&id, host, hosts, local_comm.stream().clone(), opts.barrier_timeout)?;
-        Ok(Tiered { cross, local: local_comm, exchange, rank, size, host, per_host, order: Orderer::default(), scratch: Mutex::new(None) })
+        // 4. The NCCL communicator of this local index, on the same stream
+        //    (every rank learns whether all were made before going on).
+        let cross = NcclComm::with_stream(&id, host, hosts, local_comm.stream().clone(), opts.barrier_timeout);
+        gather(ex, "tiered communicator: every NCCL communicator across hosts", cross.as_ref().map(|_| Vec::new()).map_err(Clone::clone))?;
+        let cross = cross?;
+        // 5. NCCL over every rank, on the same stream, bounded alike.
+        let world = NcclComm::with_stream(&world_id, rank, size, local_comm.stream().clone(), opts.barrier_timeout)?;
+        Ok(Tiered { world, cross, local: local_comm, exchange, rank, size, host, per_host, order: Orderer::default(), scratch: Mutex::new(None) })
     }
 
     /// This process's rank.
@@ -160,10 +200,12 @@ impl Tiered {
         &*self.exchange
     }
 
-    /// Waits, bounded, for the collectives enqueued so far (both tiers).
+    /// Waits, bounded, for the collectives enqueued so far (both tiers,
+    /// and the point-to-point calls over every rank).
     pub fn synchronize(&self) -> Result<()> {
         self.local.synchronize()?;
         self.cross.synchronize()?;
+        self.world.synchronize()?;
         self.order.synchronize()
     }
 
@@ -242,7 +284,8 @@ impl Collectives for Tiered {
 
     fn async_error(&self) -> Result<()> {
         self.local.async_error()?;
-        self.cross.async_error()
+        self.cross.async_error()?;
+        self.world.async_error()
     }
 
     /// In-place all-reduce (as [`Comm::all_reduce_in_place`]). `Avg` is the
@@ -308,11 +351,12 @@ impl Collectives for Tiered {
     }
 
     /// All-gather (as [`Comm::all_gather`]): inside the host into the
-    /// host's block of `recv`, then the hosts' blocks across hosts.
-    fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+    /// host's block of `recv`, then the hosts' blocks across hosts, both
+    /// as bytes.
+    fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         self.same_context("all_gather", "send", send)?;
         self.same_context("all_gather", "recv", recv)?;
-        let (c, esz) = (send.len(), T::DTYPE.size());
+        let (c, esz) = (send.len(), std::mem::size_of::<T>());
         let total = c.checked_mul(self.size).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
         if recv.len() != total {
             return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
@@ -323,31 +367,33 @@ impl Collectives for Tiered {
         let _held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let (src, read) = self.order.read(send, self.stream())?;
         let (dst, write) = self.order.write(recv, self.stream())?;
-        let block = self.per_host * c;
-        let mine = dst + (self.host * block * esz) as u64;
-        let r = self.local.all_gather_ptrs::<T>(src, mine, c).and_then(|()| self.cross.all_gather_ptrs(T::DTYPE, mine, dst, block));
+        let block = self.per_host * c * esz;
+        let mine = dst + (self.host * block) as u64;
+        let r = self.local.all_gather_ptrs::<u8>(src, mine, c * esz).and_then(|()| self.cross.all_gather_ptrs(DType::U8, mine, dst, block));
         r.and(read.finish()).and(write.finish())
     }
 
     /// Broadcast in place (as [`Comm::broadcast`]): across hosts among the
-    /// ranks with the root's local index, then inside every host.
-    fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+    /// ranks with the root's local index (as bytes), then inside every
+    /// host.
+    fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         self.same_context("broadcast", "buffer", buf)?;
         crate::error::check_root(root, self.size)?;
         let count = buf.len();
         if count == 0 {
             return Ok(());
         }
+        let bytes = count * std::mem::size_of::<T>();
         let _held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let (root_host, root_local) = (root / self.per_host, root % self.per_host);
         let (ptr, guard) = self.order.write(buf, self.stream())?;
-        let across = if self.rank % self.per_host == root_local { self.cross.broadcast_ptrs(T::DTYPE, ptr, count, root_host) } else { Ok(()) };
+        let across = if self.rank % self.per_host == root_local { self.cross.broadcast_ptrs(DType::U8, ptr, bytes, root_host) } else { Ok(()) };
         let r = across.and_then(|()| self.local.broadcast_ptrs::<T>(ptr, count, root_local));
         r.and(guard.finish())
     }
 
     /// The root's `send` copied into its `recv`, then broadcast in place.
-    fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
+    fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         self.same_context("broadcast", "recv", recv)?;
         crate::error::check_root(root, self.size)?;
         if self.rank == root {
@@ -356,7 +402,7 @@ impl Collectives for Tiered {
             if send.len() != recv.len() {
                 return Err(Error::LengthMismatch { op: "broadcast", expected: recv.len(), got: send.len() });
             }
-            let bytes = recv.len() * T::DTYPE.size();
+            let bytes = recv.len() * std::mem::size_of::<T>();
             let (src, read) = self.order.read(send, self.stream())?;
             let (dst, write) = self.order.write(recv, self.stream())?;
             self.copy(dst, src, bytes).and(read.finish()).and(write.finish())?;
@@ -410,6 +456,85 @@ impl Collectives for Tiered {
         }
         r.and(guard.finish())
     }
+
+    /// Over every rank's NCCL communicator (see the module docs).
+    fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
+        crate::traits::send(self, send, peer)
+    }
+
+    /// Over every rank's NCCL communicator.
+    fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
+        crate::traits::recv(self, recv, peer)
+    }
+
+    /// Over every rank's NCCL communicator.
+    fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        crate::traits::all_to_all(self, send, recv)
+    }
+
+    /// Over every rank's NCCL communicator.
+    fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        send_blocks: &Blocks<'_>,
+        recv: &mut D,
+        recv_blocks: &Blocks<'_>,
+    ) -> Result<()> {
+        crate::traits::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
+    }
+
+    /// Over every rank's NCCL communicator.
+    fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
+        crate::traits::all_gather_v(self, send, recv, counts)
+    }
+
+    /// Over every rank's NCCL communicator (as
+    /// [`NcclComm`]'s: one group of reduces, part j to rank j).
+    fn reduce_scatter_v<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        recv: &mut D,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        const OP: &str = "reduce_scatter_v";
+        op.check(T::DTYPE)?;
+        self.same_context(OP, "send", send)?;
+        self.same_context(OP, "recv", recv)?;
+        let (offsets, total) = crate::traits::parts(OP, counts, self.size)?;
+        if send.len() != total {
+            return Err(Error::LengthMismatch { op: OP, expected: total, got: send.len() });
+        }
+        if recv.len() != counts[self.rank] {
+            return Err(Error::LengthMismatch { op: OP, expected: counts[self.rank], got: recv.len() });
+        }
+        let _held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let (src, read) = self.order.read(send, self.stream())?;
+        let (dst, write) = self.order.write(recv, self.stream())?;
+        let r = self.world.reduce_scatter_v_ptrs(T::DTYPE, op, src, dst, counts, &offsets);
+        r.and(read.finish()).and(write.finish())
+    }
+}
+
+/// The point-to-point calls of [`crate::traits`] over every rank's NCCL
+/// communicator, the caller's buffers ordered by this communicator's own
+/// [`Orderer`] (the one [`Tiered::synchronize`] waits for).
+impl PointToPoint for Tiered {
+    fn p2p_context(&self) -> &Arc<CudaContext> {
+        self.context()
+    }
+
+    fn orderer(&self) -> &Orderer {
+        &self.order
+    }
+
+    /// One NCCL group on `world`, under the lock that keeps this rank's
+    /// calls one at a time (so that no two-tier call's steps interleave
+    /// with it on the shared stream).
+    fn transfers(&self, ts: &[Transfer]) -> Result<()> {
+        let _held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        self.world.transfers_ptrs(ts)
+    }
 }
 
 impl Tiered {
@@ -440,5 +565,18 @@ mod tests {
         assert_eq!(layout(&ids(&["a", "b", "a", "b"])), None);
         assert_eq!(layout(&ids(&["a", "a", "b", "b", "a", "a"])), None);
         assert_eq!(layout(&[]), None);
+    }
+
+    #[test]
+    fn each_rank_takes_its_index_id_and_rank_0s_world_id() {
+        let (a, b, w) = (vec![1u8; 128], vec![2u8; 128], vec![9u8; 128]);
+        let ids = vec![[a.clone(), w.clone()].concat(), b.clone()];
+        let (cross, world) = nccl_ids(&ids, 0).unwrap();
+        assert_eq!((cross.to_vec(), world.to_vec()), (a, w.clone()));
+        let (cross, world) = nccl_ids(&ids, 1).unwrap();
+        assert_eq!((cross.to_vec(), world.to_vec()), (b.clone(), w));
+        assert!(nccl_ids(&ids, 2).unwrap_err().contains("rank 2"));
+        assert!(nccl_ids(&[vec![1u8; 128], b], 1).unwrap_err().contains("every rank"));
+        assert!(nccl_ids(&[vec![1u8; 100]], 0).is_err());
     }
 }

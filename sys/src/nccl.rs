@@ -19,7 +19,11 @@
 //! contract for that function holds: a live communicator, device pointers
 //! valid for `count` elements of the data type on the communicator's
 //! device, a stream of that device's current context, and, for the
-//! collectives, every rank calling the same collective in the same order.
+//! collectives, every rank calling the same collective in the same order;
+//! for `ncclSend`/`ncclRecv`, each send matched by the peer's receive of
+//! the same size, in the same order, and every call between
+//! `ncclGroupStart` and `ncclGroupEnd` made on the thread that opened the
+//! group.
 
 use crate::LoadError;
 use std::os::raw::{c_char, c_int, c_void};
@@ -106,6 +110,15 @@ pub struct NcclApi {
     pub ncclAllGather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm, *mut c_void) -> NcclResult,
     pub ncclBroadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult,
     pub ncclReduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, c_int, NcclComm, *mut c_void) -> NcclResult,
+    /// `ncclSend(sendbuff, count, datatype, peer, comm, stream)` (NCCL 2.7 on).
+    pub ncclSend: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult,
+    /// `ncclRecv(recvbuff, count, datatype, peer, comm, stream)` (NCCL 2.7 on).
+    pub ncclRecv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult,
+    /// `ncclGroupStart()`: the calls until the matching `ncclGroupEnd` on
+    /// this thread are issued as one operation.
+    pub ncclGroupStart: unsafe extern "C" fn() -> NcclResult,
+    /// `ncclGroupEnd()`: issues the group opened by `ncclGroupStart`.
+    pub ncclGroupEnd: unsafe extern "C" fn() -> NcclResult,
 }
 
 impl std::fmt::Debug for NcclApi {
@@ -143,6 +156,10 @@ impl NcclApi {
             ncclAllGather: sym!(ncclAllGather),
             ncclBroadcast: sym!(ncclBroadcast),
             ncclReduce: sym!(ncclReduce),
+            ncclSend: sym!(ncclSend),
+            ncclRecv: sym!(ncclRecv),
+            ncclGroupStart: sym!(ncclGroupStart),
+            ncclGroupEnd: sym!(ncclGroupEnd),
             _lib: lib,
         })
     }
