@@ -194,6 +194,13 @@ CP_OP_ADAPTOR(prod)
 CP_OP_ADAPTOR(min)
 CP_OP_ADAPTOR(max)
 
+#if defined(CP_MESH_TY_f32) || defined(CP_MESH_TY_f64) || defined(CP_MESH_TY_f16) ||   \
+    defined(CP_MESH_TY_bf16) || defined(CP_MESH_TY_i32) || defined(CP_MESH_TY_i64) ||  \
+    defined(CP_MESH_TY_u32) || defined(CP_MESH_TY_u64) || defined(CP_MESH_TY_i8) ||    \
+    defined(CP_MESH_TY_u8)
+#define CP_BUILD_MESH
+#endif
+
 // Several PTX modules come from this file (kernels/gen.sh): reduce.ptx with
 // -DCP_BUILD_REDUCE, and mesh_TY.ptx with -DCP_MESH_TY_TY (one per element
 // type), so that a program JIT-compiles only the kernels it uses.
@@ -362,19 +369,10 @@ CP_SCALE_DIV_KERNEL(bf16)
 //   the host refuses further calls on it.
 // ---------------------------------------------------------------------------
 
-#if defined(CP_MESH_TY_f32) || defined(CP_MESH_TY_f64) || defined(CP_MESH_TY_f16) ||   \
-    defined(CP_MESH_TY_bf16) || defined(CP_MESH_TY_i32) || defined(CP_MESH_TY_i64) ||  \
-    defined(CP_MESH_TY_u32) || defined(CP_MESH_TY_u64) || defined(CP_MESH_TY_i8) ||    \
-    defined(CP_MESH_TY_u8)
-#define CP_BUILD_MESH
-#endif
 
-#ifdef CP_BUILD_MESH
-#define MESH_MAX_BLOCKS 1024
-#define MESH_MAX_RANKS 8
-#define MESH_UNROLL 4
-#define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)
-#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)
+// The flag and control-block helpers: the mesh and one-shot kernels', and
+// the point-to-point meeting's (in the reduction module).
+#if defined(CP_BUILD_REDUCE) || defined(CP_BUILD_MESH)
 
 static __device__ __forceinline__ void st_release_sys(unsigned int* p, unsigned int v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -449,6 +447,75 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
     }
     return true;
 }
+#endif  // CP_BUILD_REDUCE || CP_BUILD_MESH
+
+// ---------------------------------------------------------------------------
+// Point-to-point: two ranks meet (send/recv, all-to-all-v). One thread.
+//
+//   cp_pair_sync(unsigned* theirs, const unsigned* mine, unsigned* counter,
+//                u64* their_view, const u64* my_view, u64 out_bytes,
+//                u64 in_bytes, int check, unsigned* ctl, int rank, int peer,
+//                u64 timeout_ns)
+//     counter: this rank's count of meetings with the peer, in its own
+//              device memory (so a replayed graph advances it too); the
+//              meeting's value is counter + 1, stored back on success;
+//     theirs:  the peer's flag word for this rank (in the peer's region),
+//              set to the value with a release (system scope), after
+//              this rank's earlier stores and copies;
+//     mine:    this rank's flag word for the peer, waited for (see
+//              wait_flag);
+//     check:   the first meeting of an exchange: this rank's view of it
+//              (bytes it sends the peer, bytes it receives from it) goes
+//              into the peer's view slot for this rank before the flag;
+//              after the wait, the peer's view (in my_view) must mirror
+//              it, else the meeting fails with CTL_MISMATCH (epoch: the
+//              peer) and sets the abort word.
+//   A kernel that finds the abort word set does nothing (CTL_ABORTED).
+// ---------------------------------------------------------------------------
+
+#ifdef CP_BUILD_REDUCE
+#define CTL_MISMATCH 3u
+
+static __device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+static __device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int* mine, unsigned int* counter,
+                                        u64* their_view, const u64* my_view, u64 out_bytes, u64 in_bytes,
+                                        int check, unsigned int* ctl, int rank, int peer, u64 timeout_ns) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const unsigned int v = *counter + 1u;
+    if (ld_relaxed_sys(ctl + CTL_ABORT) != 0u) {
+        ctl_fail(ctl, rank, CTL_ABORTED, v);
+        return;
+    }
+    if (check) {
+        st_relaxed_sys_u64(their_view, out_bytes);
+        st_relaxed_sys_u64(their_view + 1, in_bytes);
+    }
+    st_release_sys(theirs, v);
+    if (!wait_flag(mine, v, ctl, timeout_ns, rank)) return;
+    if (check && (ld_relaxed_sys_u64(my_view) != in_bytes || ld_relaxed_sys_u64(my_view + 1) != out_bytes)) {
+        ctl_fail(ctl, rank, CTL_MISMATCH, (unsigned int)peer);
+        st_relaxed_sys(ctl + CTL_ABORT, 1u);
+        return;
+    }
+    *counter = v;
+}
+#endif  // CP_BUILD_REDUCE
+
+#ifdef CP_BUILD_MESH
+#define MESH_MAX_BLOCKS 1024
+#define MESH_MAX_RANKS 8
+#define MESH_UNROLL 4
+#define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)
+#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)
 
 // `flags` is a copy of the flag pointers in shared memory (a dynamic index
 // into the kernel parameter would put the array on the stack). Returns

@@ -36,10 +36,13 @@
 //! # Ok(()) }
 //! ```
 
-use crate::dtype::{Element, ReduceOp};
+use crate::dtype::{Element, Movable, ReduceOp};
 use crate::error::{Error, Result};
 use crate::ipc::{self, bootstrap::Exchange, nccl::NcclComm, tiered, tiered::Tiered, Bootstrap, CommOptions, Id, ThreadExchange};
-use crate::traits::Collectives;
+use crate::traits::{Blocks, Collectives};
+
+pub mod group;
+mod split;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -69,6 +72,8 @@ enum Inner {
 /// rank makes them.
 pub struct Comm {
     inner: Inner,
+    /// What it was made with (for [`Comm::split`]).
+    opts: CommOptions,
 }
 
 impl std::fmt::Debug for Comm {
@@ -139,7 +144,7 @@ impl Comm {
             let comm = NcclComm::on_stream(&*exchange, stream, opts.barrier_timeout)?;
             Inner::Nccl(Box::new(comm), exchange)
         };
-        Ok(Comm { inner })
+        Ok(Comm { inner, opts: opts.clone() })
     }
 
     /// One communicator per stream, rank r on `streams[r]`, for one process
@@ -244,7 +249,7 @@ impl Comm {
 
     /// `recv` becomes every rank's `send` in rank order
     /// ([`Collectives::all_gather`]).
-    pub fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+    pub fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         either!(self, c => Collectives::all_gather(&**c, send, recv))
     }
 
@@ -256,12 +261,12 @@ impl Comm {
 
     /// Every rank's `recv` becomes the root's `send`
     /// ([`Collectives::broadcast`]).
-    pub fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
+    pub fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         either!(self, c => Collectives::broadcast(&**c, send, recv, root))
     }
 
     /// Every rank's `buf` becomes the root's ([`Collectives::broadcast_in_place`]).
-    pub fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+    pub fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         either!(self, c => Collectives::broadcast_in_place(&**c, buf, root))
     }
 
@@ -275,6 +280,51 @@ impl Comm {
     /// ([`Collectives::reduce_in_place`]).
     pub fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         either!(self, c => Collectives::reduce_in_place(&**c, buf, op, root))
+    }
+
+    /// Sends `send` to rank `peer` ([`Collectives::send`]).
+    pub fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
+        either!(self, c => Collectives::send(&**c, send, peer))
+    }
+
+    /// Receives from rank `peer` into `recv` ([`Collectives::recv`]).
+    pub fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
+        either!(self, c => Collectives::recv(&**c, recv, peer))
+    }
+
+    /// Block `j` of `recv` becomes block `rank()` of rank `j`'s `send`
+    /// ([`Collectives::all_to_all`]).
+    pub fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        either!(self, c => Collectives::all_to_all(&**c, send, recv))
+    }
+
+    /// The all-to-all with per-peer counts and offsets
+    /// ([`Collectives::all_to_all_v`]).
+    pub fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        send_blocks: &Blocks<'_>,
+        recv: &mut D,
+        recv_blocks: &Blocks<'_>,
+    ) -> Result<()> {
+        either!(self, c => Collectives::all_to_all_v(&**c, send, send_blocks, recv, recv_blocks))
+    }
+
+    /// The all-gather with uneven parts ([`Collectives::all_gather_v`]).
+    pub fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
+        either!(self, c => Collectives::all_gather_v(&**c, send, recv, counts))
+    }
+
+    /// The reduce-scatter with uneven parts
+    /// ([`Collectives::reduce_scatter_v`]).
+    pub fn reduce_scatter_v<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        recv: &mut D,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        either!(self, c => Collectives::reduce_scatter_v(&**c, send, recv, counts, op))
     }
 }
 
@@ -307,7 +357,7 @@ impl Collectives for Comm {
         Comm::all_reduce_in_place(self, buf, op)
     }
 
-    fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+    fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         Comm::all_gather(self, send, recv)
     }
 
@@ -315,11 +365,11 @@ impl Collectives for Comm {
         Comm::reduce_scatter(self, send, recv, op)
     }
 
-    fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
+    fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         Comm::broadcast(self, send, recv, root)
     }
 
-    fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+    fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         Comm::broadcast_in_place(self, buf, root)
     }
 
@@ -329,6 +379,42 @@ impl Collectives for Comm {
 
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         Comm::reduce_in_place(self, buf, op, root)
+    }
+
+    fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
+        Comm::send(self, send, peer)
+    }
+
+    fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
+        Comm::recv(self, recv, peer)
+    }
+
+    fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        Comm::all_to_all(self, send, recv)
+    }
+
+    fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        send_blocks: &Blocks<'_>,
+        recv: &mut D,
+        recv_blocks: &Blocks<'_>,
+    ) -> Result<()> {
+        Comm::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
+    }
+
+    fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
+        Comm::all_gather_v(self, send, recv, counts)
+    }
+
+    fn reduce_scatter_v<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        recv: &mut D,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        Comm::reduce_scatter_v(self, send, recv, counts, op)
     }
 }
 

@@ -34,7 +34,7 @@ impl DType {
         [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U32, DType::U64, DType::I8, DType::U8];
 
     /// Short name, as used in kernel names and on the command line (`f32`, `bf16`, ...).
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::F64 => "f64",
@@ -139,9 +139,56 @@ impl std::str::FromStr for ReduceOp {
 }
 
 mod sealed {
-    /// Only this crate's element types implement [`super::Element`].
-    pub trait Sealed {}
+    /// Only this crate's element types implement [`super::Movable`] and
+    /// [`super::Element`].
+    pub trait Sealed {
+        /// The type's index in the call descriptors the ranks compare: its
+        /// [`super::DType`]'s index in `DType::ALL`, or past it for the
+        /// types only moved (fp8).
+        const INDEX: u8;
+        /// Its name in errors.
+        const NAME: &'static str;
+    }
 }
+
+/// The name of the movable type of descriptor index `index`.
+pub(crate) fn movable_name(index: u8) -> &'static str {
+    match index {
+        i if (i as usize) < DType::ALL.len() => DType::ALL[i as usize].name(),
+        F8E4M3_INDEX => "f8e4m3",
+        F8E5M2_INDEX => "f8e5m2",
+        _ => "?",
+    }
+}
+
+const F8E4M3_INDEX: u8 = DType::ALL.len() as u8;
+const F8E5M2_INDEX: u8 = DType::ALL.len() as u8 + 1;
+
+/// The descriptor index of `T` (see [`movable_name`]).
+pub(crate) fn movable_index<T: Movable>() -> u8 {
+    <T as sealed::Sealed>::INDEX
+}
+
+/// Rust element types the data-moving calls take (send, receive,
+/// all-gather, all-to-all, broadcast): every [`Element`], and the fp8
+/// types of the `float8` crate, [`float8::F8E4M3`] and [`float8::F8E5M2`]
+/// (moved bit for bit; there are no reductions on them, so a reduction of
+/// fp8 does not compile rather than computing something else).
+///
+/// Sealed, like [`Element`]: the sizes the calls compute are
+/// `size_of::<T>()`.
+pub trait Movable: sealed::Sealed + DeviceRepr + bytemuck::Pod + Send + Sync + 'static {}
+
+impl sealed::Sealed for float8::F8E4M3 {
+    const INDEX: u8 = F8E4M3_INDEX;
+    const NAME: &'static str = "f8e4m3";
+}
+impl Movable for float8::F8E4M3 {}
+impl sealed::Sealed for float8::F8E5M2 {
+    const INDEX: u8 = F8E5M2_INDEX;
+    const NAME: &'static str = "f8e5m2";
+}
+impl Movable for float8::F8E5M2 {}
 
 /// Rust element types usable in collectives: the ten types of [`DType`].
 ///
@@ -174,14 +221,18 @@ mod sealed {
 /// unsafe impl bytemuck::Pod for Wide {}
 /// unsafe impl cuda_peer::cudarc::driver::DeviceRepr for Wide {}
 /// ```
-pub trait Element: sealed::Sealed + DeviceRepr + bytemuck::Pod + Send + Sync + 'static {
+pub trait Element: Movable {
     /// The matching [`DType`].
     const DTYPE: DType;
 }
 
 macro_rules! element {
     ($($t:ty => $d:ident),* $(,)?) => {$(
-        impl sealed::Sealed for $t {}
+        impl sealed::Sealed for $t {
+            const INDEX: u8 = DType::$d as u8;
+            const NAME: &'static str = DType::$d.name();
+        }
+        impl Movable for $t {}
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }
@@ -190,6 +241,22 @@ element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i32 => I32, i64 => I6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn movable_indices_name_their_types() {
+        fn check<T: Movable>(name: &str) {
+            assert_eq!(movable_name(movable_index::<T>()), name);
+        }
+        for (i, d) in DType::ALL.iter().enumerate() {
+            assert_eq!(*d as usize, i);
+        }
+        check::<f32>("f32");
+        check::<bf16>("bf16");
+        check::<u8>("u8");
+        check::<float8::F8E4M3>("f8e4m3");
+        check::<float8::F8E5M2>("f8e5m2");
+        assert_eq!(movable_name(200), "?");
+    }
 
     #[test]
     fn names_round_trip_and_match_sizes() {

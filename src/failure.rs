@@ -41,6 +41,9 @@ fn ctl_epoch(r: usize) -> usize {
 }
 const CTL_TIMEOUT: u32 = 1;
 const CTL_ABORTED: u32 = 2;
+/// A point-to-point meeting whose two sides disagree on what moves (the
+/// epoch word holds the peer).
+const CTL_MISMATCH: u32 = 3;
 
 /// What a test asks the next fused launch on a rank to do instead
 /// (see [`crate::Group::inject_fault`]).
@@ -119,9 +122,14 @@ impl Ctl {
         }
         let ranks = self.faults.len();
         let codes: Vec<(usize, u32, u32)> = (0..ranks).map(|r| (r, self.read(ctl_code(r)), self.read(ctl_epoch(r)))).collect();
-        let e = match codes.iter().find(|c| c.1 == CTL_TIMEOUT) {
-            Some(&(rank, _, epoch)) => Error::PeerTimeout { rank, call: epoch, after: self.timeout },
-            None => Error::GroupFailed {
+        let e = match (codes.iter().find(|c| c.1 == CTL_MISMATCH), codes.iter().find(|c| c.1 == CTL_TIMEOUT)) {
+            (Some(&(rank, _, peer)), _) => Error::GroupFailed {
+                reason: format!(
+                    "rank {rank} and rank {peer} disagree on a point-to-point exchange (a send and its receive must match in order and length)"
+                ),
+            },
+            (None, Some(&(rank, _, epoch))) => Error::PeerTimeout { rank, call: epoch, after: self.timeout },
+            (None, None) => Error::GroupFailed {
                 reason: format!("aborted; ranks that gave up: {:?}", codes.iter().filter(|c| c.1 == CTL_ABORTED).map(|c| c.0).collect::<Vec<_>>()),
             },
         };
@@ -162,9 +170,10 @@ mod tests {
             "#define CTL_EPOCH(r) (2 + 2 * (r))",
             "#define CTL_TIMEOUT 1u",
             "#define CTL_ABORTED 2u",
+            "#define CTL_MISMATCH 3u",
         ] {
             assert!(src.contains(needle), "{needle}");
         }
-        assert_eq!((CTL_TIMEOUT, CTL_ABORTED), (1, 2));
+        assert_eq!((CTL_TIMEOUT, CTL_ABORTED, CTL_MISMATCH), (1, 2, 3));
     }
 }

@@ -23,6 +23,9 @@ const LAYERS: &[(&str, &[&str])] = &[
             "compat",
             "compat::nccl",
             "comm",
+            "comm::group",
+            "comm::split",
+            "traits",
             "collectives",
             "raw",
             "group",
@@ -30,6 +33,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "ipc::comm",
             "ipc::comm::api",
             "ipc::comm::ops",
+            "ipc::comm::p2p",
             "ipc::tiered",
             "ipc::nccl",
         ],
@@ -71,7 +75,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("ordering", &["sync", "graph"]),
-    ("base", &["driver", "dtype", "error", "traits"]),
+    ("base", &["driver", "dtype", "error"]),
 ];
 
 /// The crate's `src`, or `None` (after saying so past libtest's capture)

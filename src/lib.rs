@@ -131,13 +131,15 @@ pub struct ReadmeDoctests;
 pub use comm::Comm;
 pub use copy::{Link, LinkOptions, Path, PathPolicy};
 pub use cudarc;
-pub use dtype::{DType, Element, ReduceOp};
+pub use dtype::{DType, Element, Movable, ReduceOp};
 pub use error::{Error, Result};
+/// The fp8 types the data-moving calls take ([`Movable`]).
+pub use float8;
 pub use group::{Algorithm, Group, GroupOptions, Selected, DEFAULT_BARRIER_TIMEOUT, DEFAULT_LAUNCH_SPIN};
 #[cfg(target_os = "linux")]
 pub use ipc::{CommOptions, Id};
 pub use raw::{RawBuffer, RawStream};
-pub use traits::Collectives;
+pub use traits::{Blocks, Collectives};
 
 /// The import graph against the table of layers (see the module).
 #[cfg(test)]

@@ -76,15 +76,12 @@
 //!
 //! # What is missing
 //!
-//! - Point-to-point: cuda-peer has no send/recv yet. [`Comm::send`] and
-//!   [`Comm::recv`] exist with cudarc's signatures so that code that has
-//!   them on a path it does not take still compiles, and return
-//!   [`crate::Error::Unsupported`] without enqueueing anything.
+//! - Point-to-point: [`Comm::send`] and [`Comm::recv`] are cuda-peer's
+//!   ([`crate::Comm::send`]), matched in order as NCCL's are.
 //! - Groups: [`group_start`] and [`group_end`] return
 //!   [`crate::Error::Unsupported`]. cudarc's `Comm::group()` and `Group`
-//!   are left out: `group()` returns no `Result`, so it could only panic or
-//!   do nothing, and doing nothing would let one thread driving several
-//!   communicators wait forever on the first call.
+//!   (which take views by value) are left out; grouped sends and receives
+//!   are [`crate::Comm::group`] on [`Comm::inner`].
 //! - cudarc's `nccl::result`'s raw calls (`comm_init_rank`, ...) and
 //!   `nccl::sys`, and the `group!` macro.
 
@@ -215,8 +212,8 @@ pub mod safe {
     //! [`ReduceOp`], [`NcclType`], with cudarc 0.19's names, generic
     //! parameters, argument types and order (see [`super`] for what differs).
 
-    use super::result::{self, NcclError, NcclStatus};
     pub use super::result::{group_end, group_start};
+    use super::result::{NcclError, NcclStatus};
     use crate::dtype::{DType, Element};
     use crate::error::{cudarc_err, Error};
     use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, ValidAsZeroBits};
@@ -442,6 +439,11 @@ pub mod safe {
         usize::try_from(root).map_err(|_| Error::InvalidArgument(format!("root rank {root} is negative")))
     }
 
+    /// A peer's rank from cudarc's `i32`.
+    fn peer_rank(peer: i32) -> crate::Result<usize> {
+        usize::try_from(peer).map_err(|_| Error::InvalidArgument(format!("peer rank {peer} is negative")))
+    }
+
     /// One rank's communicator, as cudarc's `Comm`, over a [`crate::Comm`]: the
     /// same engine (cuda-peer between the ranks of one host, NCCL across hosts)
     /// with cudarc's method names and signatures. Every collective enqueues on
@@ -572,20 +574,20 @@ pub mod safe {
             self.state.outcome(f(&self.inner))
         }
 
-        /// Not supported: cuda-peer has no point-to-point calls yet. Returns
-        /// [`crate::Error::Unsupported`] (or the abort's error) and enqueues
-        /// nothing; cudarc's signature, so that code with a `send` on a path it
-        /// does not take still compiles.
-        pub fn send<S: DevicePtr<T>, T: NcclType>(&self, _data: &S, _peer: i32) -> Result<(), NcclError> {
-            self.state.admit()?;
-            Err(result::unsupported("send"))
+        /// Sends `data` to rank `peer`, matched in order with that rank's
+        /// [`Self::recv`] from this one ([`crate::Comm::send`]). Alone, a send
+        /// moves its data only while the peer's receive runs: two ranks that
+        /// send to each other first wait for each other (cudarc groups them
+        /// with `group()`, which this module does not have: use
+        /// [`crate::Comm::group`] on [`Self::inner`]).
+        pub fn send<S: DevicePtr<T>, T: NcclType>(&self, data: &S, peer: i32) -> Result<(), NcclError> {
+            self.call(|c| c.send::<T, S>(data, peer_rank(peer)?)).map(|_| ())
         }
 
-        /// Not supported: as [`Self::send`]. Returns
-        /// [`crate::Error::Unsupported`] and does not touch `buff`.
-        pub fn recv<R: DevicePtrMut<T>, T: NcclType>(&self, _buff: &mut R, _peer: i32) -> Result<NcclStatus, NcclError> {
-            self.state.admit()?;
-            Err(result::unsupported("recv"))
+        /// Receives into `buff` what rank `peer` sends this one
+        /// ([`crate::Comm::recv`]).
+        pub fn recv<R: DevicePtrMut<T>, T: NcclType>(&self, buff: &mut R, peer: i32) -> Result<NcclStatus, NcclError> {
+            self.call(|c| c.recv::<T, R>(buff, peer_rank(peer)?))
         }
 
         /// Every rank's `recvbuff` becomes rank `root`'s `sendbuff`, which only

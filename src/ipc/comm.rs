@@ -78,7 +78,7 @@ use super::vmm::DeviceRegion;
 use crate::algorithms::oneshot::{check_counts, lane_index, layout, LaneLayout};
 use crate::algorithms::prescales;
 use crate::copy::{Path, PathPolicy};
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
 use crate::graph::{capture_of, retain, KeepAlive};
@@ -94,9 +94,17 @@ use std::time::Duration;
 
 mod api;
 mod ops;
+mod p2p;
 
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
 pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
+
+/// Bytes of the flags of a rank's pair area (`p2p`): a word per rank.
+const PAIR_FLAG_BYTES: usize = 256;
+/// Bytes of a rank's pair area: the flags, then a view slot of two words
+/// per rank, each part 256-byte aligned.
+const PAIR_AREA_BYTES: usize = PAIR_FLAG_BYTES + 256;
+const _: () = assert!(MAX_RANKS * 4 <= PAIR_FLAG_BYTES && MAX_RANKS * 16 <= PAIR_AREA_BYTES - PAIR_FLAG_BYTES);
 
 /// The default of [`CommOptions::buffer_bytes`].
 pub const DEFAULT_BUFFER_BYTES: usize = 8 << 20;
@@ -256,6 +264,11 @@ pub struct Comm {
     half: usize,
     /// The device barrier's word's address (the word is in `held`).
     bar_ptr: u64,
+    /// Every rank's pair area (the flags and views of the point-to-point
+    /// meetings: `p2p`), as mapped here.
+    pairs: Vec<u64>,
+    /// This rank's meeting counters, one per peer (the words are in `held`).
+    pair_counters: u64,
     // Dropped after the fields above (the stream is synchronized in Drop).
     /// Whether the slots and staging buffers are in shared host memory.
     staged: bool,
@@ -280,6 +293,7 @@ struct Held {
     ctl: Ctl,
     _bar: CudaSlice<u32>,
     _counters: CudaSlice<u32>,
+    _pair_counters: CudaSlice<u32>,
     _memory: Memory,
 }
 
@@ -569,7 +583,9 @@ impl Comm {
         // One rank without P2P to a peer (or asking for it) stages every rank.
         let staged = verdicts.iter().any(|v| v == "staged");
         let sms = infos.iter().map(|i| i.sms).min().unwrap_or(1);
-        let (lanes, bytes) = layout(size, !staged, (sms / sharing).max(1));
+        let (lanes, lane_bytes) = layout(size, !staged, (sms / sharing).max(1));
+        // The pair area follows the lanes, the staging buffer the pair area.
+        let bytes = lane_bytes + PAIR_AREA_BYTES;
 
         // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
@@ -676,8 +692,11 @@ impl Comm {
             return Err(Error::Internal(format!("a staging buffer of {half} bytes per half")));
         }
         let data: Vec<u64> = regions.iter().map(|r| r.0 + bytes as u64).collect();
+        let pairs: Vec<u64> = regions.iter().map(|r| r.0 + lane_bytes as u64).collect();
         let bar = stream.alloc_zeros::<u32>(4).map_err(cudarc_err("cuMemAlloc (barrier word)"))?;
         let bar_ptr = bar.device_ptr(&stream).0;
+        let pair_counters = stream.alloc_zeros::<u32>(size).map_err(cudarc_err("cuMemAlloc (meeting counters)"))?;
+        let pair_counters_ptr = pair_counters.device_ptr(&stream).0;
 
         // Counters, and the lanes as this rank launches them.
         let counters = stream.alloc_zeros::<u32>(lanes.len() * kernels::ONESHOT_MAX_BLOCKS).map_err(cudarc_err("cuMemAlloc (one-shot counters)"))?;
@@ -713,6 +732,8 @@ impl Comm {
             data,
             half,
             bar_ptr,
+            pairs,
+            pair_counters: pair_counters_ptr,
             staged,
             captures: Mutex::new(Vec::new()),
             held: Arc::new(Held {
@@ -722,6 +743,7 @@ impl Comm {
                 ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
                 _bar: bar,
                 _counters: counters,
+                _pair_counters: pair_counters,
                 _memory: memory,
             }),
         };
@@ -754,6 +776,7 @@ impl Comm {
                 self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
             }
         }
+        self.held.red.get(Kernel::PairSync, || function(&self.ctx, Kernel::PairSync))?;
         Ok(())
     }
 
@@ -854,7 +877,7 @@ impl Comm {
     /// stream (`src` and `dst`: `count` elements, the same or disjoint),
     /// for the collectives built on this one ([`super::tiered`]).
     pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
@@ -967,14 +990,15 @@ impl Drop for Comm {
     }
 }
 
-/// The descriptor of a call.
-fn desc(kind: Kind, dtype: DType, op: Option<ReduceOp>, count: usize, root: Option<usize>) -> CallDesc {
+/// The descriptor of a call on elements of `T`.
+fn desc<T: Movable>(kind: Kind, op: Option<ReduceOp>, count: usize, root: Option<usize>) -> CallDesc {
     CallDesc {
         kind,
-        dtype: DType::ALL.iter().position(|d| *d == dtype).unwrap_or(255) as u8,
+        dtype: crate::dtype::movable_index::<T>(),
         op: op.and_then(|o| ReduceOp::ALL.iter().position(|x| *x == o)).unwrap_or(255) as u8,
         root: root.map(|r| r.min(u32::MAX as usize - 1) as u32).unwrap_or(u32::MAX),
         count: count as u64,
+        extra: 0,
     }
 }
 

@@ -205,6 +205,9 @@ pub(crate) struct CallDesc {
     pub root: u32,
     /// The count, as each collective's docs define it.
     pub count: u64,
+    /// A digest of the per-rank counts of the collectives with uneven
+    /// parts (`counts_digest` of the traits module), else 0.
+    pub extra: u64,
 }
 
 /// The collectives, as published.
@@ -216,9 +219,13 @@ pub(crate) enum Kind {
     AllGather = 3,
     Broadcast = 4,
     Reduce = 5,
+    AllToAll = 6,
+    AllGatherV = 7,
+    ReduceScatterV = 8,
 }
 
-const KINDS: [Kind; 5] = [Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce];
+const KINDS: [Kind; 8] =
+    [Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce, Kind::AllToAll, Kind::AllGatherV, Kind::ReduceScatterV];
 
 impl Kind {
     fn name(self) -> &'static str {
@@ -228,6 +235,9 @@ impl Kind {
             Kind::AllGather => "all_gather",
             Kind::Broadcast => "broadcast",
             Kind::Reduce => "reduce",
+            Kind::AllToAll => "all_to_all",
+            Kind::AllGatherV => "all_gather_v",
+            Kind::ReduceScatterV => "reduce_scatter_v",
         }
     }
 }
@@ -237,21 +247,24 @@ impl CallDesc {
         (self.kind as u64) | (self.dtype as u64) << 8 | (self.op as u64) << 16 | (self.root as u64) << 32
     }
 
-    fn unpack(w: u64, count: u64) -> Option<CallDesc> {
+    fn unpack(w: u64, count: u64, extra: u64) -> Option<CallDesc> {
         let kind = *KINDS.iter().find(|k| **k as u64 == w & 0xff)?;
-        Some(CallDesc { kind, dtype: (w >> 8) as u8, op: (w >> 16) as u8, root: (w >> 32) as u32, count })
+        Some(CallDesc { kind, dtype: (w >> 8) as u8, op: (w >> 16) as u8, root: (w >> 32) as u32, count, extra })
     }
 }
 
 impl std::fmt::Display for CallDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ty = crate::DType::ALL.get(self.dtype as usize).map(|d| d.name()).unwrap_or("?");
+        let ty = crate::dtype::movable_name(self.dtype);
         write!(f, "{}({} x {ty}", self.kind.name(), self.count)?;
         if let Some(op) = crate::ReduceOp::ALL.get(self.op as usize) {
             write!(f, ", {}", op.name())?;
         }
         if self.root != u32::MAX {
             write!(f, ", root {}", self.root)?;
+        }
+        if self.extra != 0 {
+            write!(f, ", counts {:016x}", self.extra)?;
         }
         write!(f, ")")
     }
@@ -262,7 +275,7 @@ impl std::fmt::Display for CallDesc {
 /// before it publishes k + 1), so two would do.
 const SLOTS: usize = 4;
 /// Words per slot: the call number + 1 (0: none yet), the packed
-/// descriptor, the count, unused.
+/// descriptor, the count, the counts' digest.
 const WORDS: usize = 4;
 
 /// Every rank's per-call descriptors, in [`SharedMemory`].
@@ -286,11 +299,11 @@ impl CallBoard {
         Ok(CallBoard { mem, size })
     }
 
-    fn slot(&self, rank: usize, call: u64) -> [&AtomicU64; 3] {
+    fn slot(&self, rank: usize, call: u64) -> [&AtomicU64; 4] {
         let base = (rank * SLOTS + (call % SLOTS as u64) as usize) * WORDS;
         // In bounds: rank < size, checked against the length in `new`.
         let w = |i| self.mem.word(base + i).unwrap_or_else(|| unreachable_word());
-        [w(0), w(1), w(2)]
+        [w(0), w(1), w(2), w(3)]
     }
 
     /// Publishes `desc` as this rank's call number `call`, waits (at most
@@ -300,9 +313,10 @@ impl CallBoard {
     /// compare the same descriptors) or [`Error::Timeout`] (a rank that
     /// does not reach the call: dead, or stopped calling).
     pub(crate) fn agree(&self, rank: usize, call: u64, desc: &CallDesc, timeout: Duration) -> Result<()> {
-        let [seq, packed, count] = self.slot(rank, call);
+        let [seq, packed, count, extra] = self.slot(rank, call);
         packed.store(desc.pack(), Ordering::Relaxed);
         count.store(desc.count, Ordering::Relaxed);
+        extra.store(desc.extra, Ordering::Relaxed);
         seq.store(call + 1, Ordering::Release);
         let start = Instant::now();
         let mut spins = 0u32;
@@ -311,7 +325,7 @@ impl CallBoard {
             if k == rank {
                 continue;
             }
-            let [seq, packed, count] = self.slot(k, call);
+            let [seq, packed, count, extra] = self.slot(k, call);
             loop {
                 let s = seq.load(Ordering::Acquire);
                 if s == call + 1 {
@@ -331,7 +345,7 @@ impl CallBoard {
                     std::thread::sleep(Duration::from_micros(50));
                 }
             }
-            let theirs = CallDesc::unpack(packed.load(Ordering::Relaxed), count.load(Ordering::Relaxed));
+            let theirs = CallDesc::unpack(packed.load(Ordering::Relaxed), count.load(Ordering::Relaxed), extra.load(Ordering::Relaxed));
             if theirs != Some(*desc) && mismatch.is_none() {
                 // Every other peer's call is still waited for: a rank returns
                 // only once every rank has published this call, so that none
@@ -360,7 +374,7 @@ mod tests {
     use super::*;
 
     fn desc(count: u64) -> CallDesc {
-        CallDesc { kind: Kind::AllGather, dtype: 0, op: 255, root: u32::MAX, count }
+        CallDesc { kind: Kind::AllGather, dtype: 0, op: 255, root: u32::MAX, count, extra: 0 }
     }
 
     /// The reason of an import's refusal (which must be a refusal).
@@ -461,10 +475,16 @@ mod tests {
 
     #[test]
     fn descriptors_round_trip_and_print() {
-        let d = CallDesc { kind: Kind::Reduce, dtype: 3, op: 2, root: 1, count: 77 };
-        assert_eq!(CallDesc::unpack(d.pack(), 77), Some(d));
+        let d = CallDesc { kind: Kind::Reduce, dtype: 3, op: 2, root: 1, count: 77, extra: 0 };
+        assert_eq!(CallDesc::unpack(d.pack(), 77, 0), Some(d));
         assert_eq!(d.to_string(), "reduce(77 x bf16, min, root 1)");
         assert_eq!(desc(5).to_string(), "all_gather(5 x f32)");
+        for kind in KINDS {
+            let v = CallDesc { kind, dtype: 10, op: 255, root: u32::MAX, count: 9, extra: 0xabc };
+            assert_eq!(CallDesc::unpack(v.pack(), 9, 0xabc), Some(v));
+        }
+        let v = CallDesc { kind: Kind::AllGatherV, dtype: 11, op: 255, root: u32::MAX, count: 9, extra: 0xabc };
+        assert_eq!(v.to_string(), "all_gather_v(9 x f8e5m2, counts 0000000000000abc)");
     }
 
     /// Two "ranks" (threads) on one region, one imported from the other's

@@ -150,6 +150,65 @@ pub(crate) unsafe fn oneshot(stream: &CudaStream, f: &CudaFunction, a: &OneShot<
     Ok(())
 }
 
+/// One rank's side of a point-to-point meeting (`cp_pair_sync`).
+pub(crate) struct PairSync {
+    /// The peer's flag word for this rank, in the peer's pair area.
+    pub(crate) theirs: u64,
+    /// This rank's flag word for the peer, in its own pair area.
+    pub(crate) mine: u64,
+    /// This rank's meeting counter for the peer (device memory).
+    pub(crate) counter: u64,
+    /// The peer's view slot for this rank (two words).
+    pub(crate) their_view: u64,
+    /// This rank's view slot for the peer (two words).
+    pub(crate) my_view: u64,
+    /// Bytes this rank sends the peer in the exchange.
+    pub(crate) out_bytes: u64,
+    /// Bytes it receives from the peer.
+    pub(crate) in_bytes: u64,
+    /// Whether the views are exchanged and compared (the exchange's first
+    /// meeting).
+    pub(crate) check: bool,
+    /// This rank's control block.
+    pub(crate) ctl: u64,
+    pub(crate) rank: i32,
+    pub(crate) peer: i32,
+    pub(crate) timeout_ns: u64,
+}
+
+/// Launches one rank's side of a meeting (one thread).
+///
+/// # Safety
+///
+/// `f` is `cp_pair_sync` loaded in `stream`'s context; `theirs`,
+/// `their_view` (16 bytes) lie in the peer's pair area and `mine`,
+/// `my_view` in this rank's, reachable from the device (peer memory with
+/// read-write access, or mapped host memory) and alive until the kernel is
+/// done; `counter` is one word of this rank's device memory; `ctl` is this
+/// rank's mapped control block of more than `2 * rank + 2` words. Both
+/// ranks of the pair launch their meetings in the same order.
+pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, a: &PairSync) -> Result<()> {
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+    let check = i32::from(a.check);
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(&a.theirs)
+        .arg(&a.mine)
+        .arg(&a.counter)
+        .arg(&a.their_view)
+        .arg(&a.my_view)
+        .arg(&a.out_bytes)
+        .arg(&a.in_bytes)
+        .arg(&check)
+        .arg(&a.ctl)
+        .arg(&a.rank)
+        .arg(&a.peer)
+        .arg(&a.timeout_ns);
+    // SAFETY: the caller's contract.
+    unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (point-to-point meeting)"))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -223,11 +223,13 @@ pub(crate) enum Kernel {
     Mesh(KernelOp, DType),
     /// `cp_oneshot_{op}_{ty}`: the one-shot all-reduce.
     OneShot(KernelOp, DType),
+    /// `cp_pair_sync`: two ranks meet (point-to-point transfers).
+    PairSync,
 }
 
 /// Slots in a [`load::FnTable`]: one per kernel operation and one for the
-/// division, each per element type.
-pub(crate) const FN_SLOTS: usize = (KernelOp::ALL.len() + 1) * DType::ALL.len();
+/// division, each per element type, and one for the pair meeting.
+pub(crate) const FN_SLOTS: usize = (KernelOp::ALL.len() + 1) * DType::ALL.len() + 1;
 
 impl Kernel {
     /// Its entry name in the module.
@@ -237,13 +239,14 @@ impl Kernel {
             Kernel::ScaleDiv(ty) => format!("cp_scale_div_{ty}"),
             Kernel::Mesh(op, ty) => format!("cp_meshar_{}_{ty}", op.name()),
             Kernel::OneShot(op, ty) => format!("cp_oneshot_{}_{ty}", op.name()),
+            Kernel::PairSync => "cp_pair_sync".into(),
         }
     }
 
     /// The module that holds it.
     pub(crate) fn module(self) -> Module {
         match self {
-            Kernel::Reduce2(..) | Kernel::ScaleDiv(_) => Module::Reduce,
+            Kernel::Reduce2(..) | Kernel::ScaleDiv(_) | Kernel::PairSync => Module::Reduce,
             Kernel::Mesh(_, ty) | Kernel::OneShot(_, ty) => Module::Mesh(ty),
         }
     }
@@ -253,6 +256,7 @@ impl Kernel {
         let (op, ty) = match self {
             Kernel::Reduce2(op, ty) | Kernel::Mesh(op, ty) | Kernel::OneShot(op, ty) => (op.index(), ty),
             Kernel::ScaleDiv(ty) => (KernelOp::ALL.len(), ty),
+            Kernel::PairSync => return FN_SLOTS - 1,
         };
         op * DType::ALL.len() + dtype_index(ty)
     }
@@ -389,6 +393,7 @@ mod tests {
                 all.push(Kernel::ScaleDiv(ty));
             }
         }
+        all.push(Kernel::PairSync);
         all
     }
 
@@ -408,6 +413,7 @@ mod tests {
         assert_eq!(Kernel::ScaleDiv(DType::F16).name(), "cp_scale_div_f16");
         assert_eq!(Kernel::Mesh(KernelOp::Max, DType::BF16).name(), "cp_meshar_max_bf16");
         assert_eq!(Kernel::OneShot(KernelOp::Prod, DType::U8).name(), "cp_oneshot_prod_u8");
+        assert_eq!(Kernel::PairSync.name(), "cp_pair_sync");
         assert_eq!(KernelOp::of(ReduceOp::Avg), KernelOp::Sum);
     }
 
@@ -420,7 +426,7 @@ mod tests {
             let expected: BTreeSet<String> = every_kernel().into_iter().filter(|k| k.module().index() == i).map(|k| k.name()).collect();
             assert_eq!(found, expected, "{}", m.name);
         }
-        assert_eq!(every_kernel().iter().filter(|k| k.module() == Module::Reduce).count(), 4 * 10 + 4);
+        assert_eq!(every_kernel().iter().filter(|k| k.module() == Module::Reduce).count(), 4 * 10 + 4 + 1);
     }
 
     #[test]
@@ -429,6 +435,7 @@ mod tests {
         for family in families {
             let mut slots: Vec<usize> = DType::ALL.iter().flat_map(|&ty| KernelOp::ALL.map(|op| family(op, ty).slot())).collect();
             slots.extend(DType::ALL.map(|ty| Kernel::ScaleDiv(ty).slot()));
+            slots.push(Kernel::PairSync.slot());
             assert!(slots.iter().all(|&s| s < FN_SLOTS));
             slots.sort();
             slots.dedup();

@@ -2,11 +2,13 @@
 //! each call, its descriptor, the ordering of the caller's buffers, then
 //! the enqueue (`ops` and the one-shot in `super`).
 
+use super::ops::{bytes_of, equal_parts};
 use super::{desc, Comm, Kind};
-use crate::dtype::{Element, ReduceOp};
+use crate::dtype::{Element, Movable, ReduceOp};
 use crate::error::{Error, Result};
-use crate::traits::Collectives;
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use crate::sync::Orderer;
+use crate::traits::{self, counts_digest, Blocks, Collectives, PointToPoint, Transfer};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 impl Comm {
@@ -46,7 +48,7 @@ impl Collectives for Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
         }
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
@@ -60,7 +62,7 @@ impl Collectives for Comm {
         op.check(T::DTYPE)?;
         self.check_buffer("all_reduce", "buffer", buf)?;
         let count = buf.len();
-        let _call = self.enter(desc(Kind::AllReduce, T::DTYPE, Some(op), count, None))?;
+        let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
         }
@@ -69,7 +71,7 @@ impl Collectives for Comm {
         launched.and(held.finish())
     }
 
-    fn all_gather<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+    fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         self.check_buffer("all_gather", "send", send)?;
         self.check_buffer("all_gather", "recv", recv)?;
         let (n, c) = (self.size, send.len());
@@ -77,13 +79,13 @@ impl Collectives for Comm {
         if recv.len() != total {
             return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
         }
-        let _call = self.enter(desc(Kind::AllGather, T::DTYPE, None, c, None))?;
+        let _call = self.enter(desc::<T>(Kind::AllGather, None, c, None))?;
         if c == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        let r = self.all_gather_body::<T>(src, dst, c);
+        let r = self.all_gather_body(src, dst, &bytes_of(&equal_parts(c, n), std::mem::size_of::<T>()));
         r.and(read.finish()).and(write.finish())
     }
 
@@ -96,13 +98,13 @@ impl Collectives for Comm {
         if send.len() != total {
             return Err(Error::LengthMismatch { op: "reduce_scatter", expected: total, got: send.len() });
         }
-        let _call = self.enter(desc(Kind::ReduceScatter, T::DTYPE, Some(op), c, None))?;
+        let _call = self.enter(desc::<T>(Kind::ReduceScatter, Some(op), c, None))?;
         if c == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        let r = self.reduce_scatter_body::<T>(op, src, dst, c);
+        let r = self.reduce_scatter_body::<T>(op, src, dst, &equal_parts(c, n));
         r.and(read.finish()).and(write.finish())
     }
 
@@ -110,7 +112,7 @@ impl Collectives for Comm {
     /// a root without `send`, or with one of another length, is an error on
     /// the root before anything is enqueued (its peers then wait for its
     /// call: [`Error::Timeout`] with `check_calls`).
-    fn broadcast<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
+    fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         crate::error::check_root(root, self.size)?;
         self.check_buffer("broadcast", "recv", recv)?;
         let count = recv.len();
@@ -124,17 +126,17 @@ impl Collectives for Comm {
         } else {
             None
         };
-        let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
+        let _call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
         if count == 0 {
             return Ok(());
         }
         let read = send.map(|s| self.order.read(s, &self.stream)).transpose()?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.guarded(|| match &read {
-            Some((src, _)) => self.copy(dst, *src, count * T::DTYPE.size()),
+            Some((src, _)) => self.copy(dst, *src, count * std::mem::size_of::<T>()),
             None => Ok(()),
         });
-        let r = r.and_then(|()| if self.size > 1 { self.broadcast_body::<T>(dst, count, root) } else { Ok(()) });
+        let r = r.and_then(|()| if self.size > 1 { self.broadcast_body(dst, count * std::mem::size_of::<T>(), root) } else { Ok(()) });
         let r = match read {
             Some((_, guard)) => r.and(guard.finish()),
             None => r,
@@ -142,16 +144,16 @@ impl Collectives for Comm {
         r.and(write.finish())
     }
 
-    fn broadcast_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
+    fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         crate::error::check_root(root, self.size)?;
         self.check_buffer("broadcast", "buffer", buf)?;
         let count = buf.len();
-        let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
+        let _call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
         if count == 0 || self.size == 1 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
-        let r = self.broadcast_body::<T>(ptr, count, root);
+        let r = self.broadcast_body(ptr, count * std::mem::size_of::<T>(), root);
         r.and(held.finish())
     }
 
@@ -164,7 +166,7 @@ impl Collectives for Comm {
         if recv.len() != count {
             return Err(Error::LengthMismatch { op: "reduce", expected: count, got: recv.len() });
         }
-        let _call = self.enter(desc(Kind::Reduce, T::DTYPE, Some(op), count, Some(root)))?;
+        let _call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
         if count == 0 {
             return Ok(());
         }
@@ -179,12 +181,105 @@ impl Collectives for Comm {
         crate::error::check_root(root, self.size)?;
         self.check_buffer("reduce", "buffer", buf)?;
         let count = buf.len();
-        let _call = self.enter(desc(Kind::Reduce, T::DTYPE, Some(op), count, Some(root)))?;
+        let _call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
         if count == 0 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let r = self.reduce_body::<T>(op, ptr, ptr, count, root);
         r.and(held.finish())
+    }
+
+    fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
+        traits::send(self, send, peer)
+    }
+
+    fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
+        traits::recv(self, recv, peer)
+    }
+
+    /// Through the staging buffers, as the reduce-scatter's sends and the
+    /// all-gather's reads (see the module docs of [`super`]).
+    fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
+        self.check_buffer("all_to_all", "send", send)?;
+        self.check_buffer("all_to_all", "recv", recv)?;
+        let c = traits::equal_blocks("all_to_all", send.len(), recv.len(), self.size)?;
+        let _call = self.enter(desc::<T>(Kind::AllToAll, None, c, None))?;
+        if c == 0 {
+            return Ok(());
+        }
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let r = self.all_to_all_body(src, dst, c * std::mem::size_of::<T>());
+        r.and(read.finish()).and(write.finish())
+    }
+
+    /// One exchange with each peer ([`super::p2p`]).
+    fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        send_blocks: &Blocks<'_>,
+        recv: &mut D,
+        recv_blocks: &Blocks<'_>,
+    ) -> Result<()> {
+        traits::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
+    }
+
+    fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
+        const OP: &str = "all_gather_v";
+        self.check_buffer(OP, "send", send)?;
+        self.check_buffer(OP, "recv", recv)?;
+        let (offsets, total) = traits::check_gather_v(OP, send.len(), recv.len(), counts, self.size, self.rank)?;
+        let mut d = desc::<T>(Kind::AllGatherV, None, total, None);
+        d.extra = counts_digest(counts);
+        let _call = self.enter(d)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let parts: Vec<(usize, usize)> = offsets.iter().zip(counts).map(|(&o, &c)| (o, c)).collect();
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let r = self.all_gather_body(src, dst, &bytes_of(&parts, std::mem::size_of::<T>()));
+        r.and(read.finish()).and(write.finish())
+    }
+
+    fn reduce_scatter_v<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
+        &self,
+        send: &S,
+        recv: &mut D,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        const OP: &str = "reduce_scatter_v";
+        op.check(T::DTYPE)?;
+        self.check_buffer(OP, "send", send)?;
+        self.check_buffer(OP, "recv", recv)?;
+        // The gather's checks with the buffers' roles swapped.
+        let (offsets, total) = traits::check_gather_v(OP, recv.len(), send.len(), counts, self.size, self.rank)?;
+        let mut d = desc::<T>(Kind::ReduceScatterV, Some(op), total, None);
+        d.extra = counts_digest(counts);
+        let _call = self.enter(d)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let parts: Vec<(usize, usize)> = offsets.iter().zip(counts).map(|(&o, &c)| (o, c)).collect();
+        let (src, read) = self.order.read(send, &self.stream)?;
+        let (dst, write) = self.order.write(recv, &self.stream)?;
+        let r = self.reduce_scatter_body::<T>(op, src, dst, &parts);
+        r.and(read.finish()).and(write.finish())
+    }
+}
+
+impl PointToPoint for Comm {
+    fn p2p_context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn orderer(&self) -> &Orderer {
+        &self.order
+    }
+
+    fn transfers(&self, ts: &[Transfer]) -> Result<()> {
+        Comm::transfers(self, ts)
     }
 }

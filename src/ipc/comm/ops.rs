@@ -1,10 +1,11 @@
 //! The collectives of a [`Comm`] other than all-reduce: reduce-scatter,
-//! all-gather, broadcast and reduce, through the ranks' staging buffers
-//! (see the module docs of [`super`]).
+//! all-gather (both also with uneven parts), all-to-all, broadcast and
+//! reduce, through the ranks' staging buffers (see the module docs of
+//! [`super`]).
 
 use super::{desc, Comm, Kind};
 use crate::driver::{api, bind};
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
 use crate::kernels;
 use crate::kernels::load::function;
@@ -15,34 +16,45 @@ impl Comm {
     /// communicator's stream (`src`: `size() * c` elements, `dst`: c), for
     /// the collectives built on this one ([`super::super::tiered`]).
     pub(crate) fn reduce_scatter_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, c: usize) -> Result<()> {
-        let _call = self.enter(desc(Kind::ReduceScatter, T::DTYPE, Some(op), c, None))?;
+        let _call = self.enter(desc::<T>(Kind::ReduceScatter, Some(op), c, None))?;
         if c == 0 {
             return Ok(());
         }
-        self.reduce_scatter_body::<T>(op, src, dst, c)
+        self.reduce_scatter_body::<T>(op, src, dst, &equal_parts(c, self.size))
     }
 
-    pub(super) fn reduce_scatter_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, c: usize) -> Result<()> {
+    /// The reduce-scatter's enqueue: `dst` becomes part `rank()` of the
+    /// reduction of every rank's `src`, whose part `j` is `parts[j]`
+    /// (offset, count) in elements.
+    pub(super) fn reduce_scatter_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, parts: &[(usize, usize)]) -> Result<()> {
         let (n, esz) = (self.size, T::DTYPE.size());
         let me = self.rank;
+        let (mine, c) = parts[me];
+        let most = parts.iter().map(|p| p.1).max().unwrap_or(0);
         self.guarded(|| {
             if n == 1 {
-                return self.copy(dst, src, c * esz);
+                return self.copy(dst, src + (mine * esz) as u64, c * esz);
             }
-            // Each chunk: block q of this rank's send at q * stride of its
+            // Each chunk: this rank's share of part q at q * stride of its
             // staging half, for rank q to read.
             let stride = (self.half / n) & !255;
             self.staged(
-                c,
+                most,
                 stride / esz,
                 |o, len, h| {
                     for q in (0..n).filter(|&q| q != me) {
-                        self.copy(self.data[me] + h + (q * stride) as u64, src + ((q * c + o) * esz) as u64, len * esz)?;
+                        let (at, cq) = parts[q];
+                        let len = len.min(cq.saturating_sub(o));
+                        self.copy(self.data[me] + h + (q * stride) as u64, src + ((at + o) * esz) as u64, len * esz)?;
                     }
                     Ok(())
                 },
                 |o, len, h| {
-                    let part = |k: usize| if k == me { src + ((me * c + o) * esz) as u64 } else { self.data[k] + h + (me * stride) as u64 };
+                    let len = len.min(c.saturating_sub(o));
+                    if len == 0 {
+                        return Ok(());
+                    }
+                    let part = |k: usize| if k == me { src + ((mine + o) * esz) as u64 } else { self.data[k] + h + (me * stride) as u64 };
                     self.fold::<T>(op, dst + (o * esz) as u64, part, len)
                 },
             )?;
@@ -53,28 +65,63 @@ impl Comm {
     /// The all-gather on pointers already ordered on this
     /// communicator's stream (`src`: c elements, `dst`: `size() * c`).
     pub(crate) fn all_gather_ptrs<T: Element>(&self, src: u64, dst: u64, c: usize) -> Result<()> {
-        let _call = self.enter(desc(Kind::AllGather, T::DTYPE, None, c, None))?;
+        let _call = self.enter(desc::<T>(Kind::AllGather, None, c, None))?;
         if c == 0 {
             return Ok(());
         }
-        self.all_gather_body::<T>(src, dst, c)
+        let esz = T::DTYPE.size();
+        self.all_gather_body(src, dst, &bytes_of(&equal_parts(c, self.size), esz))
     }
 
-    pub(super) fn all_gather_body<T: Element>(&self, src: u64, dst: u64, c: usize) -> Result<()> {
-        let (n, esz) = (self.size, T::DTYPE.size());
-        let me = self.rank;
+    /// The all-gather's enqueue: part `j` of `dst` (`parts[j]`: offset and
+    /// length, in bytes) becomes rank `j`'s `src`.
+    pub(super) fn all_gather_body(&self, src: u64, dst: u64, parts: &[(usize, usize)]) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let most = parts.iter().map(|p| p.1).max().unwrap_or(0);
         self.guarded(|| {
-            self.copy(dst + ((me * c) * esz) as u64, src, c * esz)?;
+            self.copy(dst + parts[me].0 as u64, src, parts[me].1)?;
             if n == 1 {
                 return Ok(());
             }
             self.staged(
-                c,
-                self.half / esz,
-                |o, len, h| self.copy(self.data[me] + h, src + (o * esz) as u64, len * esz),
+                most,
+                self.half,
+                |o, len, h| self.copy(self.data[me] + h, src + o as u64, len.min(parts[me].1.saturating_sub(o))),
                 |o, len, h| {
                     for k in (0..n).filter(|&k| k != me) {
-                        self.copy(dst + ((k * c + o) * esz) as u64, self.data[k] + h, len * esz)?;
+                        let (at, ck) = parts[k];
+                        self.copy(dst + (at + o) as u64, self.data[k] + h, len.min(ck.saturating_sub(o)))?;
+                    }
+                    Ok(())
+                },
+            )
+        })
+    }
+
+    /// The all-to-all's enqueue: block `j` of `dst` becomes block `rank()`
+    /// of rank `j`'s `src` (blocks of `block` bytes).
+    pub(super) fn all_to_all_body(&self, src: u64, dst: u64, block: usize) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        self.guarded(|| {
+            self.copy(dst + (me * block) as u64, src + (me * block) as u64, block)?;
+            if n == 1 {
+                return Ok(());
+            }
+            // Each chunk: this rank's block for q at q * stride of its
+            // staging half, for rank q to read.
+            let stride = (self.half / n) & !255;
+            self.staged(
+                block,
+                stride,
+                |o, len, h| {
+                    for q in (0..n).filter(|&q| q != me) {
+                        self.copy(self.data[me] + h + (q * stride) as u64, src + (q * block + o) as u64, len)?;
+                    }
+                    Ok(())
+                },
+                |o, len, h| {
+                    for k in (0..n).filter(|&k| k != me) {
+                        self.copy(dst + (k * block + o) as u64, self.data[k] + h + (me * stride) as u64, len)?;
                     }
                     Ok(())
                 },
@@ -84,22 +131,24 @@ impl Comm {
 
     /// The broadcast in place on a pointer already ordered on this
     /// communicator's stream (`root` < `size()`, checked by the caller).
-    pub(crate) fn broadcast_ptrs<T: Element>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
-        let _call = self.enter(desc(Kind::Broadcast, T::DTYPE, None, count, Some(root)))?;
+    pub(crate) fn broadcast_ptrs<T: Movable>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
+        let _call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
         if count == 0 || self.size == 1 {
             return Ok(());
         }
-        self.broadcast_body::<T>(ptr, count, root)
+        self.broadcast_body(ptr, count * std::mem::size_of::<T>(), root)
     }
 
-    pub(super) fn broadcast_body<T: Element>(&self, ptr: u64, count: usize, root: usize) -> Result<()> {
-        let (me, esz) = (self.rank, T::DTYPE.size());
+    /// The broadcast's enqueue: `bytes` at `ptr` of the root's, into every
+    /// other rank's `ptr`.
+    pub(super) fn broadcast_body(&self, ptr: u64, bytes: usize, root: usize) -> Result<()> {
+        let me = self.rank;
         self.guarded(|| {
             self.staged(
-                count,
-                self.half / esz,
-                |o, len, h| if me == root { self.copy(self.data[me] + h, ptr + (o * esz) as u64, len * esz) } else { Ok(()) },
-                |o, len, h| if me == root { Ok(()) } else { self.copy(ptr + (o * esz) as u64, self.data[root] + h, len * esz) },
+                bytes,
+                self.half,
+                |o, len, h| if me == root { self.copy(self.data[me] + h, ptr + o as u64, len) } else { Ok(()) },
+                |o, len, h| if me == root { Ok(()) } else { self.copy(ptr + o as u64, self.data[root] + h, len) },
             )
         })
     }
@@ -235,4 +284,14 @@ impl Comm {
         // their order guards until the copy is ordered).
         check("cuMemcpyDtoDAsync", unsafe { api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, crate::driver::raw_stream(&self.stream)) })
     }
+}
+
+/// `ranks` parts of `c` elements, in rank order: (offset, count).
+pub(super) fn equal_parts(c: usize, ranks: usize) -> Vec<(usize, usize)> {
+    (0..ranks).map(|j| (j * c, c)).collect()
+}
+
+/// `parts` in bytes of elements of `esz` bytes.
+pub(super) fn bytes_of(parts: &[(usize, usize)], esz: usize) -> Vec<(usize, usize)> {
+    parts.iter().map(|&(o, c)| (o * esz, c * esz)).collect()
 }

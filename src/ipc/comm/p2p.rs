@@ -1,0 +1,199 @@
+//! Point-to-point transfers between two ranks of a [`Comm`]: send, receive,
+//! their groups, and the all-to-all-v built on them.
+//!
+//! Each rank's region holds a pair area: a flag word per peer (set by that
+//! peer) and a view slot per peer (what that peer says it sends and
+//! receives). An exchange between ranks `a` and `b` moves what each sends
+//! the other through its own staging buffer, in chunks of one slot (the
+//! slot of the receiver in the sender's staging half, as the reduce-scatter
+//! lays them out), alternating halves. For each chunk each side fills its
+//! slot, the two meet (`cp_pair_sync`: flags at system scope, bounded by
+//! the barrier timeout, counters in device memory so that graph replays
+//! stay in step), and each copies the other's slot out; a last meeting ends
+//! the exchange, so that neither refills a slot the other still reads. The
+//! first meeting carries each side's view (bytes out, bytes in): views that
+//! do not mirror (a send whose receive has another length) fail both
+//! ranks' communicators with a typed error instead of moving a wrong
+//! amount.
+//!
+//! A group runs one exchange per peer, in ascending peer order on every
+//! rank, so that the pairs of any set of groups meet in an order that
+//! cannot deadlock (the lowest pair still waiting is always ready on both
+//! sides). Transfers to this rank itself are device copies, in order.
+
+use super::{Comm, PAIR_FLAG_BYTES};
+use crate::error::{Error, Result};
+use crate::kernels;
+use crate::kernels::load::function;
+use crate::kernels::Kernel;
+use crate::traits::Transfer;
+
+const FLAG_BYTES: usize = PAIR_FLAG_BYTES;
+
+impl Comm {
+    /// Enqueues one group of transfers (see the module docs). The peers
+    /// are in range and the buffers on this device, ordered on the stream
+    /// (the callers check); what cannot be matched on this rank alone (a
+    /// transfer to itself of another length) is an error before anything
+    /// is enqueued.
+    pub(crate) fn transfers(&self, ts: &[Transfer]) -> Result<()> {
+        let (me, n) = (self.rank, self.size);
+        if let Some(t) = ts.iter().find(|t| t.peer >= n) {
+            return Err(Error::InvalidArgument(format!("point-to-point: peer {} of {n} ranks", t.peer)));
+        }
+        let (to_self, from_self) = split(ts, me);
+        let (out, inn) = (total(&to_self), total(&from_self));
+        if out != inn {
+            return Err(Error::InvalidArgument(format!("point-to-point: rank {me} sends itself {out} bytes and receives {inn}")));
+        }
+        let _calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        self.held.ctl.check()?;
+        self.guarded(|| {
+            each_segment(&to_self, &from_self, 0, out, |src, dst, len| self.copy(dst, src, len))?;
+            for q in (0..n).filter(|&q| q != me) {
+                let (outs, ins) = split(ts, q);
+                self.exchange_with(q, &outs, &ins)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The exchange with peer `q` (see the module docs).
+    fn exchange_with(&self, q: usize, outs: &[(u64, usize)], ins: &[(u64, usize)]) -> Result<()> {
+        let me = self.rank;
+        let (out, inn) = (total(outs), total(ins));
+        if out == 0 && inn == 0 {
+            return Ok(());
+        }
+        let stride = (self.half / self.size) & !255;
+        let rounds = out.max(inn).div_ceil(stride);
+        for i in 0..rounds {
+            let h = ((i % 2) * self.half) as u64;
+            let o = i * stride;
+            let slot = self.data[me] + h + (q * stride) as u64;
+            each_piece(outs, o, stride.min(out.saturating_sub(o)), |src, at, len| self.copy(slot + at as u64, src, len))?;
+            self.meet(q, (i == 0).then_some((out, inn)))?;
+            let theirs = self.data[q] + h + (me * stride) as u64;
+            each_piece(ins, o, stride.min(inn.saturating_sub(o)), |dst, at, len| self.copy(dst, theirs + at as u64, len))?;
+        }
+        self.meet(q, None)
+    }
+
+    /// This rank's side of a meeting with `q`; `views`: the exchange's
+    /// (bytes out, bytes in), compared with the peer's mirror of them.
+    fn meet(&self, q: usize, views: Option<(usize, usize)>) -> Result<()> {
+        let me = self.rank;
+        let f = self.held.red.get(Kernel::PairSync, || function(&self.ctx, Kernel::PairSync))?;
+        self.hold_for_capture()?;
+        let (out, inn) = views.unwrap_or((0, 0));
+        let args = kernels::launch::PairSync {
+            theirs: self.pairs[q] + (me * 4) as u64,
+            mine: self.pairs[me] + (q * 4) as u64,
+            counter: self.pair_counters + (q * 4) as u64,
+            their_view: self.pairs[q] + (FLAG_BYTES + me * 16) as u64,
+            my_view: self.pairs[me] + (FLAG_BYTES + q * 16) as u64,
+            out_bytes: out as u64,
+            in_bytes: inn as u64,
+            check: views.is_some(),
+            ctl: self.held.ctl.addrs[0],
+            rank: me as i32,
+            peer: q as i32,
+            timeout_ns: self.held.ctl.timeout_ns,
+        };
+        // SAFETY: `f` is this context's `cp_pair_sync`. The pair areas are
+        // `PAIR_AREA_BYTES` at the same offset of every rank's region (one
+        // `layout` on every rank), this rank's own and the peer's as mapped
+        // here (imported with read-write access, P2P checked; or the shared
+        // host buffer, registered for this device), alive in `held` as
+        // long as this communicator and every graph its calls went into;
+        // `q`, `me` < size <= MAX_RANKS, so each word lies in its area. The
+        // counter is word `q` of this rank's `size` counters and the
+        // control block has 1 + 2 * size words. Both ranks meet in one
+        // order: each runs its exchanges in ascending peer order, with the
+        // same number of meetings when their views agree (and when they do
+        // not, the first meeting fails both).
+        unsafe { kernels::launch::pair_sync(&self.stream, f, &args) }
+    }
+}
+
+/// Buffers as (device address, bytes), in order.
+type Pieces = Vec<(u64, usize)>;
+
+/// The pieces of the transfers to and from peer `q`, in order.
+fn split(ts: &[Transfer], q: usize) -> (Pieces, Pieces) {
+    let pick = |send: bool| ts.iter().filter(|t| t.peer == q && t.send == send).map(|t| (t.ptr, t.bytes)).collect();
+    (pick(true), pick(false))
+}
+
+fn total(pieces: &[(u64, usize)]) -> usize {
+    pieces.iter().map(|p| p.1).sum()
+}
+
+/// Calls `f(pointer, at, len)` for each part of bytes `o..o + len` of the
+/// concatenation of `pieces`: the part's address in its piece, its offset
+/// from `o`, its length.
+fn each_piece(pieces: &[(u64, usize)], o: usize, len: usize, mut f: impl FnMut(u64, usize, usize) -> Result<()>) -> Result<()> {
+    let (end, mut start) = (o + len, 0usize);
+    for &(ptr, bytes) in pieces {
+        let (lo, hi) = (start.max(o), (start + bytes).min(end));
+        if lo < hi {
+            f(ptr + (lo - start) as u64, lo - o, hi - lo)?;
+        }
+        start += bytes;
+        if start >= end {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Calls `f(src, dst, len)` for each run of bytes `o..o + len` that lies
+/// in one piece of `from` and one of `to` (both concatenated).
+fn each_segment(from: &[(u64, usize)], to: &[(u64, usize)], o: usize, len: usize, mut f: impl FnMut(u64, u64, usize) -> Result<()>) -> Result<()> {
+    each_piece(from, o, len, |src, at, run| each_piece(to, o + at, run, |dst, at2, run2| f(src + at2 as u64, dst, run2)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces_of(p: &[(u64, usize)], o: usize, len: usize) -> Vec<(u64, usize, usize)> {
+        let mut v = Vec::new();
+        each_piece(p, o, len, |a, at, l| {
+            v.push((a, at, l));
+            Ok(())
+        })
+        .unwrap();
+        v
+    }
+
+    #[test]
+    fn ranges_of_concatenated_pieces() {
+        let p = [(1000, 10), (2000, 0), (3000, 5)];
+        assert_eq!(pieces_of(&p, 0, 15), vec![(1000, 0, 10), (3000, 10, 5)]);
+        assert_eq!(pieces_of(&p, 8, 4), vec![(1008, 0, 2), (3000, 2, 2)]);
+        assert_eq!(pieces_of(&p, 12, 3), vec![(3002, 0, 3)]);
+        assert_eq!(pieces_of(&p, 15, 0), vec![]);
+    }
+
+    #[test]
+    fn segments_follow_both_sides_pieces() {
+        let from = [(100, 3), (200, 5)];
+        let to = [(1000, 6), (2000, 2)];
+        let mut v = Vec::new();
+        each_segment(&from, &to, 0, 8, |s, d, l| {
+            v.push((s, d, l));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(v, vec![(100, 1000, 3), (200, 1003, 3), (203, 2000, 2)]);
+    }
+
+    #[test]
+    fn transfers_split_by_peer_and_direction_in_order() {
+        let t = |peer, ptr, send| Transfer { peer, ptr, bytes: 4, send };
+        let ts = [t(1, 10, true), t(0, 20, false), t(1, 30, true), t(1, 40, false)];
+        assert_eq!(split(&ts, 1), (vec![(10, 4), (30, 4)], vec![(40, 4)]));
+        assert_eq!(split(&ts, 0), (vec![], vec![(20, 4)]));
+    }
+}
