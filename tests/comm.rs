@@ -135,6 +135,15 @@ impl Elem for bf16 {
     }
 }
 
+impl Elem for half::f16 {
+    fn draw(rng: &mut Fresh, negative: bool) -> half::f16 {
+        half::f16::from_f64(rng.magnitude(negative))
+    }
+    fn poison() -> half::f16 {
+        half::f16::from_f64(-777.0)
+    }
+}
+
 /// Fresh inputs of `n` ranks, `count` elements each; element `i` has one
 /// sign on every rank.
 fn draw<T: Elem>(n: usize, count: usize) -> Vec<Vec<T>> {
@@ -1266,4 +1275,73 @@ fn the_comparison_rejects_a_dropped_rank_and_avg_by_n_minus_1() {
     floats::<bf16>();
     integers::<u32>();
     integers::<i32>();
+}
+
+/// Averages of f16 and bf16 near the top of their range, whose sums
+/// overflow the type while their means do not, through every collective
+/// that averages (all-reduce, reduce-scatter, reduce to a root past 0), on
+/// 2 and 3 ranks: every result finite and within a few units in the last
+/// place of the f64 mean (fresh inputs in [0.55, 0.95] of the largest
+/// finite value, one sign per element). Fails where a collective sums
+/// first and divides after: the sum is infinite.
+#[test]
+fn averages_near_the_top_of_the_range_do_not_overflow_in_any_collective() {
+    fn run<T: Elem>(comms: &[Comm], max: f64, eps: f64) {
+        let n = comms.len();
+        let count = 3001;
+        let seed = common::random_bytes(8);
+        let mut x = u64::from_le_bytes(seed.try_into().unwrap()) | 1;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let signs: Vec<f64> = (0..count).map(|_| if next() < 0.5 { -1.0 } else { 1.0 }).collect();
+        let ins: Vec<Vec<T>> = (0..n).map(|_| (0..count).map(|i| T::from_f64(signs[i] * max * (0.55 + 0.4 * next()))).collect()).collect();
+        let mean = |i: usize| ins.iter().map(|v| v[i].to_f64()).sum::<f64>() / n as f64;
+        let check = |what: &str, got: &[T], offset: usize| {
+            for (j, g) in got.iter().enumerate() {
+                let (g, m) = (g.to_f64(), mean(offset + j));
+                assert!(g.is_finite(), "{} {what} on {n} ranks: [{}] = {g}, the mean is {m}", T::DTYPE.name(), offset + j);
+                assert!(
+                    (g - m).abs() <= (n as f64 + 2.0) * eps * m.abs(),
+                    "{} {what} on {n} ranks: [{}] = {g}, the mean is {m}",
+                    T::DTYPE.name(),
+                    offset + j
+                );
+            }
+        };
+        let root = n - 1;
+        let part = count / n;
+        let got = each(comms, |r, c| {
+            let s = c.stream();
+            let send = s.clone_htod(&ins[r]).unwrap();
+            let mut all = poisoned::<T>(s, count);
+            c.all_reduce(&send, &mut all, ReduceOp::Avg).expect("all_reduce");
+            let scatter_send = s.clone_htod(&ins[r][..part * n]).unwrap();
+            let mut mine = poisoned::<T>(s, part);
+            c.reduce_scatter(&scatter_send, &mut mine, ReduceOp::Avg).expect("reduce_scatter");
+            let mut reduced = poisoned::<T>(s, count);
+            c.reduce(&send, &mut reduced, ReduceOp::Avg, root).expect("reduce");
+            (s.clone_dtoh(&all).unwrap(), s.clone_dtoh(&mine).unwrap(), s.clone_dtoh(&reduced).unwrap())
+        });
+        for (r, (all, mine, reduced)) in got.iter().enumerate() {
+            check("all_reduce", all, 0);
+            check("reduce_scatter", mine, r * part);
+            if r == root {
+                check("reduce", reduced, 0);
+            }
+        }
+    }
+    let test = "averages_near_the_top_of_the_range_do_not_overflow_in_any_collective";
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus(test, 1) else { return };
+    for n in [2usize, 3] {
+        for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+            let comms = Comm::from_devices_with(streams(&ctxs, n), &CommOptions::default().path(policy)).expect("from_devices");
+            run::<half::f16>(&comms, 65504.0, 1.0 / 1024.0);
+            run::<bf16>(&comms, 3.38e38, 1.0 / 128.0);
+        }
+    }
 }

@@ -4,6 +4,7 @@
 //! [`super`]).
 
 use super::{desc, Comm, Kind};
+use crate::algorithms::prescales;
 use crate::driver::{api, bind};
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
@@ -31,6 +32,11 @@ impl Comm {
         let me = self.rank;
         let (mine, c) = parts[me];
         let most = parts.iter().map(|p| p.1).max().unwrap_or(0);
+        // An average sums shares divided first (as the all-reduce does), so
+        // that it cannot overflow where the mean is representable: each
+        // share is divided in the staging slot it is sent from, this rank's
+        // own in its own slot.
+        let pre = prescales(op, T::DTYPE, n);
         self.guarded(|| {
             if n == 1 {
                 return self.copy(dst, src + (mine * esz) as u64, c * esz);
@@ -42,10 +48,14 @@ impl Comm {
                 most,
                 stride / esz,
                 |o, len, h| {
-                    for q in (0..n).filter(|&q| q != me) {
+                    for q in (0..n).filter(|&q| q != me || pre) {
                         let (at, cq) = parts[q];
                         let len = len.min(cq.saturating_sub(o));
-                        self.copy(self.data[me] + h + (q * stride) as u64, src + ((at + o) * esz) as u64, len * esz)?;
+                        let slot = self.data[me] + h + (q * stride) as u64;
+                        self.copy(slot, src + ((at + o) * esz) as u64, len * esz)?;
+                        if pre {
+                            self.divide::<T>(slot, len)?;
+                        }
                     }
                     Ok(())
                 },
@@ -54,11 +64,15 @@ impl Comm {
                     if len == 0 {
                         return Ok(());
                     }
-                    let part = |k: usize| if k == me { src + ((mine + o) * esz) as u64 } else { self.data[k] + h + (me * stride) as u64 };
+                    let part = |k: usize| if k == me && !pre { src + ((mine + o) * esz) as u64 } else { self.data[k] + h + (me * stride) as u64 };
                     self.fold::<T>(op, dst + (o * esz) as u64, part, len)
                 },
             )?;
-            self.average::<T>(op, dst, c)
+            if pre {
+                Ok(())
+            } else {
+                self.average::<T>(op, dst, c)
+            }
         })
     }
 
@@ -159,7 +173,10 @@ impl Comm {
     /// overwritten).
     pub(super) fn reduce_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize, root: usize) -> Result<()> {
         let (n, me, esz) = (self.size, self.rank, T::DTYPE.size());
-        let in_place = src == dst;
+        // An average sums parts divided first (see `reduce_scatter_body`):
+        // every rank divides its part in its staging buffer.
+        let pre = prescales(op, T::DTYPE, n);
+        let staged_here = me != root || src == dst || pre;
         self.guarded(|| {
             if n == 1 {
                 return self.copy(dst, src, count * esz);
@@ -167,16 +184,25 @@ impl Comm {
             self.staged(
                 count,
                 self.half / esz,
-                |o, len, h| if me != root || in_place { self.copy(self.data[me] + h, src + (o * esz) as u64, len * esz) } else { Ok(()) },
+                |o, len, h| {
+                    if !staged_here {
+                        return Ok(());
+                    }
+                    self.copy(self.data[me] + h, src + (o * esz) as u64, len * esz)?;
+                    if pre {
+                        self.divide::<T>(self.data[me] + h, len)?;
+                    }
+                    Ok(())
+                },
                 |o, len, h| {
                     if me != root {
                         return Ok(());
                     }
-                    let part = |k: usize| if k == me && !in_place { src + (o * esz) as u64 } else { self.data[k] + h };
+                    let part = |k: usize| if k == me && !staged_here { src + (o * esz) as u64 } else { self.data[k] + h };
                     self.fold::<T>(op, dst + (o * esz) as u64, part, len)
                 },
             )?;
-            if me == root {
+            if me == root && !pre {
                 self.average::<T>(op, dst, count)?;
             }
             Ok(())
@@ -262,11 +288,19 @@ impl Comm {
         if op != ReduceOp::Avg || self.size == 1 {
             return Ok(());
         }
+        self.divide::<T>(x, count)
+    }
+
+    /// `count` elements at `x` (this rank's memory, or its staging buffer)
+    /// divided by the number of ranks.
+    fn divide<T: Element>(&self, x: u64, count: usize) -> Result<()> {
         let dtype = T::DTYPE;
         let f = self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
         self.hold_for_capture()?;
         // SAFETY: `f` is this context's division kernel of `dtype`; `x` holds
-        // `count` elements on this device.
+        // `count` elements on this device (a caller's buffer, or this rank's
+        // staging buffer: its device memory, or the shared host buffer
+        // registered for it).
         unsafe { kernels::launch::scale_div(&self.stream, f, dtype, x, count, self.size as f64, self.max_blocks) }
     }
 
