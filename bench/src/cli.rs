@@ -28,6 +28,10 @@ pub(crate) enum Command {
     /// All-reduce between processes, one GPU each, against NCCL with one rank per process;
     /// run under `cuda-peer-run -n N --` (or torchrun).
     MpAllreduce(MpArgs),
+    /// Point-to-point calls against NCCL, nccl-tests style (sendrecv_perf,
+    /// alltoall_perf): one thread per rank over every GPU, or `--ranks N`
+    /// ranks sharing the GPUs round-robin.
+    P2p(P2pArgs),
 }
 
 /// The options of `enqueue-costs`.
@@ -146,6 +150,76 @@ pub(crate) struct MpArgs {
     /// Internal: points in the whole run (progress lines).
     #[arg(long, hide = true)]
     pub(crate) progress_total: Option<usize>,
+}
+
+/// The options of `p2p`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct P2pArgs {
+    /// Calls to run: `sendrecv` (every rank to rank+1, from rank-1, in one
+    /// group) and `alltoall` (equal blocks).
+    #[arg(long, value_delimiter = ',', default_value = "sendrecv,alltoall")]
+    pub(crate) ops: Vec<P2pOp>,
+    /// Element types.
+    #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
+    pub(crate) dtypes: Vec<Dt>,
+    /// Ranks (default: every GPU, at least 2); more than the GPUs share
+    /// them round-robin, each rank on its own stream (NCCL is then skipped).
+    #[arg(long)]
+    pub(crate) ranks: Option<usize>,
+    /// Smallest size in bytes (the per-rank buffer, see the docs).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(long, default_value_t = GIB)]
+    pub(crate) max_bytes: usize,
+    /// Timed calls per point (default: 2 GiB / bytes, clamped to 5..=200).
+    #[arg(long)]
+    pub(crate) iters: Option<usize>,
+    /// Warm-up calls per point (fewer for large sizes: at most 1 GiB of warm-up, at least 1 call).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) warmup: usize,
+    /// Sizes quadrupling instead of doubling.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Machine name, used in the CSV file name.
+    #[arg(long, default_value = "local")]
+    pub(crate) machine: String,
+    /// Directory for the CSV.
+    #[arg(long, default_value = "bench/results")]
+    pub(crate) out: PathBuf,
+    /// NCCL library to use when `libnccl.so` is not on the loader path (e.g. /usr/lib/x86_64-linux-gnu/libnccl.so.2).
+    #[arg(long)]
+    pub(crate) nccl_lib: Option<PathBuf>,
+    /// Internal: run as the NCCL child.
+    #[arg(long, hide = true)]
+    pub(crate) nccl_child: bool,
+    /// Internal: points done before this process (progress lines).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub(crate) progress_offset: usize,
+    /// Internal: points in the whole run (progress lines).
+    #[arg(long, hide = true)]
+    pub(crate) progress_total: Option<usize>,
+}
+
+/// A call of `p2p`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub(crate) enum P2pOp {
+    /// Every rank sends to rank+1 and receives from rank-1, in one group.
+    #[value(name = "sendrecv")]
+    SendRecv,
+    /// All-to-all of equal blocks.
+    #[value(name = "alltoall")]
+    AllToAll,
+}
+
+impl P2pOp {
+    /// The name on the command line, in the table and the CSV.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            P2pOp::SendRecv => "sendrecv",
+            P2pOp::AllToAll => "alltoall",
+        }
+    }
 }
 
 /// An implementation of the multi-process all-reduce.
@@ -312,6 +386,18 @@ impl Args {
     /// The CSV of `--copy`.
     pub(crate) fn copy_csv(&self) -> PathBuf {
         self.out.join(format!("{}-copy.csv", self.machine))
+    }
+}
+
+impl P2pArgs {
+    /// The settings the modes share.
+    pub(crate) fn common(&self) -> Common {
+        common_of!(self)
+    }
+
+    /// The CSV of `p2p`.
+    pub(crate) fn csv(&self) -> PathBuf {
+        self.out.join(format!("{}-p2p.csv", self.machine))
     }
 }
 

@@ -10,6 +10,7 @@
 //!         [--impls cuda-peer-p2p,cuda-peer-staged,nccl,nccl-no-p2p] [--iters N] [--warmup N]
 //!         [--machine NAME] [--out bench/results] [--copy] [--quick] [--nccl-lib PATH]
 //!     target/release/cuda-peer-bench enqueue-costs [--calls N]
+//!     target/release/cuda-peer-bench p2p [--ops sendrecv,alltoall] [--ranks N] [--quick] [--max-bytes B] [--out DIR]
 //!     cuda-peer-run -n 2 -- target/release/cuda-peer-bench mp-allreduce [--machine NAME] ...
 //!
 //! Conventions are nccl-tests': one rank per GPU; `bytes` is the per-rank
@@ -38,6 +39,7 @@ mod kinds;
 mod mp;
 mod nccl;
 mod output;
+mod p2p;
 mod plan;
 mod summary;
 mod sweep;
@@ -115,6 +117,7 @@ fn main() {
             enqueue_costs::run(&args)
         }
         Some(Command::MpAllreduce(args)) => mp::main(&args),
+        Some(Command::P2p(args)) => p2p::main(&args),
         None => sweep_main(&cli.sweep),
     };
     if let Err(e) = result {
