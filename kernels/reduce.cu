@@ -453,8 +453,8 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 // Point-to-point: two ranks meet (send/recv, all-to-all-v). One thread.
 //
 //   cp_pair_sync(unsigned* theirs, const unsigned* mine, unsigned* counter,
-//                u64* their_view, const u64* my_view, u64 out_bytes,
-//                u64 in_bytes, int check, unsigned* ctl, int rank, int peer,
+//                u64* their_view, const u64* my_view, u64 out_view,
+//                u64 in_view, int check, unsigned* ctl, int rank, int peer,
 //                u64 timeout_ns)
 //     counter: this rank's count of meetings with the peer, in its own
 //              device memory (so a replayed graph advances it too); the
@@ -465,8 +465,10 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 //     mine:    this rank's flag word for the peer, waited for (see
 //              wait_flag);
 //     check:   the first meeting of an exchange: this rank's view of it
-//              (bytes it sends the peer, bytes it receives from it) goes
-//              into the peer's view slot for this rank before the flag;
+//              (out_view: what it sends the peer, in_view: what it
+//              receives, each a value the host computes from the message
+//              lengths) goes into the peer's view slot for this rank before
+//              the flag;
 //              after the wait, the peer's view (in my_view) must mirror
 //              it, else the meeting fails with CTL_MISMATCH (epoch: the
 //              peer) and sets the abort word.
@@ -487,7 +489,7 @@ static __device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
 }
 
 extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int* mine, unsigned int* counter,
-                                        u64* their_view, const u64* my_view, u64 out_bytes, u64 in_bytes,
+                                        u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
                                         int check, unsigned int* ctl, int rank, int peer, u64 timeout_ns) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const unsigned int v = *counter + 1u;
@@ -496,12 +498,12 @@ extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int
         return;
     }
     if (check) {
-        st_relaxed_sys_u64(their_view, out_bytes);
-        st_relaxed_sys_u64(their_view + 1, in_bytes);
+        st_relaxed_sys_u64(their_view, out_view);
+        st_relaxed_sys_u64(their_view + 1, in_view);
     }
     st_release_sys(theirs, v);
     if (!wait_flag(mine, v, ctl, timeout_ns, rank)) return;
-    if (check && (ld_relaxed_sys_u64(my_view) != in_bytes || ld_relaxed_sys_u64(my_view + 1) != out_bytes)) {
+    if (check && (ld_relaxed_sys_u64(my_view) != in_view || ld_relaxed_sys_u64(my_view + 1) != out_view)) {
         ctl_fail(ctl, rank, CTL_MISMATCH, (unsigned int)peer);
         st_relaxed_sys(ctl + CTL_ABORT, 1u);
         return;

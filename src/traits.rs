@@ -68,12 +68,18 @@ pub trait Collectives {
 
     /// Sends `send` to rank `peer` (this rank included): it lands in the
     /// buffer of that rank's matching [`Self::recv`] from this one, matched
-    /// in the order each side makes them, of the same length (a length
-    /// that differs fails both ranks' communicators with a typed error;
-    /// a receive that never comes times out). Alone, a send returns once
-    /// enqueued, but its data moves only while the peer's receive runs:
-    /// two ranks that each send to the other first wait for each other
-    /// (put both in one [`crate::Comm::group`]).
+    /// in the order each side makes them, of the same length (a receive
+    /// that never comes times out). Alone, a send returns once enqueued,
+    /// but its data moves only while the peer's receive runs: two ranks
+    /// that each send to the other must put the send and the receive in
+    /// one [`crate::Comm::group`] on both sides.
+    ///
+    /// Between the ranks of one host, a call's (or a group's) messages
+    /// with one peer are matched with the peer's call or group as a whole:
+    /// the lengths, in order, must be the same on both sides, else both
+    /// ranks' communicators fail with [`crate::Error::GroupFailed`] (two
+    /// plain sends that cross fail so, at once). Between hosts (NCCL),
+    /// lengths that differ are a timeout.
     fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()>;
 
     /// Receives into `recv` what rank `peer` sends this one (see

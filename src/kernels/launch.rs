@@ -162,10 +162,10 @@ pub(crate) struct PairSync {
     pub(crate) their_view: u64,
     /// This rank's view slot for the peer (two words).
     pub(crate) my_view: u64,
-    /// Bytes this rank sends the peer in the exchange.
-    pub(crate) out_bytes: u64,
-    /// Bytes it receives from the peer.
-    pub(crate) in_bytes: u64,
+    /// This rank's view of what it sends the peer in the exchange.
+    pub(crate) out_view: u64,
+    /// Its view of what it receives from the peer.
+    pub(crate) in_view: u64,
     /// Whether the views are exchanged and compared (the exchange's first
     /// meeting).
     pub(crate) check: bool,
@@ -197,8 +197,8 @@ pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, a: &PairSy
         .arg(&a.counter)
         .arg(&a.their_view)
         .arg(&a.my_view)
-        .arg(&a.out_bytes)
-        .arg(&a.in_bytes)
+        .arg(&a.out_view)
+        .arg(&a.in_view)
         .arg(&check)
         .arg(&a.ctl)
         .arg(&a.rank)

@@ -11,10 +11,14 @@
 //! the barrier timeout, counters in device memory so that graph replays
 //! stay in step), and each copies the other's slot out; a last meeting ends
 //! the exchange, so that neither refills a slot the other still reads. The
-//! first meeting carries each side's view (bytes out, bytes in): views that
-//! do not mirror (a send whose receive has another length) fail both
-//! ranks' communicators with a typed error instead of moving a wrong
-//! amount.
+//! first meeting carries each side's view of the exchange (a digest of the
+//! lengths of the messages it sends, in order, and of those it receives):
+//! views that do not mirror (a send whose receive has another length, a
+//! message the other side does not expect) fail both ranks' communicators
+//! with a typed error instead of moving a wrong amount. An exchange is
+//! matched as a whole: a rank's messages with one peer in one call or
+//! group must be the peer's in one call or group (a group with a send and
+//! a receive against two plain calls on the other side disagrees).
 //!
 //! A group runs one exchange per peer, in ascending peer order on every
 //! rank, so that the pairs of any set of groups meet in an order that
@@ -26,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::kernels;
 use crate::kernels::load::function;
 use crate::kernels::Kernel;
-use crate::traits::Transfer;
+use crate::traits::{counts_digest, Transfer};
 
 const FLAG_BYTES: usize = PAIR_FLAG_BYTES;
 
@@ -61,18 +65,21 @@ impl Comm {
     /// The exchange with peer `q` (see the module docs).
     fn exchange_with(&self, q: usize, outs: &[(u64, usize)], ins: &[(u64, usize)]) -> Result<()> {
         let me = self.rank;
-        let (out, inn) = (total(outs), total(ins));
-        if out == 0 && inn == 0 {
+        if outs.is_empty() && ins.is_empty() {
             return Ok(());
         }
+        let (out, inn) = (total(outs), total(ins));
         let stride = (self.half / self.size) & !255;
-        let rounds = out.max(inn).div_ceil(stride);
+        // At least one meeting, which compares the views (messages of no
+        // bytes are messages too).
+        let rounds = out.max(inn).div_ceil(stride).max(1);
+        let views = (view(outs), view(ins));
         for i in 0..rounds {
             let h = ((i % 2) * self.half) as u64;
             let o = i * stride;
             let slot = self.data[me] + h + (q * stride) as u64;
             each_piece(outs, o, stride.min(out.saturating_sub(o)), |src, at, len| self.copy(slot + at as u64, src, len))?;
-            self.meet(q, (i == 0).then_some((out, inn)))?;
+            self.meet(q, (i == 0).then_some(views))?;
             let theirs = self.data[q] + h + (me * stride) as u64;
             each_piece(ins, o, stride.min(inn.saturating_sub(o)), |dst, at, len| self.copy(dst, theirs + at as u64, len))?;
         }
@@ -80,8 +87,8 @@ impl Comm {
     }
 
     /// This rank's side of a meeting with `q`; `views`: the exchange's
-    /// (bytes out, bytes in), compared with the peer's mirror of them.
-    fn meet(&self, q: usize, views: Option<(usize, usize)>) -> Result<()> {
+    /// (messages out, messages in), compared with the peer's mirror of them.
+    fn meet(&self, q: usize, views: Option<(u64, u64)>) -> Result<()> {
         let me = self.rank;
         let f = self.held.red.get(Kernel::PairSync, || function(&self.ctx, Kernel::PairSync))?;
         self.hold_for_capture()?;
@@ -92,8 +99,8 @@ impl Comm {
             counter: self.pair_counters + (q * 4) as u64,
             their_view: self.pairs[q] + (FLAG_BYTES + me * 16) as u64,
             my_view: self.pairs[me] + (FLAG_BYTES + q * 16) as u64,
-            out_bytes: out as u64,
-            in_bytes: inn as u64,
+            out_view: out,
+            in_view: inn,
             check: views.is_some(),
             ctl: self.held.ctl.addrs[0],
             rank: me as i32,
@@ -127,6 +134,12 @@ fn split(ts: &[Transfer], q: usize) -> (Pieces, Pieces) {
 
 fn total(pieces: &[(u64, usize)]) -> usize {
     pieces.iter().map(|p| p.1).sum()
+}
+
+/// What one side says of the messages of one direction of an exchange:
+/// a digest of their lengths, in order (the other side's must be equal).
+fn view(pieces: &[(u64, usize)]) -> u64 {
+    counts_digest(&pieces.iter().map(|p| p.1).collect::<Vec<_>>())
 }
 
 /// Calls `f(pointer, at, len)` for each part of bytes `o..o + len` of the
