@@ -33,8 +33,10 @@
 //! `alltoall` (the block a rank keeps for itself crosses no link). `time_us`
 //! is the mean per call of back-to-back calls (so host enqueue cost shows
 //! where it is the bottleneck), measured with CUDA events on each rank's
-//! stream; the slowest rank's mean is the point's (nccl-tests takes the
-//! wall clock around its iterations, which is the slowest GPU's as well).
+//! stream; the slowest rank's mean is the point's (nccl-tests times the
+//! host's wall clock around its iterations until they complete, averaged
+//! over its processes by default: a call ends with its slowest rank either
+//! way).
 //!
 //! Each point, for each implementation: fresh random inputs (integers in
 //! -127..=127, exact in bf16, each rank's element i a function of a fresh
