@@ -61,7 +61,8 @@ CANDLE_TP_ID_DIR=$(mktemp -d)
 export CANDLE_TP_ID_DIR
 trap 'rm -rf "$CANDLE_TP_ID_DIR"' EXIT
 
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# TP_GPUS overrides the count nvidia-smi gives.
+gpus=${TP_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 gpus=${gpus:-0}
 {
   date -u +%FT%TZ

@@ -127,6 +127,7 @@ struct Args {
     cpu: bool,
     sim_ranks: usize,
     threads: Option<usize>,
+    id_only: bool,
 }
 
 const USAGE: &str = "usage: candle_tensor_parallel [--layers N] [--hidden N] [--heads N] [--kv-heads N] [--intermediate N]
@@ -136,6 +137,7 @@ const USAGE: &str = "usage: candle_tensor_parallel [--layers N] [--hidden N] [--
 Run one process per GPU: cuda-peer-run -n W -- candle_tensor_parallel ... (W=1 without a launcher).
 Defaults: 8 layers, hidden 4096, 32 heads, 8 kv heads, intermediate 14336, vocab 32000, bf16, 32 tokens.
 --small: 2 layers, hidden 512, 8 heads, 4 kv heads, intermediate 1024, vocab 4096.
+--id-only: only rank 0's id passed to the others through the id file (checks a launcher's setup).
 --cpu: on the CPU, one process; --sim-ranks W runs W ranks as threads summing on the host (checks the sharding).";
 
 fn parse_args(args: &[String]) -> Res<Args> {
@@ -152,7 +154,7 @@ fn parse_args(args: &[String]) -> Res<Args> {
         seed: 0x7e57_5eed,
         tokens: 32,
     };
-    let mut a = Args { cfg: cfg.clone(), out: None, id_dir: None, cpu: false, sim_ranks: 1, threads: None };
+    let mut a = Args { cfg: cfg.clone(), out: None, id_dir: None, cpu: false, sim_ranks: 1, threads: None, id_only: false };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut val = || it.next().cloned().ok_or_else(|| format!("{flag} needs a value"));
@@ -181,6 +183,7 @@ fn parse_args(args: &[String]) -> Res<Args> {
             "--id-dir" => a.id_dir = Some(PathBuf::from(val()?)),
             "--threads" => a.threads = Some(num(val()?)?.max(1)),
             "--cpu" => a.cpu = true,
+            "--id-only" => a.id_only = true,
             "--sim-ranks" => a.sim_ranks = num(val()?)?.max(1),
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -850,6 +853,22 @@ fn threads_for(a: &Args, local_world: usize) -> usize {
 /// Exit code and message.
 type Fail = (i32, String);
 
+/// `--id-only`: the id's exchange alone (no GPU needed for the cuda-peer
+/// build's `Id::new`), to check a launcher's setup.
+fn main_id_only(a: &Args) -> Result<bool, Fail> {
+    let p = place().map_err(|e| (64, e))?;
+    let file = id_file(a.id_dir.as_deref()).map_err(|e| (1, e))?;
+    let id = exchange_id(p.rank, &file).map_err(|e| (1, e))?;
+    let sum: u64 = id.internal().iter().map(|&c| c.to_ne_bytes()[0] as u64).sum();
+    println!("candle_tensor_parallel: rank {} of {}: id via {} (byte sum {sum})", p.rank, p.world, file.display());
+    if p.rank == 0 {
+        // No communicator says when the others have read it: give them 2 s.
+        std::thread::sleep(Duration::from_secs(2));
+        let _ = std::fs::remove_file(&file);
+    }
+    Ok(true)
+}
+
 fn main_gpu(a: &Args) -> Result<bool, Fail> {
     let p = place().map_err(|e| (64, e))?;
     a.cfg.check(p.world).map_err(|e| (64, e))?;
@@ -991,6 +1010,7 @@ fn main() {
         match parse_args(&args) {
             Err(e) => Err((64, e)),
             Ok(a) if a.cpu => main_cpu(&a),
+            Ok(a) if a.id_only => main_id_only(&a),
             Ok(a) => main_gpu(&a),
         }
     };
