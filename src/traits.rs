@@ -204,6 +204,53 @@ pub(crate) trait PointToPoint: Collectives {
     fn transfers(&self, ts: &[Transfer]) -> Result<()>;
 }
 
+/// The methods of [`Collectives`] that an engine implementing
+/// [`PointToPoint`] takes as they are from this module's functions
+/// (`send`, `recv`, `all_to_all_v`; with `all`, also `all_to_all` and
+/// `all_gather_v`), written once for every engine.
+macro_rules! point_to_point_calls {
+    () => {
+        fn send<T: $crate::dtype::Movable, S: cudarc::driver::DevicePtr<T>>(&self, send: &S, peer: usize) -> $crate::error::Result<()> {
+            $crate::traits::send(self, send, peer)
+        }
+
+        fn recv<T: $crate::dtype::Movable, D: cudarc::driver::DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> $crate::error::Result<()> {
+            $crate::traits::recv(self, recv, peer)
+        }
+
+        fn all_to_all_v<T: $crate::dtype::Movable, S: cudarc::driver::DevicePtr<T>, D: cudarc::driver::DevicePtrMut<T>>(
+            &self,
+            send: &S,
+            send_blocks: &$crate::traits::Blocks<'_>,
+            recv: &mut D,
+            recv_blocks: &$crate::traits::Blocks<'_>,
+        ) -> $crate::error::Result<()> {
+            $crate::traits::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
+        }
+    };
+    (all) => {
+        $crate::traits::point_to_point_calls!();
+
+        fn all_to_all<T: $crate::dtype::Movable, S: cudarc::driver::DevicePtr<T>, D: cudarc::driver::DevicePtrMut<T>>(
+            &self,
+            send: &S,
+            recv: &mut D,
+        ) -> $crate::error::Result<()> {
+            $crate::traits::all_to_all(self, send, recv)
+        }
+
+        fn all_gather_v<T: $crate::dtype::Movable, S: cudarc::driver::DevicePtr<T>, D: cudarc::driver::DevicePtrMut<T>>(
+            &self,
+            send: &S,
+            recv: &mut D,
+            counts: &[usize],
+        ) -> $crate::error::Result<()> {
+            $crate::traits::all_gather_v(self, send, recv, counts)
+        }
+    };
+}
+pub(crate) use point_to_point_calls;
+
 /// `peer` names a rank of `ranks`.
 pub(crate) fn check_peer(op: &'static str, peer: usize, ranks: usize) -> Result<()> {
     if peer >= ranks {

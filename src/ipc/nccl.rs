@@ -42,7 +42,7 @@ use super::bootstrap::{Bootstrap, Exchange};
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::sync::{wait_bounded, Orderer};
-use crate::traits::{Blocks, Collectives, PointToPoint, Transfer};
+use crate::traits::{Collectives, PointToPoint, Transfer};
 use cuda_peer_sys::nccl::{self as sys, NcclApi};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::sync::{Arc, Mutex};
@@ -506,31 +506,7 @@ impl Collectives for NcclComm {
         r.and(held.finish())
     }
 
-    fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
-        crate::traits::send(self, send, peer)
-    }
-
-    fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
-        crate::traits::recv(self, recv, peer)
-    }
-
-    fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
-        crate::traits::all_to_all(self, send, recv)
-    }
-
-    fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
-        &self,
-        send: &S,
-        send_blocks: &Blocks<'_>,
-        recv: &mut D,
-        recv_blocks: &Blocks<'_>,
-    ) -> Result<()> {
-        crate::traits::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
-    }
-
-    fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
-        crate::traits::all_gather_v(self, send, recv, counts)
-    }
+    crate::traits::point_to_point_calls!(all);
 
     /// One NCCL group of `ncclReduce` calls, part j reduced to rank j
     /// (`Avg` is NCCL's, as in [`Collectives::reduce`]).

@@ -37,7 +37,7 @@ use super::secret::JobSecret;
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
 use crate::sync::Orderer;
-use crate::traits::{Blocks, Collectives, PointToPoint, Transfer};
+use crate::traits::{Collectives, PointToPoint, Transfer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::sync::{Arc, Mutex};
 
@@ -457,36 +457,7 @@ impl Collectives for Tiered {
         r.and(guard.finish())
     }
 
-    /// Over every rank's NCCL communicator (see the module docs).
-    fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
-        crate::traits::send(self, send, peer)
-    }
-
-    /// Over every rank's NCCL communicator.
-    fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
-        crate::traits::recv(self, recv, peer)
-    }
-
-    /// Over every rank's NCCL communicator.
-    fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
-        crate::traits::all_to_all(self, send, recv)
-    }
-
-    /// Over every rank's NCCL communicator.
-    fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
-        &self,
-        send: &S,
-        send_blocks: &Blocks<'_>,
-        recv: &mut D,
-        recv_blocks: &Blocks<'_>,
-    ) -> Result<()> {
-        crate::traits::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
-    }
-
-    /// Over every rank's NCCL communicator.
-    fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
-        crate::traits::all_gather_v(self, send, recv, counts)
-    }
+    crate::traits::point_to_point_calls!(all);
 
     /// Over every rank's NCCL communicator (as
     /// [`NcclComm`]'s: one group of reduces, part j to rank j).

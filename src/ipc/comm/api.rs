@@ -7,7 +7,7 @@ use super::{desc, Comm, Kind};
 use crate::dtype::{Element, Movable, ReduceOp};
 use crate::error::{Error, Result};
 use crate::sync::Orderer;
-use crate::traits::{self, counts_digest, Blocks, Collectives, PointToPoint, Transfer};
+use crate::traits::{self, counts_digest, Collectives, PointToPoint, Transfer};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -190,13 +190,7 @@ impl Collectives for Comm {
         r.and(held.finish())
     }
 
-    fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()> {
-        traits::send(self, send, peer)
-    }
-
-    fn recv<T: Movable, D: DevicePtrMut<T>>(&self, recv: &mut D, peer: usize) -> Result<()> {
-        traits::recv(self, recv, peer)
-    }
+    crate::traits::point_to_point_calls!();
 
     /// Through the staging buffers, as the reduce-scatter's sends and the
     /// all-gather's reads (see the module docs of [`super`]).
@@ -212,17 +206,6 @@ impl Collectives for Comm {
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.all_to_all_body(src, dst, c * std::mem::size_of::<T>());
         r.and(read.finish()).and(write.finish())
-    }
-
-    /// One exchange with each peer ([`super::p2p`]).
-    fn all_to_all_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(
-        &self,
-        send: &S,
-        send_blocks: &Blocks<'_>,
-        recv: &mut D,
-        recv_blocks: &Blocks<'_>,
-    ) -> Result<()> {
-        traits::all_to_all_v(self, send, send_blocks, recv, recv_blocks)
     }
 
     fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
