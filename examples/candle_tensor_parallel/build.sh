@@ -38,7 +38,8 @@ cd "$here"
 # The path of the cudarc rlib that a build of this crate with cargo arguments "$@" uses
 # (the build may fail at its final link, before there are stubs: only cudarc matters).
 cudarc_rlib() {
-  { cargo build --release --target-dir "$target" "$@" --message-format=json || true; } | python3 -c 'import json, sys
+  # (its "could not compile" is that link, when the stubs lack what it needs: quiet)
+  { cargo build --release --target-dir "$target" "$@" --message-format=json 2>/dev/null || true; } | python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cudarc":
