@@ -12,7 +12,7 @@
 # BIN, NCCL_BIN, CUDA_PEER_RUN default to $TP_BIN, $TP_NCCL_BIN, $CUDA_PEER_RUN, else to
 # target/candle/tp/candle_tensor_parallel, target/candle/tp/candle_tensor_parallel-nccl
 # and target/release/cuda-peer-run beside this script's repository; a binary given as
-# .xz or .gz is unpacked into OUT_DIR/bin first. TP_ARGS: extra arguments for every run
+# .xz or .gz is unpacked into a temporary directory first (not OUT_DIR, which stays small). TP_ARGS: extra arguments for every run
 # (e.g. "--small" or "--layers 4 --tokens 64"; default: the full 8-layer model).
 # Exit status: 0 when every run and comparison passed. Never changes GPU clocks or modes.
 set -uo pipefail
@@ -27,8 +27,9 @@ bin=${2:-${TP_BIN:-$root/target/candle/tp/candle_tensor_parallel}}
 nccl_bin=${3:-${TP_NCCL_BIN:-$root/target/candle/tp/candle_tensor_parallel-nccl}}
 runner=${4:-${CUDA_PEER_RUN:-$root/target/release/cuda-peer-run}}
 read -r -a extra <<< "${TP_ARGS:-}"
-mkdir -p "$out/bin"
+mkdir -p "$out"
 out=$(cd "$out" && pwd)
+unpacked=$(mktemp -d)
 
 # A binary, unpacked if compressed; empty if missing.
 unpack() {
@@ -36,8 +37,8 @@ unpack() {
   [ -f "$f" ] || { echo ""; return; }
   name=$(basename "$f")
   case $f in
-    *.xz) xz -dc "$f" > "$out/bin/${name%.xz}" && chmod +x "$out/bin/${name%.xz}" && echo "$out/bin/${name%.xz}" ;;
-    *.gz) gzip -dc "$f" > "$out/bin/${name%.gz}" && chmod +x "$out/bin/${name%.gz}" && echo "$out/bin/${name%.gz}" ;;
+    *.xz) xz -dc "$f" > "$unpacked/${name%.xz}" && chmod +x "$unpacked/${name%.xz}" && echo "$unpacked/${name%.xz}" ;;
+    *.gz) gzip -dc "$f" > "$unpacked/${name%.gz}" && chmod +x "$unpacked/${name%.gz}" && echo "$unpacked/${name%.gz}" ;;
     *) echo "$f" ;;
   esac
 }
@@ -59,7 +60,7 @@ done
 # to this user (mktemp -d makes it 0700), removed at the end.
 CANDLE_TP_ID_DIR=$(mktemp -d)
 export CANDLE_TP_ID_DIR
-trap 'rm -rf "$CANDLE_TP_ID_DIR"' EXIT
+trap 'rm -rf "$CANDLE_TP_ID_DIR" "$unpacked"' EXIT
 
 # TP_GPUS overrides the count nvidia-smi gives.
 gpus=${TP_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
