@@ -26,6 +26,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "comm::group",
             "comm::split",
             "traits",
+            "args",
             "collectives",
             "raw",
             "group",

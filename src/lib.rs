@@ -96,6 +96,7 @@
 #![deny(missing_docs)]
 
 mod algorithms;
+mod args;
 pub mod collectives;
 #[cfg(target_os = "linux")]
 pub mod comm;

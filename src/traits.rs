@@ -322,11 +322,8 @@ pub(crate) fn all_gather_v<E: PointToPoint, T: Movable, S: DevicePtr<T>, D: Devi
     recv: &mut D,
     counts: &[usize],
 ) -> Result<()> {
-    const OP: &str = "all_gather_v";
     let (n, me) = (e.world_size(), e.rank());
-    let (offsets, _) = check_gather_v(OP, send.len(), recv.len(), counts, n, me)?;
-    crate::copy::check_context(OP, "send", e.p2p_context(), send.stream().context())?;
-    crate::copy::check_context(OP, "recv", e.p2p_context(), recv.stream().context())?;
+    let (offsets, _) = crate::args::all_gather_v(e.p2p_context(), n, me, send, recv, counts)?;
     let esz = std::mem::size_of::<T>();
     let (src, read) = e.orderer().read(send, e.stream())?;
     let (dst, write) = e.orderer().write(recv, e.stream())?;
@@ -348,36 +345,6 @@ pub(crate) fn equal_blocks(op: &'static str, send: usize, recv: usize, ranks: us
         return Err(Error::InvalidArgument(format!("{op}: {send} elements are not {ranks} equal blocks")));
     }
     Ok(send / ranks)
-}
-
-/// The checks of an all-gather-v on rank `me` of `ranks`: `counts` per
-/// rank, `send` holds `counts[me]`, `recv` their sum; the parts' offsets
-/// and the sum.
-pub(crate) fn check_gather_v(op: &'static str, send: usize, recv: usize, counts: &[usize], ranks: usize, me: usize) -> Result<(Vec<usize>, usize)> {
-    let (offsets, total) = parts(op, counts, ranks)?;
-    if send != counts[me] {
-        return Err(Error::LengthMismatch { op, expected: counts[me], got: send });
-    }
-    if recv != total {
-        return Err(Error::LengthMismatch { op, expected: total, got: recv });
-    }
-    Ok((offsets, total))
-}
-
-/// The parts' offsets of [`Collectives::all_gather_v`] and
-/// [`Collectives::reduce_scatter_v`]: the prefix sums of `counts`, and the
-/// total (an overflow is an error).
-pub(crate) fn parts(op: &'static str, counts: &[usize], ranks: usize) -> Result<(Vec<usize>, usize)> {
-    if counts.len() != ranks {
-        return Err(Error::InvalidArgument(format!("{op}: {} counts for {ranks} ranks", counts.len())));
-    }
-    let mut offsets = Vec::with_capacity(ranks);
-    let mut total = 0usize;
-    for &c in counts {
-        offsets.push(total);
-        total = total.checked_add(c).ok_or_else(|| Error::InvalidArgument(format!("{op}: the counts overflow")))?;
-    }
-    Ok((offsets, total))
 }
 
 /// A digest of `counts` for the call descriptors the ranks compare (ranks
@@ -407,10 +374,7 @@ mod tests {
     }
 
     #[test]
-    fn parts_are_prefix_sums_and_digests_tell_counts_apart() {
-        assert_eq!(parts("agv", &[3, 0, 5], 3).unwrap(), (vec![0, 3, 3], 8));
-        assert!(parts("agv", &[3, 0], 3).is_err());
-        assert!(parts("agv", &[usize::MAX, 1], 2).is_err());
+    fn digests_tell_counts_apart() {
         assert_ne!(counts_digest(&[1, 2]), counts_digest(&[2, 1]));
         assert_ne!(counts_digest(&[0]), counts_digest(&[0, 0]));
     }

@@ -39,12 +39,13 @@
 //! ```
 
 use super::bootstrap::{Bootstrap, Exchange};
+use crate::args;
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::sync::{wait_bounded, Orderer};
 use crate::traits::{Collectives, PointToPoint, Transfer};
 use cuda_peer_sys::nccl::{self as sys, NcclApi};
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -385,9 +386,7 @@ impl Collectives for NcclComm {
     }
 
     fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::copy::check_context("all_reduce", "buffer", &self.ctx, buf.stream().context())?;
-        let count = buf.len();
+        let count = args::all_reduce_in_place(&self.ctx, buf, op)?;
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
         // SAFETY: `ptr` is valid for `count` elements of T on this rank's
@@ -398,9 +397,7 @@ impl Collectives for NcclComm {
     }
 
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.check_buffers("all_reduce", recv, send, send.len())?;
-        let count = send.len();
+        let count = args::all_reduce(&self.ctx, send, recv, op)?;
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
@@ -411,9 +408,7 @@ impl Collectives for NcclComm {
     }
 
     fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        let n = recv.len();
-        self.check_buffers("reduce_scatter", send, recv, n * self.size)?;
+        let n = args::reduce_scatter(&self.ctx, self.size, send, recv, op)?;
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
@@ -425,8 +420,7 @@ impl Collectives for NcclComm {
     }
 
     fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
-        let total = send.len().checked_mul(self.size).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
-        self.check_buffers("all_gather", recv, send, total)?;
+        args::all_gather(&self.ctx, self.size, send, recv)?;
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let (dt, n) = movable_wire::<T>(send.len());
@@ -438,16 +432,8 @@ impl Collectives for NcclComm {
     }
 
     fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
-        crate::error::check_root(root, self.size)?;
-        crate::copy::check_context("broadcast", "recv", &self.ctx, recv.stream().context())?;
+        let send = args::broadcast(&self.ctx, self.size, self.rank, send, recv, root)?;
         let count = recv.len();
-        let send = if self.rank == root {
-            let send = send.ok_or_else(|| Error::InvalidArgument("broadcast: the root passes no send buffer".into()))?;
-            self.check_buffers("broadcast", send, recv, count)?;
-            Some(send)
-        } else {
-            None
-        };
         let read = send.map(|s| self.order.read(s, &self.stream)).transpose()?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let src = read.as_ref().map_or(dst, |r| r.0);
@@ -465,9 +451,7 @@ impl Collectives for NcclComm {
     }
 
     fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
-        crate::error::check_root(root, self.size)?;
-        crate::copy::check_context("broadcast", "buffer", &self.ctx, buf.stream().context())?;
-        let (dt, count) = movable_wire::<T>(buf.len());
+        let (dt, count) = movable_wire::<T>(args::broadcast_in_place(&self.ctx, self.size, buf, root)?);
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         // SAFETY: `ptr` is valid for `count` NCCL elements of `dt` (T's
         // bytes) on this device, ordered (guard); in place is NCCL's
@@ -478,10 +462,7 @@ impl Collectives for NcclComm {
     }
 
     fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::error::check_root(root, self.size)?;
-        self.check_buffers("reduce", recv, send, send.len())?;
-        let count = send.len();
+        let count = args::reduce(&self.ctx, self.size, send, recv, op, root)?;
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
@@ -493,10 +474,7 @@ impl Collectives for NcclComm {
     }
 
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::error::check_root(root, self.size)?;
-        crate::copy::check_context("reduce", "buffer", &self.ctx, buf.stream().context())?;
-        let count = buf.len();
+        let count = args::reduce_in_place(&self.ctx, self.size, buf, op, root)?;
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let (dt, nop) = (nccl_dtype(T::DTYPE), nccl_op(op));
         // SAFETY: `ptr` holds `count` elements of T on this device, ordered
@@ -517,13 +495,7 @@ impl Collectives for NcclComm {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        const OP: &str = "reduce_scatter_v";
-        op.check(T::DTYPE)?;
-        let (offsets, total) = crate::traits::parts(OP, counts, self.size)?;
-        self.check_buffers(OP, send, recv, total)?;
-        if recv.len() != counts[self.rank] {
-            return Err(Error::LengthMismatch { op: OP, expected: counts[self.rank], got: recv.len() });
-        }
+        let (offsets, _) = args::reduce_scatter_v(&self.ctx, self.size, self.rank, send, recv, counts, op)?;
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.reduce_scatter_v_ptrs(T::DTYPE, op, src, dst, counts, &offsets);
@@ -632,17 +604,6 @@ impl NcclComm {
         let dt = nccl_dtype(dtype);
         // SAFETY: the caller's contract (size, device, order); in place.
         self.enqueue("ncclBroadcast", |api, comm, s| unsafe { (api.ncclBroadcast)(ptr as *const _, ptr as *mut _, count, dt, root as i32, comm, s) })
-    }
-
-    /// Both buffers on this rank's context, and `big` exactly `expected`
-    /// elements long.
-    fn check_buffers<T, A: DeviceSlice<T>, B: DeviceSlice<T>>(&self, op: &'static str, big: &A, other: &B, expected: usize) -> Result<()> {
-        crate::copy::check_context(op, "buffer", &self.ctx, big.stream().context())?;
-        crate::copy::check_context(op, "buffer", &self.ctx, other.stream().context())?;
-        if big.len() != expected {
-            return Err(Error::LengthMismatch { op, expected, got: big.len() });
-        }
-        Ok(())
     }
 }
 
@@ -771,7 +732,7 @@ mod tests {
     #[test]
     fn the_uneven_reduce_scatter_reduces_each_nonempty_part_to_its_rank() {
         let counts = [3, 0, 2, 4];
-        let (offsets, total) = crate::traits::parts("rsv", &counts, 4).unwrap();
+        let (offsets, total) = crate::args::parts("rsv", &counts, 4).unwrap();
         assert_eq!(total, 9);
         assert_eq!(reduce_parts(&counts, &offsets), vec![(0, 0, 3), (2, 3, 2), (3, 5, 4)]);
         assert!(reduce_parts(&[0, 0], &[0, 0]).is_empty());

@@ -34,11 +34,12 @@ use super::bootstrap::{agree as gather, Bootstrap, Exchange};
 use super::comm::{Comm, CommOptions};
 use super::nccl::NcclComm;
 use super::secret::JobSecret;
+use crate::args;
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
 use crate::sync::Orderer;
 use crate::traits::{Collectives, PointToPoint, Transfer};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::{Arc, Mutex};
 
 /// `(hosts, ranks per host)` when the ranks (by their host identities, in
@@ -258,10 +259,6 @@ impl Tiered {
         }
         Ok(())
     }
-
-    fn same_context<B: DeviceSlice<U>, U>(&self, op: &'static str, what: &'static str, b: &B) -> Result<()> {
-        crate::copy::check_context(op, what, self.context(), b.stream().context())
-    }
 }
 
 /// The two tiers' collectives (see [`Collectives`] for each one's contract).
@@ -292,9 +289,7 @@ impl Collectives for Tiered {
     /// average of the hosts' averages, which is every rank's average (every
     /// host has as many ranks).
     fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.same_context("all_reduce", "buffer", buf)?;
-        let count = buf.len();
+        let count = args::all_reduce_in_place(self.context(), buf, op)?;
         if count == 0 {
             return Ok(());
         }
@@ -307,13 +302,7 @@ impl Collectives for Tiered {
 
     /// Out-of-place all-reduce (as [`Comm::all_reduce`]).
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.same_context("all_reduce", "send", send)?;
-        self.same_context("all_reduce", "recv", recv)?;
-        let count = send.len();
-        if recv.len() != count {
-            return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
-        }
+        let count = args::all_reduce(self.context(), send, recv, op)?;
         if count == 0 {
             return Ok(());
         }
@@ -328,14 +317,8 @@ impl Collectives for Tiered {
     /// Reduce-scatter (as [`Comm::reduce_scatter`]): the two-tier
     /// all-reduce of the whole `send` into scratch, then this rank's block.
     fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.same_context("reduce_scatter", "send", send)?;
-        self.same_context("reduce_scatter", "recv", recv)?;
-        let (c, esz) = (recv.len(), T::DTYPE.size());
-        let total = c.checked_mul(self.size).ok_or_else(|| Error::InvalidArgument("reduce_scatter: count overflows".into()))?;
-        if send.len() != total {
-            return Err(Error::LengthMismatch { op: "reduce_scatter", expected: total, got: send.len() });
-        }
+        let (c, esz) = (args::reduce_scatter(self.context(), self.size, send, recv, op)?, T::DTYPE.size());
+        let total = send.len();
         if c == 0 {
             return Ok(());
         }
@@ -354,13 +337,7 @@ impl Collectives for Tiered {
     /// host's block of `recv`, then the hosts' blocks across hosts, both
     /// as bytes.
     fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
-        self.same_context("all_gather", "send", send)?;
-        self.same_context("all_gather", "recv", recv)?;
-        let (c, esz) = (send.len(), std::mem::size_of::<T>());
-        let total = c.checked_mul(self.size).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
-        if recv.len() != total {
-            return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
-        }
+        let (c, esz) = (args::all_gather(self.context(), self.size, send, recv)?, std::mem::size_of::<T>());
         if c == 0 {
             return Ok(());
         }
@@ -377,9 +354,7 @@ impl Collectives for Tiered {
     /// ranks with the root's local index (as bytes), then inside every
     /// host.
     fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
-        self.same_context("broadcast", "buffer", buf)?;
-        crate::error::check_root(root, self.size)?;
-        let count = buf.len();
+        let count = args::broadcast_in_place(self.context(), self.size, buf, root)?;
         if count == 0 {
             return Ok(());
         }
@@ -394,14 +369,7 @@ impl Collectives for Tiered {
 
     /// The root's `send` copied into its `recv`, then broadcast in place.
     fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
-        self.same_context("broadcast", "recv", recv)?;
-        crate::error::check_root(root, self.size)?;
-        if self.rank == root {
-            let send = send.ok_or_else(|| Error::InvalidArgument("broadcast: the root passes no send buffer".into()))?;
-            self.same_context("broadcast", "send", send)?;
-            if send.len() != recv.len() {
-                return Err(Error::LengthMismatch { op: "broadcast", expected: recv.len(), got: send.len() });
-            }
+        if let Some(send) = args::broadcast(self.context(), self.size, self.rank, send, recv, root)? {
             let bytes = recv.len() * std::mem::size_of::<T>();
             let (src, read) = self.order.read(send, self.stream())?;
             let (dst, write) = self.order.write(recv, self.stream())?;
@@ -413,14 +381,7 @@ impl Collectives for Tiered {
     /// Reduce to `root` (as [`Comm::reduce`]): the two-tier all-reduce into
     /// scratch, which the root copies into its `recv`.
     fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.same_context("reduce", "send", send)?;
-        self.same_context("reduce", "recv", recv)?;
-        crate::error::check_root(root, self.size)?;
-        let (count, esz) = (send.len(), T::DTYPE.size());
-        if recv.len() != count {
-            return Err(Error::LengthMismatch { op: "reduce", expected: count, got: recv.len() });
-        }
+        let (count, esz) = (args::reduce(self.context(), self.size, send, recv, op, root)?, T::DTYPE.size());
         if count == 0 {
             return Ok(());
         }
@@ -439,10 +400,7 @@ impl Collectives for Tiered {
     /// The two-tier all-reduce of `buf` into scratch, which the root copies
     /// back.
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.same_context("reduce", "buffer", buf)?;
-        crate::error::check_root(root, self.size)?;
-        let (count, esz) = (buf.len(), T::DTYPE.size());
+        let (count, esz) = (args::reduce_in_place(self.context(), self.size, buf, op, root)?, T::DTYPE.size());
         if count == 0 {
             return Ok(());
         }
@@ -468,17 +426,7 @@ impl Collectives for Tiered {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        const OP: &str = "reduce_scatter_v";
-        op.check(T::DTYPE)?;
-        self.same_context(OP, "send", send)?;
-        self.same_context(OP, "recv", recv)?;
-        let (offsets, total) = crate::traits::parts(OP, counts, self.size)?;
-        if send.len() != total {
-            return Err(Error::LengthMismatch { op: OP, expected: total, got: send.len() });
-        }
-        if recv.len() != counts[self.rank] {
-            return Err(Error::LengthMismatch { op: OP, expected: counts[self.rank], got: recv.len() });
-        }
+        let (offsets, _) = args::reduce_scatter_v(self.context(), self.size, self.rank, send, recv, counts, op)?;
         let _held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let (src, read) = self.order.read(send, self.stream())?;
         let (dst, write) = self.order.write(recv, self.stream())?;

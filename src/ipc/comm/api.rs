@@ -4,8 +4,9 @@
 
 use super::ops::{bytes_of, equal_parts};
 use super::{desc, Comm, Kind};
+use crate::args;
 use crate::dtype::{Element, Movable, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::sync::Orderer;
 use crate::traits::{self, counts_digest, Collectives, PointToPoint, Transfer};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
@@ -41,13 +42,7 @@ impl Collectives for Comm {
     /// The one-shot over every rank's slots (see the module docs of
     /// [`super`]).
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.check_buffer("all_reduce", "send", send)?;
-        self.check_buffer("all_reduce", "recv", recv)?;
-        let count = send.len();
-        if recv.len() != count {
-            return Err(Error::LengthMismatch { op: "all_reduce", expected: count, got: recv.len() });
-        }
+        let count = args::all_reduce(&self.ctx, send, recv, op)?;
         let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
@@ -59,9 +54,7 @@ impl Collectives for Comm {
     }
 
     fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.check_buffer("all_reduce", "buffer", buf)?;
-        let count = buf.len();
+        let count = args::all_reduce_in_place(&self.ctx, buf, op)?;
         let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
         if count == 0 {
             return Ok(());
@@ -72,13 +65,7 @@ impl Collectives for Comm {
     }
 
     fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
-        self.check_buffer("all_gather", "send", send)?;
-        self.check_buffer("all_gather", "recv", recv)?;
-        let (n, c) = (self.size, send.len());
-        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("all_gather: count overflows".into()))?;
-        if recv.len() != total {
-            return Err(Error::LengthMismatch { op: "all_gather", expected: total, got: recv.len() });
-        }
+        let (n, c) = (self.size, args::all_gather(&self.ctx, self.size, send, recv)?);
         let _call = self.enter(desc::<T>(Kind::AllGather, None, c, None))?;
         if c == 0 {
             return Ok(());
@@ -90,14 +77,7 @@ impl Collectives for Comm {
     }
 
     fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
-        op.check(T::DTYPE)?;
-        self.check_buffer("reduce_scatter", "send", send)?;
-        self.check_buffer("reduce_scatter", "recv", recv)?;
-        let (n, c) = (self.size, recv.len());
-        let total = c.checked_mul(n).ok_or_else(|| Error::InvalidArgument("reduce_scatter: count overflows".into()))?;
-        if send.len() != total {
-            return Err(Error::LengthMismatch { op: "reduce_scatter", expected: total, got: send.len() });
-        }
+        let (n, c) = (self.size, args::reduce_scatter(&self.ctx, self.size, send, recv, op)?);
         let _call = self.enter(desc::<T>(Kind::ReduceScatter, Some(op), c, None))?;
         if c == 0 {
             return Ok(());
@@ -113,19 +93,8 @@ impl Collectives for Comm {
     /// the root before anything is enqueued (its peers then wait for its
     /// call: [`Error::Timeout`] with `check_calls`).
     fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
-        crate::error::check_root(root, self.size)?;
-        self.check_buffer("broadcast", "recv", recv)?;
+        let send = args::broadcast(&self.ctx, self.size, self.rank, send, recv, root)?;
         let count = recv.len();
-        let send = if self.rank == root {
-            let send = send.ok_or_else(|| Error::InvalidArgument("broadcast: the root passes no send buffer".into()))?;
-            self.check_buffer("broadcast", "send", send)?;
-            if send.len() != count {
-                return Err(Error::LengthMismatch { op: "broadcast", expected: count, got: send.len() });
-            }
-            Some(send)
-        } else {
-            None
-        };
         let _call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
         if count == 0 {
             return Ok(());
@@ -145,9 +114,7 @@ impl Collectives for Comm {
     }
 
     fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
-        crate::error::check_root(root, self.size)?;
-        self.check_buffer("broadcast", "buffer", buf)?;
-        let count = buf.len();
+        let count = args::broadcast_in_place(&self.ctx, self.size, buf, root)?;
         let _call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
         if count == 0 || self.size == 1 {
             return Ok(());
@@ -158,14 +125,7 @@ impl Collectives for Comm {
     }
 
     fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::error::check_root(root, self.size)?;
-        self.check_buffer("reduce", "send", send)?;
-        self.check_buffer("reduce", "recv", recv)?;
-        let count = send.len();
-        if recv.len() != count {
-            return Err(Error::LengthMismatch { op: "reduce", expected: count, got: recv.len() });
-        }
+        let count = args::reduce(&self.ctx, self.size, send, recv, op, root)?;
         let _call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
         if count == 0 {
             return Ok(());
@@ -177,10 +137,7 @@ impl Collectives for Comm {
     }
 
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
-        op.check(T::DTYPE)?;
-        crate::error::check_root(root, self.size)?;
-        self.check_buffer("reduce", "buffer", buf)?;
-        let count = buf.len();
+        let count = args::reduce_in_place(&self.ctx, self.size, buf, op, root)?;
         let _call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
         if count == 0 {
             return Ok(());
@@ -209,10 +166,7 @@ impl Collectives for Comm {
     }
 
     fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
-        const OP: &str = "all_gather_v";
-        self.check_buffer(OP, "send", send)?;
-        self.check_buffer(OP, "recv", recv)?;
-        let (offsets, total) = traits::check_gather_v(OP, send.len(), recv.len(), counts, self.size, self.rank)?;
+        let (offsets, total) = args::all_gather_v(&self.ctx, self.size, self.rank, send, recv, counts)?;
         let mut d = desc::<T>(Kind::AllGatherV, None, total, None);
         d.extra = counts_digest(counts);
         let _call = self.enter(d)?;
@@ -233,12 +187,7 @@ impl Collectives for Comm {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        const OP: &str = "reduce_scatter_v";
-        op.check(T::DTYPE)?;
-        self.check_buffer(OP, "send", send)?;
-        self.check_buffer(OP, "recv", recv)?;
-        // The gather's checks with the buffers' roles swapped.
-        let (offsets, total) = traits::check_gather_v(OP, recv.len(), send.len(), counts, self.size, self.rank)?;
+        let (offsets, total) = args::reduce_scatter_v(&self.ctx, self.size, self.rank, send, recv, counts, op)?;
         let mut d = desc::<T>(Kind::ReduceScatterV, Some(op), total, None);
         d.extra = counts_digest(counts);
         let _call = self.enter(d)?;
