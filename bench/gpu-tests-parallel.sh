@@ -13,6 +13,9 @@ set -u
 ALONE=${ALONE:-thousand_copy_cycles_return_device_memory}
 export CUDA_PEER_REQUIRE_GPU=1 RUST_BACKTRACE=1 CUDA_PEER_NO_DOCTOR_CACHE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Up to 8 ranks that are threads share one device in the tests: a work queue
+# per stream (docs/multiprocess.md, "Ranks sharing a device").
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 mkdir -p "$OUT/logs"
 SHARDS=${SHARDS:-4}
 start=$(date +%s)

@@ -337,6 +337,25 @@ CP_SCALE_DIV_KERNEL(f32)
 CP_SCALE_DIV_KERNEL(f64)
 CP_SCALE_DIV_KERNEL(f16)
 CP_SCALE_DIV_KERNEL(bf16)
+
+// cp_copy(dst, src, n): n bytes from src to dst (distinct), with the SMs:
+// 16-byte vectors where both are 16-byte aligned, bytes otherwise. For
+// ranks that are threads sharing one device, whose copies must not queue
+// behind one another's on the copy engines while their kernels wait for
+// each other (see `Comm::copy` in src/ipc/comm/ops.rs).
+extern "C" __global__ void cp_copy(unsigned char* dst, const unsigned char* src, u64 n) {
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    if ((((u64)dst | (u64)src) & 15u) == 0) {
+        const u64 nv = n / 16;
+        uint4* vd = (uint4*)dst;
+        const uint4* vs = (const uint4*)src;
+        for (u64 i = tid; i < nv; i += stride) vd[i] = vs[i];
+        for (u64 i = nv * 16 + tid; i < n; i += stride) dst[i] = src[i];
+    } else {
+        for (u64 i = tid; i < n; i += stride) dst[i] = src[i];
+    }
+}
 #endif  // CP_BUILD_REDUCE
 
 // ---------------------------------------------------------------------------

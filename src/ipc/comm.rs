@@ -272,6 +272,10 @@ pub struct Comm {
     // Dropped after the fields above (the stream is synchronized in Drop).
     /// Whether the slots and staging buffers are in shared host memory.
     staged: bool,
+    /// Whether another rank is a thread of this process on this device
+    /// (one context: their streams share its hardware queues, so its
+    /// copies run on the SMs, `ops::copy`).
+    shares_context: bool,
     /// The graph captures this communicator's calls went into (the latest
     /// few), each of which holds `held`.
     captures: Mutex<Vec<u64>>,
@@ -715,6 +719,11 @@ impl Comm {
             })
             .collect();
         let ctx_for_ctl = ctx.clone();
+        let threads_here = infos.iter().filter(|i| i.fd.pid == own_info.fd.pid && i.bus == own_info.bus).count();
+        let shares_context = threads_here > 1;
+        if rank == 0 || shares_context {
+            warn_of_shared_queues(threads_here, device);
+        }
         let comm = Comm {
             rank,
             size,
@@ -735,6 +744,7 @@ impl Comm {
             pairs,
             pair_counters: pair_counters_ptr,
             staged,
+            shares_context,
             captures: Mutex::new(Vec::new()),
             held: Arc::new(Held {
                 funcs: FnTable::default(),
@@ -753,7 +763,6 @@ impl Comm {
         // running in it: a rank that loaded its first kernel while a peer's
         // waited for it would hold them both until the barrier timeout. So
         // such ranks load every kernel they may launch first.
-        let shares_context = infos.iter().enumerate().any(|(k, i)| k != rank && i.fd.pid == own_info.fd.pid && i.bus == own_info.bus);
         let loaded = if shares_context { comm.preload() } else { Ok(()) };
         agree(&*comm.exchange, "communicator: loading the kernels", loaded.map(|()| String::new()))?;
         if opts.verify {
@@ -776,7 +785,9 @@ impl Comm {
                 self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
             }
         }
-        self.held.red.get(Kernel::PairSync, || function(&self.ctx, Kernel::PairSync))?;
+        for kernel in [Kernel::PairSync, Kernel::Copy] {
+            self.held.red.get(kernel, || function(&self.ctx, kernel))?;
+        }
         Ok(())
     }
 
@@ -987,6 +998,24 @@ impl Drop for Comm {
         if let Err(e) = self.stream.synchronize() {
             log::warn!("cuda-peer: communicator rank {}: synchronize on drop failed: {e:?}", self.rank);
         }
+    }
+}
+
+/// Says, once per process, where `threads` ranks that are threads of this
+/// process share device `device` with fewer hardware work queues than
+/// their streams may need: their kernels wait for each other on the
+/// device, and two ranks' streams in one queue can hold each other up
+/// until the barrier timeout (an error, not a hang).
+fn warn_of_shared_queues(threads: usize, device: usize) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(8);
+    if threads > 2 && queues < 32 {
+        SAID.call_once(|| {
+            log::warn!(
+                "cuda-peer: {threads} ranks share device {device} in this process with {queues} hardware work queues: \
+                 set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (docs/multiprocess.md)"
+            )
+        });
     }
 }
 

@@ -81,6 +81,26 @@ pub(crate) unsafe fn scale_div(
     Ok(())
 }
 
+/// Launches a copy of `bytes` from `src` to `dst` by the SMs (`cp_copy`).
+///
+/// # Safety
+///
+/// `f` is `cp_copy` loaded in `stream`'s context; `dst` and `src` hold
+/// `bytes` bytes each, reachable from the device (its memory, peer memory
+/// with read-write access, or mapped host memory), not overlapping, alive
+/// until the kernel is done.
+pub(crate) unsafe fn copy(stream: &CudaStream, f: &CudaFunction, dst: u64, src: u64, bytes: usize, max_blocks: u32) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let n = bytes as u64;
+    let mut launch = stream.launch_builder(f);
+    launch.arg(&dst).arg(&src).arg(&n);
+    // SAFETY: the caller's contract.
+    unsafe { launch.launch(elementwise_grid(bytes, DType::U8, max_blocks)) }.map_err(cudarc_err("cuLaunchKernel (copy)"))?;
+    Ok(())
+}
+
 /// One rank's launch of the one-shot all-reduce (`cp_oneshot_*`): its lane
 /// (grid, slots, flags, counters), its buffers, and the group's control
 /// block.

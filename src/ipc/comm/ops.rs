@@ -305,12 +305,26 @@ impl Comm {
     }
 
     /// Copies `bytes` from `src` to `dst` on this rank's stream (either may
-    /// be a peer's staging buffer, mapped here: a copy over P2P).
+    /// be a peer's staging buffer, mapped here: a copy over P2P). Where
+    /// another rank is a thread of this process on this device, by the
+    /// SMs: the ranks' streams share the context's hardware queues, and a
+    /// copy engine's queue serves its copies in order, so a rank's copy
+    /// waiting (in its stream) for its barrier could hold up, in a shared
+    /// queue, the copy of the peer that barrier waits for, until the
+    /// barrier timeout.
     pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
         self.hold_for_capture()?;
+        if self.shares_context {
+            let f = self.held.red.get(Kernel::Copy, || function(&self.ctx, Kernel::Copy))?;
+            // SAFETY: `f` is this context's `cp_copy`; both ranges hold
+            // `bytes` bytes as for the copy below, and do not overlap (a
+            // caller's buffer and a staging slot, or two callers' buffers
+            // that a collective's checks keep apart).
+            return unsafe { kernels::launch::copy(&self.stream, f, dst, src, bytes, self.max_blocks) };
+        }
         bind(&self.ctx)?;
         // SAFETY: both ranges hold `bytes` bytes, on this device or in a
         // peer's staging buffer mapped here with read-write access, alive
