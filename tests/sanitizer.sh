@@ -13,6 +13,11 @@
 #   soak    examples/soak, 40 random collectives of at most 1025 elements,
 #           every type, op and collective, eager and graph-replayed
 #   soak-eager  the same soak with no graphs (for racecheck, below)
+#   rings   the ring of 3 to 8 ranks of one process (every type), sharing the
+#           GPUs present (copies and reduction kernels, no device barrier)
+#   mp      processes (2 and 3, each its own context, sharing the GPUs
+#           present): every collective, every type and op, P2P and staged,
+#           one-shot lanes included (--target-processes all)
 # memcheck runs copy, groups and soak; racecheck and synccheck (shared memory
 # and __syncthreads hazards) the two with kernels (SANITIZER_RUNS picks others). The fused kernels wait for
 # each other across GPUs at device-side barriers: where a tool serializes
@@ -35,6 +40,7 @@ limit=${SANITIZER_TIMEOUT:-90}
 export CUDA_PEER_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0 RUST_BACKTRACE=1
 copy=$(ls .gpu/tests/*-copy-test 2>/dev/null | head -1)
 coll=$(ls .gpu/tests/*-collectives-test 2>/dev/null | head -1)
+mp=$(ls .gpu/tests/*-multiprocess-test 2>/dev/null | head -1)
 soak=.gpu/examples/soak
 for b in "$copy" "$coll" "$soak"; do
   if [ -z "$b" ] || [ ! -x "$b" ]; then
@@ -59,6 +65,8 @@ run() {  # tool, name, command...
 copy_args=("$copy" --test-threads=1 --exact p2p_copies_every_byte_both_ways staged_copies_every_byte_both_ways)
 coll_args=("$coll" --test-threads=1 --exact single_rank_group_is_identity bad_input_is_refused)
 soak_args=("$soak" --iters 40 --max-ranks 2 --max-count 1025 --graph-every 4 --seed 16)
+rings_args=("$coll" --test-threads=1 --exact larger_rings_every_type)
+mp_args=("$mp" --test-threads=1 --exact two_processes_every_collective_type_and_op two_processes_staged_every_collective_type_and_op three_processes_all_reduce_every_type_and_op)
 # racecheck loses track of kernels launched from CUDA graphs ("Internal
 # Sanitizer Error: Detected a failure to track a kernel launch", seen on
 # H200, compute-sanitizer 2025.3.1, counted as an error): soak-eager is the
@@ -66,7 +74,7 @@ soak_args=("$soak" --iters 40 --max-ranks 2 --max-count 1025 --graph-every 4 --s
 # soak with graphs.
 soak_eager_args=("$soak" --iters 40 --max-ranks 2 --max-count 1025 --graph-every 0 --seed 16)
 # SANITIZER_RUNS picks a subset ("tool:name ...", e.g. "memcheck:soak").
-runs=${SANITIZER_RUNS:-memcheck:copy memcheck:groups memcheck:soak racecheck:groups racecheck:soak-eager synccheck:groups synccheck:soak}
+runs=${SANITIZER_RUNS:-memcheck:copy memcheck:groups memcheck:soak memcheck:rings memcheck:mp racecheck:groups racecheck:soak-eager synccheck:groups synccheck:soak}
 for r in $runs; do
   tool=${r%%:*}
   case ${r#*:} in
@@ -74,6 +82,8 @@ for r in $runs; do
     groups) run "$tool" groups "${coll_args[@]}" ;;
     soak) run "$tool" soak "${soak_args[@]}" ;;
     soak-eager) run "$tool" soak-eager "${soak_eager_args[@]}" ;;
+    rings) run "$tool" rings "${rings_args[@]}" ;;
+    mp) [ -n "$mp" ] && run "$tool" mp "${mp_args[@]}" || { echo "sanitizer.sh: no multiprocess test binary" >&2; status=1; } ;;
     *) echo "sanitizer.sh: unknown run $r" >&2; status=1 ;;
   esac
 done
