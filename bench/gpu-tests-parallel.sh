@@ -13,9 +13,12 @@ set -u
 ALONE=${ALONE:-thousand_copy_cycles_return_device_memory}
 export CUDA_PEER_REQUIRE_GPU=1 RUST_BACKTRACE=1 CUDA_PEER_NO_DOCTOR_CACHE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Up to 8 ranks that are threads share one device in the tests: a work queue
-# per stream (docs/multiprocess.md, "Ranks sharing a device").
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+# The binaries whose tests run up to 8 ranks as threads on one device get a
+# work queue per stream (docs/multiprocess.md, "Ranks sharing a device");
+# not every binary: the device holds only so many queues for all the
+# contexts the shards open at once (32 each everywhere ran out: context
+# creation failed with CUDA_ERROR_OUT_OF_MEMORY).
+QUEUES_FOR=${QUEUES_FOR:-p2p comm}
 mkdir -p "$OUT/logs"
 SHARDS=${SHARDS:-4}
 start=$(date +%s)
@@ -33,7 +36,10 @@ for t in .gpu/tests/*; do
     shard=()
     for ((i = s; i < ${#tests[@]}; i += n)); do shard+=("${tests[$i]}"); done
     [ "${#shard[@]}" -eq 0 ] && continue
-    ( timeout ${SHARD_TIMEOUT:-200} "$t" --test-threads=1 --exact "${shard[@]}" > "$OUT/logs/$b.$s.log" 2>&1; echo "rc=$?" >> "$OUT/logs/$b.$s.log" ) &
+    queues=
+    for q in $QUEUES_FOR; do case "$b" in *-"$q"-test) queues=32 ;; esac; done
+    ( [ -z "$queues" ] || export CUDA_DEVICE_MAX_CONNECTIONS=$queues
+      timeout ${SHARD_TIMEOUT:-200} "$t" --test-threads=1 --exact "${shard[@]}" > "$OUT/logs/$b.$s.log" 2>&1; echo "rc=$?" >> "$OUT/logs/$b.$s.log" ) &
     pids+=($!)
     names+=("$b.$s")
   done

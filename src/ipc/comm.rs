@@ -304,8 +304,11 @@ struct Held {
 /// Where every rank's slots, flags and staging buffer live.
 #[derive(Debug)]
 enum Memory {
-    /// In each rank's device memory, mapped by every peer (P2P).
-    Device { own: DeviceRegion, peers: Vec<DeviceRegion> },
+    /// In each rank's device memory, mapped by every peer (P2P): a peer of
+    /// another process through its imported descriptor, a peer that is a
+    /// thread of this process on this device through the owner's own
+    /// mapping ([`owned`]).
+    Device { own: Arc<DeviceRegion>, peers: Vec<Arc<DeviceRegion>> },
     /// In one host buffer the processes share, page-locked and mapped for
     /// each rank's device: rank k's region at `k * per_rank` (the staged
     /// path).
@@ -598,8 +601,9 @@ impl Comm {
             let own = if staged {
                 None
             } else {
-                let own = DeviceRegion::allocate(&ctx, region)?;
+                let own = Arc::new(DeviceRegion::allocate(&ctx, region)?);
                 own.zero(&stream)?;
+                owned::hold(&ctx, &own);
                 Some((own.export_fd()?, own))
             };
             // Staged: every rank's region in one shared host buffer of rank 0's.
@@ -666,7 +670,7 @@ impl Comm {
                         op: "communicator: descriptors",
                         reason: format!("rank {} claims a region of {} bytes", g.from, g.tag),
                     })?;
-                    peers.push(DeviceRegion::import(&ctx, g.fd.as_fd(), claimed)?);
+                    peers.push(Arc::new(DeviceRegion::import(&ctx, g.fd.as_fd(), claimed)?));
                 }
                 let own = own.map(|o| o.1).ok_or_else(|| Error::Internal("no own region".into()))?;
                 Memory::Device { peers, own }
@@ -674,8 +678,24 @@ impl Comm {
             Ok((memory, CallBoard::new(board, size)?))
         })();
         drop(listener);
-        agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|_| String::new()).map_err(Clone::clone))?;
-        let (memory, board) = imported?;
+        // Each rank's own mapping of its region, for the peers that are
+        // threads of this process on this device.
+        let own_addr = |m: &Memory| match m {
+            Memory::Device { own, .. } => own.device_ptr().to_string(),
+            Memory::Host { .. } => String::new(),
+        };
+        let addrs = agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|(m, _)| own_addr(m)).map_err(Clone::clone))?;
+        let (mut memory, board) = imported?;
+        if let Memory::Device { peers, .. } = &mut memory {
+            for (k, info) in infos.iter().enumerate().filter(|&(k, i)| k != rank && i.fd.pid == own_info.fd.pid && i.bus == own_info.bus) {
+                let slot = if k < rank { k } else { k - 1 };
+                let addr = number::<u64>(&addrs[k]);
+                peers[slot] = addr.and_then(|a| owned::find(&ctx, a, peers[slot].len())).ok_or_else(|| Error::Bootstrap {
+                    op: "communicator: mapping the peers' memory",
+                    reason: format!("rank {k} (a thread of this process, on {}) names a region this process does not hold", info.bus),
+                })?;
+            }
+        }
         // Each rank's region, as mapped here, and its length.
         let regions: Vec<(u64, usize)> = match &memory {
             Memory::Host { reg, per_rank } => (0..size).map(|k| (reg.device_ptr() + (k * per_rank) as u64, *per_rank)).collect(),
@@ -1016,6 +1036,38 @@ fn warn_of_shared_queues(threads: usize, device: usize) {
                  set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (docs/multiprocess.md)"
             )
         });
+    }
+}
+
+/// The device regions of this process's communicators, by context and
+/// address: ranks that are threads of one process on one device reach each
+/// other's regions through the owner's mapping, found here (and held, so
+/// that it outlives the owner as an import would), not through a second,
+/// imported mapping of the same memory (accesses to one location through
+/// two virtual addresses are outside the guarantees of the GPU's memory
+/// model). Only regions this process allocated are found: an address a
+/// peer names is never used unless it is one of them, of the length the
+/// peer's descriptor claims.
+mod owned {
+    use super::DeviceRegion;
+    use cudarc::driver::CudaContext;
+    use std::sync::{Arc, Mutex, Weak};
+
+    type Entry = (usize, u64, Weak<DeviceRegion>);
+
+    static OWNED: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+    /// Records `region`, allocated in `ctx` (dropped entries are pruned).
+    pub(super) fn hold(ctx: &CudaContext, region: &Arc<DeviceRegion>) {
+        let mut all = OWNED.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|e| e.2.strong_count() > 0);
+        all.push((ctx.cu_ctx() as usize, region.device_ptr(), Arc::downgrade(region)));
+    }
+
+    /// The live region at `addr` in `ctx`, if it is `len` bytes long.
+    pub(super) fn find(ctx: &CudaContext, addr: u64, len: usize) -> Option<Arc<DeviceRegion>> {
+        let all = OWNED.lock().unwrap_or_else(|p| p.into_inner());
+        all.iter().filter(|e| e.0 == ctx.cu_ctx() as usize && e.1 == addr).find_map(|e| e.2.upgrade()).filter(|r| r.len() == len)
     }
 }
 
