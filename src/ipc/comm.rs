@@ -279,6 +279,8 @@ pub struct Comm {
     /// The graph captures this communicator's calls went into (the latest
     /// few), each of which holds `held`.
     captures: Mutex<Vec<u64>>,
+    /// Enqueues so far and the event of the last pacing point (`pace`).
+    pace: Mutex<(u64, Option<cudarc::driver::CudaEvent>)>,
     /// What its kernels and copies touch.
     held: Arc<Held>,
 }
@@ -766,6 +768,7 @@ impl Comm {
             staged,
             shares_context,
             captures: Mutex::new(Vec::new()),
+            pace: Mutex::new((0, None)),
             held: Arc::new(Held {
                 funcs: FnTable::default(),
                 div: FnTable::default(),
@@ -956,6 +959,35 @@ impl Comm {
                 }
                 seen.push(id);
             }
+            return Ok(());
+        }
+        self.pace()
+    }
+
+    /// Where other ranks are threads of this process on this device (one
+    /// context), keeps this rank at most about `2 * PACE_EVERY` enqueues
+    /// ahead of its stream: every `PACE_EVERY` enqueues it records an event
+    /// and waits (bounded by the barrier timeout) for the one before. The
+    /// ranks' work waits for each other on the device, and the context's
+    /// command queues are shared and finite: a rank that queued far ahead
+    /// could fill them, so that a peer's enqueue blocks in the driver and
+    /// the work the first rank waits for never reaches the device, until
+    /// the barrier timeout (seen on one H200 with 7 thread ranks, about
+    /// 300 enqueues each). Not while capturing: nothing runs then.
+    fn pace(&self) -> Result<()> {
+        const PACE_EVERY: u64 = 32;
+        if !self.shares_context {
+            return Ok(());
+        }
+        let mut pace = self.pace.lock().unwrap_or_else(|p| p.into_inner());
+        pace.0 += 1;
+        if pace.0 % PACE_EVERY != 0 {
+            return Ok(());
+        }
+        let event = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate (pacing)"))?;
+        event.record(&self.stream).map_err(cudarc_err("cuEventRecord (pacing)"))?;
+        if let Some(before) = pace.1.replace(event) {
+            wait_bounded(&before, "communicator: pacing the enqueues of ranks sharing a context", self.barrier_timeout)?;
         }
         Ok(())
     }
