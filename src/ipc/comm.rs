@@ -279,8 +279,6 @@ pub struct Comm {
     /// The graph captures this communicator's calls went into (the latest
     /// few), each of which holds `held`.
     captures: Mutex<Vec<u64>>,
-    /// Enqueues so far and the event of the last pacing point (`pace`).
-    pace: Mutex<(u64, Option<cudarc::driver::CudaEvent>)>,
     /// What its kernels and copies touch.
     held: Arc<Held>,
 }
@@ -768,7 +766,6 @@ impl Comm {
             staged,
             shares_context,
             captures: Mutex::new(Vec::new()),
-            pace: Mutex::new((0, None)),
             held: Arc::new(Held {
                 funcs: FnTable::default(),
                 div: FnTable::default(),
@@ -959,37 +956,15 @@ impl Comm {
                 }
                 seen.push(id);
             }
-            return Ok(());
-        }
-        self.pace()
-    }
-
-    /// Where other ranks are threads of this process on this device (one
-    /// context), keeps this rank at most about `2 * PACE_EVERY` enqueues
-    /// ahead of its stream: every `PACE_EVERY` enqueues it records an event
-    /// and waits (bounded by the barrier timeout) for the one before. The
-    /// ranks' work waits for each other on the device, and the context's
-    /// command queues are shared and finite: a rank that queued far ahead
-    /// could fill them, so that a peer's enqueue blocks in the driver and
-    /// the work the first rank waits for never reaches the device, until
-    /// the barrier timeout (seen on one H200 with 7 thread ranks, about
-    /// 300 enqueues each). Not while capturing: nothing runs then.
-    fn pace(&self) -> Result<()> {
-        const PACE_EVERY: u64 = 32;
-        if !self.shares_context {
-            return Ok(());
-        }
-        let mut pace = self.pace.lock().unwrap_or_else(|p| p.into_inner());
-        pace.0 += 1;
-        if pace.0 % PACE_EVERY != 0 {
-            return Ok(());
-        }
-        let event = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate (pacing)"))?;
-        event.record(&self.stream).map_err(cudarc_err("cuEventRecord (pacing)"))?;
-        if let Some(before) = pace.1.replace(event) {
-            wait_bounded(&before, "communicator: pacing the enqueues of ranks sharing a context", self.barrier_timeout)?;
         }
         Ok(())
+    }
+
+    /// A pacer for a run of synchronisation points (barriers or meetings)
+    /// that the peers reach in the same order ([`Pacer`]).
+    pub(super) fn pacer(&self) -> Result<Pacer<'_>> {
+        let on = self.shares_context && capture_of(&self.stream)?.is_none();
+        Ok(Pacer { comm: self, on, after: std::collections::VecDeque::new() })
     }
 
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
@@ -1068,6 +1043,46 @@ fn warn_of_shared_queues(threads: usize, device: usize) {
                  set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (docs/multiprocess.md)"
             )
         });
+    }
+}
+
+/// Where other ranks are threads of this process on this device (one
+/// context), keeps a rank at most [`Pacer::AHEAD`] synchronisation points
+/// (of one run that its peers reach in the same order: a collective's
+/// barriers, an exchange's meetings) ahead of its stream: after each
+/// point, an event; past `AHEAD`, a bounded wait for the point `AHEAD`
+/// before. The ranks' work waits for each other on the device and the
+/// context's command queues are shared and finite: a rank that queued far
+/// ahead could fill them, so that a peer's enqueue blocked in the driver
+/// and the point the first rank waited for never reached the device (7
+/// thread ranks on one H200, about 300 enqueues each: a timeout on every
+/// run). A point `AHEAD` back completes once every peer has enqueued it,
+/// which a peer waiting at its own later point already has. Off while
+/// capturing (nothing runs) and for ranks with a context of their own.
+pub(super) struct Pacer<'a> {
+    comm: &'a Comm,
+    on: bool,
+    after: std::collections::VecDeque<cudarc::driver::CudaEvent>,
+}
+
+impl Pacer<'_> {
+    const AHEAD: usize = 8;
+
+    /// After a synchronisation point was enqueued.
+    pub(super) fn passed(&mut self) -> Result<()> {
+        if !self.on {
+            return Ok(());
+        }
+        let c = self.comm;
+        let event = c.ctx.new_event(None).map_err(cudarc_err("cuEventCreate (pacing)"))?;
+        event.record(&c.stream).map_err(cudarc_err("cuEventRecord (pacing)"))?;
+        self.after.push_back(event);
+        if self.after.len() > Self::AHEAD {
+            if let Some(before) = self.after.pop_front() {
+                wait_bounded(&before, "communicator: pacing the enqueues of ranks sharing a context", c.barrier_timeout)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -239,11 +239,13 @@ impl Comm {
     ) -> Result<()> {
         let per = per.max(1);
         let (mut o, mut i) = (0, 0usize);
+        let mut pacer = self.pacer()?;
         while o < count {
             let len = per.min(count - o);
             let h = ((i % 2) * self.half) as u64;
             write(o, len, h)?;
             self.barrier()?;
+            pacer.passed()?;
             read(o, len, h)?;
             o += len;
             i += 1;

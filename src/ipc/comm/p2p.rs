@@ -74,12 +74,14 @@ impl Comm {
         // bytes are messages too).
         let rounds = out.max(inn).div_ceil(stride).max(1);
         let views = (view(outs), view(ins));
+        let mut pacer = self.pacer()?;
         for i in 0..rounds {
             let h = ((i % 2) * self.half) as u64;
             let o = i * stride;
             let slot = self.data[me] + h + (q * stride) as u64;
             each_piece(outs, o, stride.min(out.saturating_sub(o)), |src, at, len| self.copy(slot + at as u64, src, len))?;
             self.meet(q, (i == 0).then_some(views))?;
+            pacer.passed()?;
             let theirs = self.data[q] + h + (me * stride) as u64;
             each_piece(ins, o, stride.min(inn.saturating_sub(o)), |dst, at, len| self.copy(dst, theirs + at as u64, len))?;
         }
