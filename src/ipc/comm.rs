@@ -272,6 +272,9 @@ pub struct Comm {
     // Dropped after the fields above (the stream is synchronized in Drop).
     /// Whether the slots and staging buffers are in shared host memory.
     staged: bool,
+    /// The events of [`Pacer`] (`Pacer::AHEAD + 1`, where another rank is a
+    /// thread of this process on this device; none otherwise).
+    pace_events: Vec<cudarc::driver::CudaEvent>,
     /// Whether another rank is a thread of this process on this device
     /// (one context: their streams share its hardware queues, so its
     /// copies run on the SMs, `ops::copy`).
@@ -744,6 +747,14 @@ impl Comm {
         if rank == 0 || shares_context {
             warn_of_shared_queues(threads_here, device);
         }
+        let pace_events = if shares_context {
+            (0..=Pacer::AHEAD)
+                .map(|_| ctx.new_event(None))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(cudarc_err("cuEventCreate (pacing)"))?
+        } else {
+            Vec::new()
+        };
         let comm = Comm {
             rank,
             size,
@@ -765,6 +776,7 @@ impl Comm {
             pair_counters: pair_counters_ptr,
             staged,
             shares_context,
+            pace_events,
             captures: Mutex::new(Vec::new()),
             held: Arc::new(Held {
                 funcs: FnTable::default(),
@@ -963,8 +975,8 @@ impl Comm {
     /// A pacer for a run of synchronisation points (barriers or meetings)
     /// that the peers reach in the same order ([`Pacer`]).
     pub(super) fn pacer(&self) -> Result<Pacer<'_>> {
-        let on = self.shares_context && capture_of(&self.stream)?.is_none();
-        Ok(Pacer { comm: self, on, after: std::collections::VecDeque::new() })
+        let on = !self.pace_events.is_empty() && capture_of(&self.stream)?.is_none();
+        Ok(Pacer { comm: self, on, points: 0 })
     }
 
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].
@@ -1059,10 +1071,13 @@ fn warn_of_shared_queues(threads: usize, device: usize) {
 /// run). A point `AHEAD` back completes once every peer has enqueued it,
 /// which a peer waiting at its own later point already has. Off while
 /// capturing (nothing runs) and for ranks with a context of their own.
+/// The events are the communicator's own, made with it: creating an event
+/// in the middle of a call may wait for the context's running kernels,
+/// among them a peer's, waiting for this rank's next enqueue.
 pub(super) struct Pacer<'a> {
     comm: &'a Comm,
     on: bool,
-    after: std::collections::VecDeque<cudarc::driver::CudaEvent>,
+    points: usize,
 }
 
 impl Pacer<'_> {
@@ -1074,14 +1089,13 @@ impl Pacer<'_> {
             return Ok(());
         }
         let c = self.comm;
-        let event = c.ctx.new_event(None).map_err(cudarc_err("cuEventCreate (pacing)"))?;
-        event.record(&c.stream).map_err(cudarc_err("cuEventRecord (pacing)"))?;
-        self.after.push_back(event);
-        if self.after.len() > Self::AHEAD {
-            if let Some(before) = self.after.pop_front() {
-                wait_bounded(&before, "communicator: pacing the enqueues of ranks sharing a context", c.barrier_timeout)?;
-            }
+        let ring = c.pace_events.len();
+        c.pace_events[self.points % ring].record(&c.stream).map_err(cudarc_err("cuEventRecord (pacing)"))?;
+        if self.points >= Self::AHEAD {
+            let before = &c.pace_events[(self.points - Self::AHEAD) % ring];
+            wait_bounded(before, "communicator: pacing the enqueues of ranks sharing a context", c.barrier_timeout)?;
         }
+        self.points += 1;
         Ok(())
     }
 }
