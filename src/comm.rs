@@ -40,11 +40,11 @@ use crate::dtype::{Element, Movable, ReduceOp};
 use crate::error::{Error, Result};
 use crate::ipc::{self, bootstrap::Exchange, nccl::NcclComm, tiered, tiered::Tiered, Bootstrap, CommOptions, Id, ThreadExchange};
 use crate::traits::{Blocks, Collectives};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use std::sync::Arc;
 
 pub mod group;
 mod split;
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
-use std::sync::Arc;
 
 /// What carries a [`Comm`]'s collectives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,8 +29,8 @@
 //! # Modules
 //!
 //! Public:
-//! - `comm` (Linux): the per-rank communicator `Comm` (`from_rank` with an `Id`, `from_env`, `from_exchange`, `from_devices`), and `Engine`, what carries its collectives.
-//! - [`traits`]: [`Collectives`], the collectives of one rank with cudarc's names, implemented by `Comm` and by every engine under it.
+//! - `comm` (Linux): the per-rank communicator `Comm` (`from_rank` with an `Id`, `from_env`, `from_exchange`, `from_devices`), its collectives, point-to-point calls (`send`, `recv`, `group`), all-to-all(-v), the uneven collectives and `split`, and `Engine`, what carries them.
+//! - [`traits`]: [`Collectives`], the collectives and point-to-point calls of one rank with cudarc's names, implemented by `Comm` and by every engine under it (the point-to-point calls written once over each engine's transfers), and [`Blocks`].
 //! - `compat` (Linux): shapes of other libraries' APIs over cuda-peer's own (`compat::nccl`: `cudarc::nccl`'s paths and signatures over `Comm`).
 //! - `ipc` (Linux): the per-rank engines and how ranks meet: bootstrap, `Id`, `ThreadExchange`, shared device and host memory, `ipc::Comm` within a host, NCCL between hosts (`NcclComm`) and the two tiers.
 //! - [`group`]: the single-process API, a [`Group`] of ranks with its options and accessors.
@@ -46,6 +46,7 @@
 //! - [`error`]: the crate's one error type.
 //!
 //! Inside:
+//! - `args`: the argument checks of each per-rank collective, once for every engine.
 //! - `algorithms`: the group's all-reduce algorithms (ring, mesh, one-shot) behind one interface, and the one place that picks among them; the one-shot's layout, which `ipc` uses too.
 //! - `communicator`: the group's ranks (context, stream, device), routes, launchers and kernel tables, and how one call is launched on every rank.
 //! - `kernels`: the embedded kernels, their typed names, loading them per context, and one typed launch per kernel for both engines.
@@ -67,6 +68,7 @@
 //!
 //! ```text
 //! api          comm, compat                      the per-rank API: Comm; other libraries' shapes
+//!              traits, args                      Collectives, point-to-point over any engine, checks
 //!              ipc::comm, ipc::nccl, ipc::tiered its engines: ipc::Comm, NcclComm, two tiers
 //!              group, collectives, raw           the single-process API: Group
 //! algorithms   ring, mesh, one-shot; the pick    the group's (ipc uses the one-shot's layout)
@@ -76,15 +78,16 @@
 //!              ipc::{bootstrap, id, threads,     how ranks meet (Rendezvous, Id, ThreadExchange)
 //!              fdpass, shm, vmm}                 and share memory (descriptors, memfd, VMM)
 //! ordering     sync, graph
-//! base         driver, dtype, error, traits, sys
+//! base         driver, dtype, error, sys
 //! ```
 //!
 //! (`failure` keeps its control block in `copy`'s pinned host memory.)
 //!
-//! Where things go: a new per-rank collective (all-to-all, say) is a
-//! method of [`Collectives`] implemented by each engine (`ipc::Comm`,
-//! `NcclComm`, the two tiers) and forwarded by `Comm`, and the compiler
-//! lists every engine that lacks it; a new engine is a variant of
+//! Where things go: a new per-rank collective is a method of
+//! [`Collectives`] implemented by each engine (`ipc::Comm`, `NcclComm`, the
+//! two tiers) and forwarded by `Comm`, and the compiler lists every engine
+//! that lacks it; one made of point-to-point transfers is written once in
+//! `traits` over each engine's transfers; a new engine is a variant of
 //! `comm::Engine` implementing [`Collectives`]; a new way for ranks to meet
 //! is an `ipc::Exchange`. For the group, until it is rebuilt on the
 //! per-rank engine: a new all-reduce algorithm is a module in `algorithms`
