@@ -1110,7 +1110,7 @@ impl Pacer<'_> {
 /// peer names is never used unless it is one of them, of the length the
 /// peer's descriptor claims.
 mod owned {
-    use super::DeviceRegion;
+    use crate::ipc::vmm::DeviceRegion;
     use cudarc::driver::CudaContext;
     use std::sync::{Arc, Mutex, Weak};
 
