@@ -1018,8 +1018,9 @@ impl Comm {
         // `input`/`output` hold `count` elements of `dtype` on this rank's
         // device (checked by the callers); the lane's push regions (the
         // peers' regions, imported and mapped with read-write access for
-        // this device, P2P checked; or the shared host buffer, registered
-        // for it) and its pull region were sized by one `layout` on every
+        // this device, P2P checked, or a thread rank's on this device
+        // through its owner's mapping, held through `owned`; or the shared
+        // host buffer, registered for it) and its pull region were sized by one `layout` on every
         // rank and live in `held`, which this communicator and the graphs
         // its calls were captured into keep alive. Every rank runs the
         // lane's grid and `ahead` on each call of the lane (the callers'

@@ -112,8 +112,9 @@ impl Comm {
         // SAFETY: `f` is this context's `cp_pair_sync`. The pair areas are
         // `PAIR_AREA_BYTES` at the same offset of every rank's region (one
         // `layout` on every rank), this rank's own and the peer's as mapped
-        // here (imported with read-write access, P2P checked; or the shared
-        // host buffer, registered for this device), alive in `held` as
+        // here (imported with read-write access, P2P checked, or a thread
+        // rank's on this device through its owner's mapping, held through
+        // `owned`; or the shared host buffer, registered for this device), alive in `held` as
         // long as this communicator and every graph its calls went into;
         // `q`, `me` < size <= MAX_RANKS, so each word lies in its area. The
         // counter is word `q` of this rank's `size` counters and the
