@@ -20,43 +20,15 @@ mod common;
 
 use common::num::{self, Num};
 use common::procs::{self, all_succeeded, child, passes, spawn};
+use common::ranks::{each, exclusive, streams};
 use common::{gpu_count, gpus, has_gpus, skipped};
 use cuda_peer::comm::Engine;
 use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
 use cuda_peer::{Collectives, Comm, CommOptions, Error, Id, Path, PathPolicy, ReduceOp};
 use half::bf16;
-use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
-
-/// `n` streams over the devices present, round robin.
-fn streams(ctxs: &[Arc<cuda_peer::cudarc::driver::CudaContext>], n: usize) -> Vec<Arc<CudaStream>> {
-    (0..n).map(|r| ctxs[r % ctxs.len()].new_stream().expect("stream")).collect()
-}
-
-/// Runs `f(rank, comm)` on one thread per rank and returns what each gave.
-fn each<R: Send>(comms: &[Comm], f: impl Fn(usize, &Comm) -> R + Sync) -> Vec<R> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .enumerate()
-            .map(|(r, c)| {
-                let f = &f;
-                s.spawn(move || f(r, c))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
-    })
-}
-
-/// Held by every GPU test for its whole run: the tests of this file run one
-/// at a time on the device (a communicator's kernels wait for each other on
-/// the GPU; another test's kernels beside them could keep a rank's from
-/// being resident until the barrier timeout).
-fn exclusive() -> MutexGuard<'static, ()> {
-    static GPU: Mutex<()> = Mutex::new(());
-    GPU.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 // ---- element types, inputs and the comparison ----
 

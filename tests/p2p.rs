@@ -24,6 +24,7 @@ mod common;
 
 use common::num::{self, Num};
 use common::procs::{self, all_succeeded, child, passes, spawn};
+use common::ranks::{each, exclusive, streams};
 use common::{gpu_count, gpus, has_gpus, skipped};
 use cuda_peer::comm::Engine;
 use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -33,37 +34,10 @@ use cuda_peer::traits::Blocks;
 use cuda_peer::{Comm, CommOptions, Error, Id, Path, PathPolicy, ReduceOp};
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
-use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 // ---- ranks as threads ----
-
-/// `n` streams over the devices present, round robin.
-fn streams(ctxs: &[Arc<CudaContext>], n: usize) -> Vec<Arc<CudaStream>> {
-    (0..n).map(|r| ctxs[r % ctxs.len()].new_stream().expect("stream")).collect()
-}
-
-/// Runs `f(rank, comm)` on one thread per rank, all at once, and returns
-/// what each gave.
-fn each<R: Send>(comms: &[Comm], f: impl Fn(usize, &Comm) -> R + Sync) -> Vec<R> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .enumerate()
-            .map(|(r, c)| {
-                let f = &f;
-                s.spawn(move || f(r, c))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
-    })
-}
-
-/// Held by every GPU test for its whole run (see the module docs).
-fn exclusive() -> MutexGuard<'static, ()> {
-    static GPU: Mutex<()> = Mutex::new(());
-    GPU.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn next(r: usize, n: usize) -> usize {
     (r + 1) % n

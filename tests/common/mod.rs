@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 pub mod num;
 pub mod procs;
+pub mod ranks;
 mod skip;
 
 pub use skip::{skipped, test_name};

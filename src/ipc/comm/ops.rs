@@ -43,7 +43,7 @@ impl Comm {
             }
             // Each chunk: this rank's share of part q at q * stride of its
             // staging half, for rank q to read.
-            let stride = (self.half / n) & !255;
+            let stride = self.slot_bytes();
             self.staged(
                 most,
                 stride / esz,
@@ -123,7 +123,7 @@ impl Comm {
             }
             // Each chunk: this rank's block for q at q * stride of its
             // staging half, for rank q to read.
-            let stride = (self.half / n) & !255;
+            let stride = self.slot_bytes();
             self.staged(
                 block,
                 stride,
@@ -207,6 +207,14 @@ impl Comm {
             }
             Ok(())
         })
+    }
+
+    /// The bytes of one rank's slot in a staging half: the half divided
+    /// among the ranks, 256-byte aligned (slot `q` of a rank's half is for
+    /// rank `q` to read: the reduce-scatter's and all-to-all's shares, the
+    /// point-to-point chunks).
+    pub(super) fn slot_bytes(&self) -> usize {
+        (self.half / self.size) & !255
     }
 
     /// Runs `f`, the enqueue of a collective; if it fails part way, the

@@ -69,7 +69,7 @@ impl Comm {
             return Ok(());
         }
         let (out, inn) = (total(outs), total(ins));
-        let stride = (self.half / self.size) & !255;
+        let stride = self.slot_bytes();
         // At least one meeting, which compares the views (messages of no
         // bytes are messages too).
         let rounds = out.max(inn).div_ceil(stride).max(1);
