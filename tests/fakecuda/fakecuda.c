@@ -44,6 +44,18 @@
  *                           SM peer stores and flags would have carried
  *                           never arrives, as on a pair whose copy-engine
  *                           P2P works while SM peer stores are lost.
+ *   corrupt-fused-results=N the same fused kernels run, on every device,
+ *                           and their barriers and flags complete as
+ *                           usual, but on device N the first byte of each
+ *                           one's output (the one-shot's `out`, the mesh's
+ *                           `outs[rank]`, read from the launch's kernel
+ *                           parameters) then has its low bit flipped, on
+ *                           the launch's stream after the kernel, as
+ *                           corrupt-peer-copies flips a copy's: wrong data
+ *                           behind a clean barrier, as on a pair whose SM
+ *                           peer stores land wrong. A launch that passes
+ *                           its arguments through `extra` instead is not
+ *                           corrupted (nor counted).
  *   fail-call=NAME:N        the Nth call of NAME (one of the overrides
  *                           below, e.g. cuMemcpyDtoHAsync_v2) returns
  *                           CUDA_ERROR_UNKNOWN without reaching the driver;
@@ -123,7 +135,9 @@ typedef void *CUevent;
 
 #define EXPORT __attribute__((visibility("default")))
 
-enum mode { MODE_OFF, MODE_PEER_UNAVAILABLE, MODE_CORRUPT, MODE_FAIL_MODULE_LOAD, MODE_DROP_SM, MODE_FAIL_CALL };
+enum mode {
+    MODE_OFF, MODE_PEER_UNAVAILABLE, MODE_CORRUPT, MODE_FAIL_MODULE_LOAD, MODE_DROP_SM, MODE_CORRUPT_FUSED, MODE_FAIL_CALL
+};
 
 static enum mode g_mode = MODE_OFF;
 static int g_fail_ordinal = -1;
@@ -206,6 +220,24 @@ static void parse_fail_call(const char *m) {
     }
 }
 
+/* The modes that name a device ordinal ("NAME=<ordinal>"), by the prefix of `m`. */
+static enum mode ordinal_mode(const char *m) {
+    static const struct {
+        const char *prefix;
+        enum mode mode;
+    } modes[] = {
+        {"fail-module-load=", MODE_FAIL_MODULE_LOAD},
+        {"drop-sm-stores=", MODE_DROP_SM},
+        {"corrupt-fused-results=", MODE_CORRUPT_FUSED},
+    };
+    for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
+        if (strncmp(m, modes[i].prefix, strlen(modes[i].prefix)) == 0) {
+            return modes[i].mode;
+        }
+    }
+    return MODE_OFF;
+}
+
 static void fake_init(void) {
     const char *m = getenv("CUDA_PEER_FAKE");
     if (m == NULL || m[0] == '\0' || strcmp(m, "off") == 0) {
@@ -216,20 +248,21 @@ static void fake_init(void) {
         g_mode = MODE_CORRUPT;
     } else if (strncmp(m, "fail-call=", 10) == 0) {
         parse_fail_call(m);
-    } else if (strncmp(m, "fail-module-load=", 17) == 0 || strncmp(m, "drop-sm-stores=", 15) == 0) {
-        size_t skip = m[0] == 'f' ? 17 : 15;
+    } else if (ordinal_mode(m) != MODE_OFF) {
+        const char *eq = strchr(m, '=');
+        size_t skip = (size_t)(eq - m) + 1;
         char *end = NULL;
         long n = strtol(m + skip, &end, 10);
         if (end == m + skip || *end != '\0' || n < 0) {
             fprintf(stderr, "fakecuda: CUDA_PEER_FAKE=%s: expected %.*s<ordinal>\n", m, (int)skip, m);
             abort();
         }
-        g_mode = m[0] == 'f' ? MODE_FAIL_MODULE_LOAD : MODE_DROP_SM;
+        g_mode = ordinal_mode(m);
         g_fail_ordinal = (int)n;
     } else {
         fprintf(stderr, "fakecuda: unknown CUDA_PEER_FAKE=%s (expected off, peer-unavailable, "
-                        "corrupt-peer-copies, fail-module-load=<ordinal>, drop-sm-stores=<ordinal> or "
-                        "fail-call=NAME:N[@AFTER:M|@restart])\n", m);
+                        "corrupt-peer-copies, fail-module-load=<ordinal>, drop-sm-stores=<ordinal>, "
+                        "corrupt-fused-results=<ordinal> or fail-call=NAME:N[@AFTER:M|@restart])\n", m);
         abort();
     }
     if (g_mode != MODE_OFF) {
@@ -869,28 +902,42 @@ EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_op
     return r;
 }
 
-/* ---- drop-sm-stores ----------------------------------------------------- */
+/* ---- drop-sm-stores and corrupt-fused-results ------------------------------ */
 
 typedef void *CUfunction;
 
+/* Which fused kernel a function is (by its name at cuModuleGetFunction). */
+enum fused { NOT_FUSED, FUSED_ONESHOT, FUSED_MESH };
+
 /* The fused kernels' handles, as cuModuleGetFunction handed them out. */
 #define FUSED_MAX 4096
-static CUfunction g_fused[FUSED_MAX];
+static struct {
+    CUfunction f;
+    enum fused kind;
+} g_fused[FUSED_MAX];
 static int g_nfused;
 static pthread_mutex_t g_fused_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int is_fused_name(const char *name) {
-    return name != NULL && (strncmp(name, "cp_oneshot_", 11) == 0 || strncmp(name, "cp_meshar_", 10) == 0);
+static enum fused fused_name(const char *name) {
+    if (name == NULL) {
+        return NOT_FUSED;
+    }
+    if (strncmp(name, "cp_oneshot_", 11) == 0) {
+        return FUSED_ONESHOT;
+    }
+    return strncmp(name, "cp_meshar_", 10) == 0 ? FUSED_MESH : NOT_FUSED;
 }
 
-static int is_fused(CUfunction f) {
-    int found = 0;
+static enum fused fused_kind(CUfunction f) {
+    enum fused kind = NOT_FUSED;
     pthread_mutex_lock(&g_fused_lock);
-    for (int i = 0; i < g_nfused && !found; i++) {
-        found = g_fused[i] == f;
+    for (int i = 0; i < g_nfused && kind == NOT_FUSED; i++) {
+        if (g_fused[i].f == f) {
+            kind = g_fused[i].kind;
+        }
     }
     pthread_mutex_unlock(&g_fused_lock);
-    return found;
+    return kind;
 }
 
 typedef CUresult (*module_get_function_t)(CUfunction *, CUmodule, const char *);
@@ -900,14 +947,39 @@ EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule module, const char *
         return CUDA_ERROR_UNKNOWN;
     }
     CUresult r = real_fn(f, module, name);
-    if (r == CUDA_SUCCESS && g_mode == MODE_DROP_SM && f != NULL && is_fused_name(name)) {
+    enum fused kind = fused_name(name);
+    if (r == CUDA_SUCCESS && (g_mode == MODE_DROP_SM || g_mode == MODE_CORRUPT_FUSED) && f != NULL && kind != NOT_FUSED) {
         pthread_mutex_lock(&g_fused_lock);
         if (g_nfused < FUSED_MAX) {
-            g_fused[g_nfused++] = *f;
+            g_fused[g_nfused].f = *f;
+            g_fused[g_nfused++].kind = kind;
         }
         pthread_mutex_unlock(&g_fused_lock);
     }
     return r;
+}
+
+/* The output a fused kernel's launch writes on its own device, from its
+ * kernel parameters (kernels/reduce.cu):
+ *   cp_oneshot_*(PtrArray push, int npush, const void* pull, const T* in,
+ *                T* out, ...): `out`, parameter 4;
+ *   cp_meshar_*(PtrArray ins, PtrArray outs, PtrArray flags, int nranks,
+ *               int rank, ...): `outs.p[rank]`, parameters 1 and 4
+ *               (PtrArray: 8 device pointers by value).
+ * 0 where the parameters are not given this way. */
+#define PTR_ARRAY_LEN 8
+static CUdeviceptr fused_output(enum fused kind, void **params) {
+    if (params == NULL) {
+        return 0;
+    }
+    if (kind == FUSED_ONESHOT) {
+        return params[4] == NULL ? 0 : *(const CUdeviceptr *)params[4];
+    }
+    if (kind == FUSED_MESH && params[1] != NULL && params[4] != NULL) {
+        int rank = *(const int *)params[4];
+        return rank < 0 || rank >= PTR_ARRAY_LEN ? 0 : ((const CUdeviceptr *)params[1])[rank];
+    }
+    return 0;
 }
 
 typedef CUresult (*launch_kernel_t)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
@@ -919,11 +991,20 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, u
     if (failing(C_LAUNCH)) {
         return CUDA_ERROR_UNKNOWN;
     }
-    if (g_mode == MODE_DROP_SM && is_fused(f) && on_faulty_device()) {
+    if (g_mode == MODE_DROP_SM && fused_kind(f) != NOT_FUSED && on_faulty_device()) {
         fired();
         return CUDA_SUCCESS;
     }
-    return real_fn(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+    CUresult r = real_fn(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+    if (r == CUDA_SUCCESS && g_mode == MODE_CORRUPT_FUSED) {
+        enum fused kind = fused_kind(f);
+        CUdeviceptr out = kind == NOT_FUSED ? 0 : fused_output(kind, params);
+        if (out != 0 && on_faulty_device()) {
+            /* After the kernel, in its stream's order; counts as fired. */
+            r = corrupt_async(out, stream);
+        }
+    }
+    return r;
 }
 
 /* ---- cuGetProcAddress ----------------------------------------------------- */

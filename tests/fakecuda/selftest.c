@@ -170,6 +170,54 @@ static void fail_call(void *b, const char *mode, const char *(*fake_mode)(void),
 #undef D
 }
 
+typedef CUresult (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
+                            void **);
+
+/* corrupt-fused-results=N (the pretend context is on device 1): with N = 1
+ * every fused launch reaches the driver and then the first byte of its
+ * output (the one-shot's parameter 4, the mesh's outs[rank]) has its low
+ * bit flipped, once per launch; other kernels, other bytes, and launches
+ * without kernel parameters are left alone. With N = 0 nothing changes. */
+static void corrupt_fused(void *b, const char *mode, long (*fake_fired)(void)) {
+    int on_one = strcmp(mode, "corrupt-fused-results=1") == 0;
+    CUresult (*getf)(void **, void *, const char *) = (CUresult (*)(void **, void *, const char *))dlsym(b, "cuModuleGetFunction");
+    launch_t launch = (launch_t)dlsym(b, "cuLaunchKernel");
+    int *launches = (int *)dlsym(b, "pretend_launches");
+    unsigned char (*dev)[64] = (unsigned char (*)[64])dlsym(b, "pretend_dev");
+    CHECK(getf && launch && launches && dev, "cuModuleGetFunction, cuLaunchKernel, the launch count or pretend memory missing");
+    if (failures) return;
+    for (int i = 0; i < 64; i++) { dev[0][i] = (unsigned char)(5 * i + 2); dev[1][i] = (unsigned char)(7 * i + 3); }
+    unsigned char before[2][64];
+    memcpy(before, dev, sizeof before);
+    void *oneshot = NULL, *mesh = NULL, *plain = NULL;
+    CHECK(getf(&oneshot, NULL, "cp_oneshot_sum_u32") == 0 && getf(&mesh, NULL, "cp_meshar_sum_u32") == 0
+              && getf(&plain, NULL, "cp_reduce2_sum_u32") == 0, "cuModuleGetFunction");
+#define D(d, off) ((CUdeviceptr)(uintptr_t)&dev[d][off])
+    /* The one-shot's 13 parameters; `out` (4) at dev[1][8], `in` (3) at dev[1][0]. */
+    CUdeviceptr os_in = D(1, 0), os_out = D(1, 8), zero = 0;
+    unsigned long long arr[8] = {0};
+    void *os_params[13] = {arr, &zero, &zero, &os_in, &os_out, &zero, &zero, &zero, &zero, &zero, &zero, &zero, &zero};
+    /* The mesh's 10: rank (4) 1, outs (1) {dev[0][32], dev[1][32]}, ins (0) {dev[0][0], dev[1][0]}. */
+    unsigned long long ins[8] = {D(0, 0), D(1, 0)}, outs[8] = {D(0, 32), D(1, 32)};
+    int nranks = 2, rank = 1;
+    void *mesh_params[10] = {ins, outs, arr, &nranks, &rank, &zero, &zero, &zero, &zero, &zero};
+    long fired0 = fake_fired();
+    int launches0 = *launches;
+    CHECK(launch(plain, 1, 1, 1, 1, 1, 1, 0, NULL, os_params, NULL) == 0, "a plain kernel");
+    CHECK(memcmp(before, dev, sizeof before) == 0 && fake_fired() == fired0, "a plain kernel's arguments are left alone");
+    CHECK(launch(oneshot, 1, 1, 1, 1, 1, 1, 0, NULL, os_params, NULL) == 0, "a one-shot launch");
+    CHECK(dev[1][8] == (before[1][8] ^ (on_one ? 1 : 0)), "%s: the one-shot's output byte is %u (was %u)", mode, dev[1][8], before[1][8]);
+    CHECK(launch(mesh, 1, 1, 1, 1, 1, 1, 0, NULL, mesh_params, NULL) == 0, "a mesh launch");
+    CHECK(dev[1][32] == (before[1][32] ^ (on_one ? 1 : 0)), "%s: the mesh's outs[rank] byte is %u (was %u)", mode, dev[1][32], before[1][32]);
+    CHECK(launch(mesh, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) == 0, "a launch without kernel parameters");
+    dev[1][8] = before[1][8];
+    dev[1][32] = before[1][32];
+    CHECK(memcmp(before, dev, sizeof before) == 0, "%s: only the outputs' first bytes changed", mode);
+    CHECK(*launches == launches0 + 4, "%s: %d of 4 launches reached the driver", mode, *launches - launches0);
+    CHECK(fake_fired() - fired0 == (on_one ? 2 : 0), "%s: %ld faults fired", mode, fake_fired() - fired0);
+#undef D
+}
+
 int main(void) {
     const char *mode = getenv("CUDA_PEER_FAKE");
     void *a = dlopen("libcuda.so", RTLD_LAZY | RTLD_LOCAL);
@@ -267,6 +315,8 @@ int main(void) {
         CHECK(launch(mesh, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) == 0, "a dropped launch still says success");
         CHECK(*launches == (on_one ? 1 : 3), "%s: %d launches reached the driver", mode, *launches);
         CHECK(fake_fired() == (on_one ? 2 : 0), "%s: %ld faults fired", mode, fake_fired());
+    } else if (strncmp(mode, "corrupt-fused-results=", 22) == 0) {
+        corrupt_fused(b, mode, fake_fired);
     } else if (strncmp(mode, "fail-call=", 10) == 0) {
         fail_call(b, mode, fake_mode, fake_fired);
     } else if (strcmp(mode, "fail-module-load=0") == 0) {

@@ -38,7 +38,7 @@ bindings="$here/../../sys/src/bindings.rs"
 "$cc" -O1 -Wall -o "$out/selftest" "$here/selftest.c" -ldl
 ln -sf pretend/libcuda-real.so.1 "$out/libcuda-real.so.1"
 for mode in off peer-unavailable corrupt-peer-copies fail-module-load=1 fail-module-load=0 drop-sm-stores=1 drop-sm-stores=0 \
-  fail-call=cuMemcpyDtoHAsync_v2:2 fail-call=cuEventRecord:3@cuMemcpyDtoHAsync_v2:2 fail-call=cuEventRecord:2@restart; do
+  corrupt-fused-results=1 corrupt-fused-results=0 fail-call=cuMemcpyDtoHAsync_v2:2 fail-call=cuEventRecord:3@cuMemcpyDtoHAsync_v2:2 fail-call=cuEventRecord:2@restart; do
   CUDA_PEER_FAKE=$mode LD_LIBRARY_PATH="$out" "$out/selftest"
 done
 # A fail-call that names no override, or no count, stops the process with a message.
