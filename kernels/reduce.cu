@@ -363,17 +363,19 @@ extern "C" __global__ void cp_copy(unsigned char* dst, const unsigned char* src,
 // other (distinct GPUs). Two-shot: rank r reduces segment r of every rank's
 // input by peer loads, in rank order 0..N-1 (so every rank's result is
 // bitwise identical), and writes the result into segment r of every rank's
-// output by peer stores. A per-block barrier of flags (release/acquire at
-// system scope) opens and closes the kernel:
+// output by peer stores. Per-block barriers of flags (release/acquire at
+// system scope) open and close the kernel:
 //   start: every rank's kernel has begun, so its inputs are ready (stream
-//          order) and its previous collective is over;
+//          order) and its previous collective is over, and every rank has
+//          decided to go on (see mesh_start: a rank that gave up is never
+//          touched afterwards);
 //   end:   every peer's block b has written its segment into our output.
 // Block b of every rank handles the same element indices of its own
 // segment, so a barrier between blocks with the same index is enough.
 //
 //   cp_meshar_OP_TY(PtrArray ins, PtrArray outs, PtrArray flags,
 //                   int nranks, int rank, u64 n, u64 seg, int vec,
-//                   unsigned* ctl, u64 timeout_ns)
+//                   unsigned* ctl, u64 timeout_ns, unsigned call)
 //     ins/outs: each rank's buffers (outs may equal ins: in place);
 //     flags: each rank's flag area (MESH_FLAG_WORDS u32, zeroed once at
 //            creation; the block counters at its end are this rank's own);
@@ -385,7 +387,9 @@ extern "C" __global__ void cp_copy(unsigned char* dst, const unsigned char* src,
 //   ctl, timeout_ns: the group's control block and how long a barrier may
 //   wait (see wait_flag): a barrier that gives up ends the kernel early,
 //   cleanly, with the reason in ctl; the group is then out of step and
-//   the host refuses further calls on it.
+//   the host refuses further calls on it. A kernel that starts with the
+//   abort word set (a graph replayed after a failure) touches no buffer.
+//   call: the host's number of the call, for the failure record.
 // ---------------------------------------------------------------------------
 
 
@@ -409,63 +413,78 @@ static __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-static __device__ __forceinline__ unsigned int ld_relaxed_sys(const unsigned int* p) {
-    unsigned int v;
-    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+static __device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+static __device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 
-static __device__ __forceinline__ void st_relaxed_sys(unsigned int* p, unsigned int v) {
-    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// A group's control block, in mapped pinned host memory that every rank's
-// kernels and the host share (see `Ctl` in src/failure.rs):
+// A communicator's control block, in pinned host memory mapped for every
+// rank's device (see `Ctl` in src/failure.rs; between processes, memory the
+// processes share, so that every rank's kernels see one abort word):
 //   word CTL_ABORT: nonzero asks every waiting kernel to give up (the host
 //     sets it when a call could not be launched on every rank; a kernel
 //     sets it when it times out, so that its peers give up too);
-//   words CTL_CODE(r), CTL_EPOCH(r): rank r's first failure (CTL_TIMEOUT or
-//     CTL_ABORTED) and the barrier value (the call's epoch) it failed at.
+//   the u64 at word CTL_RECORD(r) (8-byte aligned): rank r's first failure,
+//     its code (CTL_TIMEOUT, CTL_ABORTED, CTL_MISMATCH) in the low half and
+//     the call (the host's call number; for a mismatch, the peer) in the
+//     high half, written in one store, before the abort word (a release):
+//     whoever sees the abort word set by a kernel sees its record.
 #define CTL_ABORT 0
-#define CTL_CODE(r) (1 + 2 * (r))
-#define CTL_EPOCH(r) (2 + 2 * (r))
+#define CTL_RECORD(r) (2 + 2 * (r))
 #define CTL_TIMEOUT 1u
 #define CTL_ABORTED 2u
 
-static __device__ __forceinline__ void ctl_fail(unsigned int* ctl, int rank, unsigned int code, unsigned int epoch) {
-    if (ld_relaxed_sys(ctl + CTL_CODE(rank)) == 0u) {
-        st_relaxed_sys(ctl + CTL_EPOCH(rank), epoch);
-        st_relaxed_sys(ctl + CTL_CODE(rank), code);
-    }
+// Records rank `rank`'s failure unless it has one.
+static __device__ __forceinline__ void ctl_fail(unsigned int* ctl, int rank, unsigned int code, unsigned int call) {
+    u64* rec = (u64*)(ctl + CTL_RECORD(rank));
+    if (ld_relaxed_sys_u64(rec) == 0u) st_relaxed_sys_u64(rec, (u64)code | ((u64)call << 32));
+}
+
+// Records the failure, then sets the abort word: the release publishes the
+// record with it.
+static __device__ __forceinline__ void ctl_fail_abort(unsigned int* ctl, int rank, unsigned int code,
+                                                      unsigned int call) {
+    ctl_fail(ctl, rank, code, call);
+    st_release_sys(ctl + CTL_ABORT, 1u);
+}
+
+static __device__ __forceinline__ bool ctl_aborted(const unsigned int* ctl) {
+    return ld_acquire_sys(ctl + CTL_ABORT) != 0u;
 }
 
 // Spins until *p reaches `value` (acquire, system scope). Gives up, and
-// returns false, when the control block's abort word is set or after
-// `timeout_ns` of waiting (a signed difference of %globaltimer, so a clock
-// that steps back cannot make it fire early), recording why; a timeout also
-// sets the abort word. Never traps: the context survives.
+// returns false, after `timeout_ns` of waiting (a signed difference of
+// %globaltimer, so a clock that steps back cannot make it fire early),
+// recording a timeout of call `call` and setting the abort word; with
+// `heed_abort`, also when the abort word is set (recording CTL_ABORTED).
+// Never traps: the context survives.
 static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned int value, unsigned int* ctl,
-                                                 u64 timeout_ns, int rank) {
+                                                 u64 timeout_ns, int rank, unsigned int call, bool heed_abort) {
     u64 start = 0;
     unsigned int spins = 0;
     while ((int)(ld_acquire_sys(p) - value) < 0) {
         if ((++spins & 1023u) == 0) {
-            if (ld_relaxed_sys(ctl + CTL_ABORT) != 0u) {
-                ctl_fail(ctl, rank, CTL_ABORTED, value);
+            if (heed_abort && ctl_aborted(ctl)) {
+                ctl_fail(ctl, rank, CTL_ABORTED, call);
                 return false;
             }
             const u64 now = global_timer_ns();
             if (start == 0) {
                 start = now;
             } else if ((long long)(now - start) > (long long)timeout_ns) {
-                ctl_fail(ctl, rank, CTL_TIMEOUT, value);
-                st_relaxed_sys(ctl + CTL_ABORT, 1u);
+                ctl_fail_abort(ctl, rank, CTL_TIMEOUT, call);
                 return false;
             }
         }
     }
     return true;
 }
+
 #endif  // CP_BUILD_REDUCE || CP_BUILD_MESH
 
 // ---------------------------------------------------------------------------
@@ -474,7 +493,7 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 //   cp_pair_sync(unsigned* theirs, const unsigned* mine, unsigned* counter,
 //                u64* their_view, const u64* my_view, u64 out_view,
 //                u64 in_view, int check, unsigned* ctl, int rank, int peer,
-//                u64 timeout_ns)
+//                unsigned call, u64 timeout_ns)
 //     counter: this rank's count of meetings with the peer, in its own
 //              device memory (so a replayed graph advances it too); the
 //              meeting's value is counter + 1, stored back on success;
@@ -489,31 +508,23 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 //              lengths) goes into the peer's view slot for this rank before
 //              the flag;
 //              after the wait, the peer's view (in my_view) must mirror
-//              it, else the meeting fails with CTL_MISMATCH (epoch: the
-//              peer) and sets the abort word.
+//              it, else the meeting fails with CTL_MISMATCH (its record
+//              names the peer) and sets the abort word;
+//     call:    the host's number of the call (for the failure record).
 //   A kernel that finds the abort word set does nothing (CTL_ABORTED).
 // ---------------------------------------------------------------------------
 
 #ifdef CP_BUILD_REDUCE
 #define CTL_MISMATCH 3u
 
-static __device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-static __device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
-    u64 v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
 extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int* mine, unsigned int* counter,
                                         u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
-                                        int check, unsigned int* ctl, int rank, int peer, u64 timeout_ns) {
+                                        int check, unsigned int* ctl, int rank, int peer, unsigned int call,
+                                        u64 timeout_ns) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const unsigned int v = *counter + 1u;
-    if (ld_relaxed_sys(ctl + CTL_ABORT) != 0u) {
-        ctl_fail(ctl, rank, CTL_ABORTED, v);
+    if (ctl_aborted(ctl)) {
+        ctl_fail(ctl, rank, CTL_ABORTED, call);
         return;
     }
     if (check) {
@@ -521,10 +532,9 @@ extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int
         st_relaxed_sys_u64(their_view + 1, in_view);
     }
     st_release_sys(theirs, v);
-    if (!wait_flag(mine, v, ctl, timeout_ns, rank)) return;
+    if (!wait_flag(mine, v, ctl, timeout_ns, rank, call, true)) return;
     if (check && (ld_relaxed_sys_u64(my_view) != in_view || ld_relaxed_sys_u64(my_view + 1) != out_view)) {
-        ctl_fail(ctl, rank, CTL_MISMATCH, (unsigned int)peer);
-        st_relaxed_sys(ctl + CTL_ABORT, 1u);
+        ctl_fail_abort(ctl, rank, CTL_MISMATCH, (unsigned int)peer);
         return;
     }
     *counter = v;
@@ -535,40 +545,98 @@ extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int
 #define MESH_MAX_BLOCKS 1024
 #define MESH_MAX_RANKS 8
 #define MESH_UNROLL 4
-#define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)
+#define MESH_COUNTERS_OFFSET (3 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)
 #define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)
+#define MESH_ARRIVE 0
+#define MESH_END 1
+#define MESH_DECIDE 2
 
+static __device__ __forceinline__ unsigned int ld_relaxed_sys(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The thread that reads the abort word when a fused kernel starts: one
+// outside the first warp where the block has one, so that the load (host
+// memory) runs beside the first barrier's waits instead of before them.
+static __device__ __forceinline__ bool abort_reader() {
+    return threadIdx.x == (blockDim.x > 32u ? 32u : 0u);
+}
+// Rank `to`'s cell for rank `from` in barrier `slot` of this block.
+static __device__ __forceinline__ unsigned int* mesh_cell(unsigned int* const* flags, int to, int from, int slot) {
+    return flags[to] + (u64)(slot * MESH_MAX_BLOCKS + blockIdx.x) * MESH_MAX_RANKS + from;
+}
+
+// One barrier of the block: thread p < nranks stores `value` into peer p's
+// cell for this rank and waits for peer p's value in this rank's cell.
 // `flags` is a copy of the flag pointers in shared memory (a dynamic index
 // into the kernel parameter would put the array on the stack). Returns
 // whether every wait of the block succeeded (see wait_flag).
 static __device__ __forceinline__ bool mesh_barrier(unsigned int* const* flags, int nranks, int rank,
-                                    unsigned int value, int slot, unsigned int* ctl, u64 timeout_ns) {
+                                                    unsigned int value, int slot, unsigned int* ctl,
+                                                    u64 timeout_ns, unsigned int call, bool heed_abort,
+                                                    int also = 1) {
     __syncthreads();
     int ok = 1;
     if ((int)threadIdx.x < nranks) {
         const int p = threadIdx.x;
-        const u64 cell = (u64)(slot * MESH_MAX_BLOCKS + blockIdx.x) * MESH_MAX_RANKS;
-        unsigned int* theirs = flags[p] + cell + rank;
-        const unsigned int* mine = flags[rank] + cell + p;
         // No fence before the release: __syncthreads orders the block's
         // stores before this thread's, and a release is cumulative, so the
         // flag publishes them at system scope. (A __threadfence_system here
         // cost 2-4 us per call on 2x H200, 1-16 MiB, one run.)
-        st_release_sys(theirs, value);
-        ok = wait_flag(mine, value, ctl, timeout_ns, rank);
+        st_release_sys(mesh_cell(flags, p, rank, slot), value);
+        ok = wait_flag(mesh_cell(flags, rank, p, slot), value, ctl, timeout_ns, rank, call, heed_abort);
     }
-    return __syncthreads_and(ok) != 0;
+    // `also` last: a load it comes from stays in flight through the waits.
+    return __syncthreads_and(ok && also) != 0;
+}
+
+// The start of a call (value v): whether this block may touch the peers'
+// buffers. A rank touches them only if every rank of the group decided so,
+// and a rank that gave up has decided not to, so no rank ever reads or
+// writes the buffers of a rank whose call returned without them:
+//   arrive: every rank's kernel has begun (its inputs are ready, its
+//           previous call is over), bounded by the timeout;
+//   decide: each rank tells every peer whether all arrived and the abort
+//           word is clear (2v: go, 2v + 1: not), then, if it said go,
+//           waits for every peer's word. Every peer arrived, so each one
+//           decides within its own timeout; this wait does not heed the
+//           abort word (a peer that said go may be past it already), and
+//           gives up only after twice the timeout (a kernel stalled that
+//           long after it arrived). The block goes on only if every word
+//           says go.
+// `entry_abort`: in the thread that read it (abort_reader), the abort word
+// as read when the kernel started (a load left in flight until here).
+static __device__ __forceinline__ bool mesh_start(unsigned int* const* flags, int nranks, int rank, unsigned int v,
+                                                  unsigned int* ctl, u64 timeout_ns, unsigned int call,
+                                                  unsigned int entry_abort) {
+    const bool go = mesh_barrier(flags, nranks, rank, v, MESH_ARRIVE, ctl, timeout_ns, call, true, entry_abort == 0u);
+    if (entry_abort != 0u) ctl_fail(ctl, rank, CTL_ABORTED, call);
+    const unsigned int word = 2u * v + (go ? 0u : 1u);
+    if ((int)threadIdx.x < nranks) st_release_sys(mesh_cell(flags, threadIdx.x, rank, MESH_DECIDE), word);
+    if (!go) return false;
+    int all = 1;
+    if ((int)threadIdx.x < nranks) {
+        const unsigned int* mine = mesh_cell(flags, rank, threadIdx.x, MESH_DECIDE);
+        const u64 most = 0x7fffffffffffffffull;
+        const u64 longer = timeout_ns > most / 2 ? most : 2 * timeout_ns;
+        all = wait_flag(mine, 2u * v, ctl, longer, rank, call, false) && ld_acquire_sys(mine) == 2u * v;
+    }
+    return __syncthreads_and(all) != 0;
 }
 
 template <class Op>
 static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const PtrArray& outs,
                                    const PtrArray& flags, int nranks, int rank,
-                                   u64 n, u64 seg, int vec, unsigned int* ctl, u64 timeout_ns) {
+                                   u64 n, u64 seg, int vec, unsigned int* ctl, u64 timeout_ns,
+                                   unsigned int call) {
     typedef typename Op::T T;
     if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
     if (gridDim.x > MESH_MAX_BLOCKS || (int)blockDim.x < nranks) return;
     __shared__ unsigned int value;
     __shared__ unsigned int* sflags[MESH_MAX_RANKS];
+    const unsigned int entry_abort = abort_reader() ? ld_relaxed_sys(ctl + CTL_ABORT) : 0u;
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int k = 0; k < MESH_MAX_RANKS; ++k) sflags[k] = (unsigned int*)flags.p[k];
@@ -581,7 +649,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
     }
     __syncthreads();
     const unsigned int v = value;
-    if (!mesh_barrier(sflags, nranks, rank, v, 0, ctl, timeout_ns)) return;
+    if (!mesh_start(sflags, nranks, rank, v, ctl, timeout_ns, call, entry_abort)) return;
 
     const u64 lo = (u64)rank * seg < n ? (u64)rank * seg : n;
     const u64 hi = lo + seg < n ? lo + seg : n;
@@ -642,7 +710,10 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
         }
     }
 
-    mesh_barrier(sflags, nranks, rank, v, 1, ctl, timeout_ns);
+    // Every rank said go, so every rank reaches this barrier: it does not
+    // heed the abort word (a rank leaves only after its peers' stores into
+    // its output are done).
+    mesh_barrier(sflags, nranks, rank, v, MESH_END, ctl, timeout_ns, call, false);
 }
 
 // ---------------------------------------------------------------------------
@@ -689,7 +760,7 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //   cp_oneshot_OP_TY(PtrArray push, int npush, const void* pull,
 //                    const T* in, T* out, unsigned* counters,
 //                    int nranks, int rank, u64 n, u64 cap, int ahead,
-//                    unsigned* ctl, u64 timeout_ns)
+//                    unsigned* ctl, u64 timeout_ns, unsigned call)
 //     push:  the regions this rank stores its slot and flags into (npush);
 //     pull:  the region this rank reads slots and polls flags from;
 //     in/out: element-aligned (out may equal in); 16-byte vector loads
@@ -700,7 +771,10 @@ static __device__ __forceinline__ void meshar_body(const PtrArray& ins, const Pt
 //     ahead: ONESHOT_PLAIN, ONESHOT_AHEAD or ONESHOT_DEEP (see above).
 //   Launch: the same grid on every rank and for every call of the group, at
 //   most ONESHOT_MAX_BLOCKS blocks, all resident at once; 1-D blocks of at
-//   least nranks threads. ctl, timeout_ns: as for the mesh.
+//   least nranks threads. ctl, timeout_ns, call: as for the mesh; a kernel
+//   that starts with the abort word set (a graph replayed after a failure)
+//   writes nothing into `out` and leaves its counters (it may still push
+//   into the slots: memory of the failed group's own).
 // ---------------------------------------------------------------------------
 #define ONESHOT_MAX_BLOCKS 128
 #define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)
@@ -912,20 +986,22 @@ static __device__ __forceinline__ void oneshot_flag(char* const* spush, int npus
 }
 
 // Waits for every peer's flag v of this block; false if a wait gave up.
+// `also` is ANDed in last (see mesh_barrier).
 static __device__ __forceinline__ bool oneshot_wait(const unsigned int* pflags, int nranks, int rank, unsigned int v,
-                                                    unsigned int* ctl, u64 timeout_ns) {
+                                                    unsigned int* ctl, u64 timeout_ns, unsigned int call,
+                                                    int also = 1) {
     int ok = 1;
     if ((int)threadIdx.x < nranks && (int)threadIdx.x != rank) {
-        ok = wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v, ctl, timeout_ns, rank);
+        ok = wait_flag(pflags + threadIdx.x * ONESHOT_MAX_BLOCKS + blockIdx.x, v, ctl, timeout_ns, rank, call, true);
     }
-    return __syncthreads_and(ok) != 0;
+    return __syncthreads_and(ok && also) != 0;
 }
 
 template <class Op>
 static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int npush, const void* pull,
                                     const typename Op::T* in, typename Op::T* out,
                                     unsigned int* counters, int nranks, int rank, u64 n, u64 cap,
-                                    int ahead, unsigned int* ctl, u64 timeout_ns) {
+                                    int ahead, unsigned int* ctl, u64 timeout_ns, unsigned int call) {
     typedef typename Op::T T;
     if (nranks < 1 || nranks > MESH_MAX_RANKS || rank < 0 || rank >= nranks) return;
     if (npush < 0 || npush > MESH_MAX_RANKS || cap < 16 || (cap & 15u) != 0) return;
@@ -933,6 +1009,9 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
     if (ahead < ONESHOT_PLAIN || ahead > ONESHOT_DEEP) return;
     __shared__ unsigned int base_v;
     __shared__ char* spush[MESH_MAX_RANKS];
+    // The abort word, read as the kernel starts and checked at its first
+    // wait: nothing is reduced into `out` once the group has failed.
+    const unsigned int entry_abort = abort_reader() ? ld_relaxed_sys(ctl + CTL_ABORT) : 0u;
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int k = 0; k < MESH_MAX_RANKS; ++k) spush[k] = (char*)push.p[k];
@@ -959,7 +1038,10 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
         for (u64 round = 0; round < rounds; ++round) {
             const unsigned int v = base_v + (unsigned int)round + 1u;
             const u64 off = round * per_round;
-            if (!oneshot_wait(pflags, nranks, rank, v, ctl, timeout_ns)) return;
+            if (!oneshot_wait(pflags, nranks, rank, v, ctl, timeout_ns, call, round != 0 || entry_abort == 0u)) {
+                if (entry_abort != 0u) ctl_fail(ctl, rank, CTL_ABORTED, call);
+                return;
+            }
             if (round + 2 < rounds) {
                 oneshot_fused<Op>(spush, npush, in + off + 2 * per_round, round_len(n, round + 2, per_round),
                                   slot_of(v + 2u, nranks) + (u64)rank, pdata, in + off, out + off,
@@ -988,7 +1070,10 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
                 oneshot_push<T>(spush, npush, in + off + per_round, round_len(n, round + 1, per_round),
                                 slot_of(v + 1u, nranks) + (u64)rank, cap, vec, tid, stride);
             }
-            if (!oneshot_wait(pflags, nranks, rank, v, ctl, timeout_ns)) return;
+            if (!oneshot_wait(pflags, nranks, rank, v, ctl, timeout_ns, call, round != 0 || entry_abort == 0u)) {
+                if (entry_abort != 0u) ctl_fail(ctl, rank, CTL_ABORTED, call);
+                return;
+            }
             oneshot_reduce<Op>(pdata, in + off, out + off, round_len(n, round, per_round), slot_of(v, nranks), cap,
                                nranks, rank, vec, tid, stride);
         }
@@ -1000,17 +1085,19 @@ static __device__ __forceinline__ void oneshot_body(const PtrArray& push, int np
 #define CP_MESH_KERNEL(OP, TY)                                                  \
     extern "C" __global__ void cp_meshar_##OP##_##TY(                           \
         PtrArray ins, PtrArray outs, PtrArray flags, int nranks, int rank,      \
-        u64 n, u64 seg, int vec, unsigned int* ctl, u64 timeout_ns) {           \
+        u64 n, u64 seg, int vec, unsigned int* ctl, u64 timeout_ns,             \
+        unsigned int call) {                                                    \
         meshar_body<Op_##OP<Ty_##TY> >(ins, outs, flags, nranks, rank, n, seg,  \
-                                       vec, ctl, timeout_ns);                   \
+                                       vec, ctl, timeout_ns, call);             \
     }                                                                           \
     extern "C" __global__ void cp_oneshot_##OP##_##TY(                          \
         PtrArray push, int npush, const void* pull, const Ty_##TY::T* in,       \
         Ty_##TY::T* out, unsigned int* counters, int nranks, int rank, u64 n,   \
-        u64 cap, int ahead, unsigned int* ctl, u64 timeout_ns) {                \
+        u64 cap, int ahead, unsigned int* ctl, u64 timeout_ns,                  \
+        unsigned int call) {                                                    \
         oneshot_body<Op_##OP<Ty_##TY> >(push, npush, pull, in, out, counters,   \
                                         nranks, rank, n, cap, ahead, ctl,       \
-                                        timeout_ns);                            \
+                                        timeout_ns, call);                      \
     }
 
 #define CP_MESH_ALL_OPS(TY)                                                     \

@@ -24,7 +24,7 @@ use crate::sync::Orderer;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -90,6 +90,9 @@ pub(crate) struct Communicator {
     /// Whether the call being enqueued (under `serial`) is captured into a
     /// graph on some rank's stream.
     capturing: AtomicBool,
+    /// The number of the call being enqueued (counted from 1 by
+    /// [`Self::enter`]; 0 for the creation checks), for failure records.
+    call: AtomicU32,
     /// The last captures that hold a reference to the group's resources.
     captures: Mutex<Vec<u64>>,
     /// Buffers known to be mapped for the peers' kernels (`crate::reach`).
@@ -125,6 +128,18 @@ pub(crate) fn ranks_on(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Rank>> {
     streams.into_iter().map(Rank::new).collect()
 }
 
+/// A fused kernel's control-block arguments for one rank's launch.
+pub(crate) struct Fused {
+    /// The control block's address for the rank's kernels.
+    pub(crate) ctl: u64,
+    /// The barrier timeout.
+    pub(crate) timeout_ns: u64,
+    /// The call's number (for the failure record).
+    pub(crate) call: u32,
+    /// An injected fault: the launch is skipped silently.
+    pub(crate) skip: bool,
+}
+
 impl Communicator {
     /// A communicator of `ranks` with the routes `routes` (built over
     /// them), holding `access`. No fused kernels yet
@@ -140,6 +155,7 @@ impl Communicator {
             ctl: None,
             serial,
             capturing: AtomicBool::new(false),
+            call: AtomicU32::new(0),
             captures: Mutex::new(Vec::new()),
             reach: ReachCache::default(),
         }
@@ -201,6 +217,7 @@ impl Communicator {
             }
         }
         self.capturing.store(capturing, Relaxed);
+        self.call.fetch_add(1, Relaxed);
         Ok(serial)
     }
 
@@ -231,17 +248,17 @@ impl Communicator {
         launched
     }
 
-    /// The address of the control block for rank r's kernels, its barrier
-    /// timeout, and whether this launch is to be skipped (an injected
-    /// fault: `Err` fails it, `Ok(true)` skips it silently).
-    pub(crate) fn ctl_args(&self, r: usize) -> Result<(u64, u64, bool)> {
+    /// What rank r's fused kernel takes from the control block (see
+    /// [`Fused`]).
+    pub(crate) fn ctl_args(&self, r: usize) -> Result<Fused> {
         let Some(c) = &self.ctl else {
             return Err(Error::Internal("fused kernel launched on a group without a control block".into()));
         };
+        let fused = |skip| Fused { ctl: c.addrs[r], timeout_ns: c.timeout_ns, call: self.call.load(Relaxed), skip };
         match c.take_fault(r) {
             Some(Fault::LaunchFails) => Err(Error::Internal(format!("injected launch failure on rank {r}"))),
-            Some(Fault::NeverArrives) => Ok((c.addrs[r], c.timeout_ns, true)),
-            None => Ok((c.addrs[r], c.timeout_ns, false)),
+            Some(Fault::NeverArrives) => Ok(fused(true)),
+            None => Ok(fused(false)),
         }
     }
 

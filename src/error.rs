@@ -153,7 +153,9 @@ pub enum Error {
     PeerTimeout {
         /// The rank whose kernel gave up first.
         rank: usize,
-        /// The call's number on the device (the barrier's epoch).
+        /// The call that timed out: the communicator's calls counted from
+        /// 1 in the order they were made (a replayed CUDA graph's kernel
+        /// names the call it was captured from).
         call: u32,
         /// The group's barrier timeout.
         after: Duration,

@@ -271,6 +271,32 @@ impl Group {
         self.comm.ctl.as_ref().map_or(Ok(()), |c| c.check())
     }
 
+    /// Makes `stream` wait for everything enqueued so far on every rank's
+    /// stream. A CUDA graph captured over the group's streams (forked from
+    /// one of them) starts its nodes on every device after the work on the
+    /// stream it is launched on only; the group's kernels of one rank must
+    /// not overlap (they share counters and flags), so before launching
+    /// such a graph right after eager calls, call this on the launch
+    /// stream, and [`Group::ranks_wait_for`] after it, before the next
+    /// eager call. Errors are the driver's (event record or wait).
+    pub fn wait_for_ranks(&self, stream: &CudaStream) -> Result<()> {
+        for rank in self.comm.ranks.iter().filter(|r| r.stream.cu_stream() != stream.cu_stream()) {
+            stream.join(&rank.stream).map_err(cudarc_err("cuStreamWaitEvent (waiting for a rank)"))?;
+        }
+        Ok(())
+    }
+
+    /// Makes every rank's stream wait for everything enqueued so far on
+    /// `stream`: after a graph launched there (see
+    /// [`Group::wait_for_ranks`]), the group's next eager calls start after
+    /// the graph's nodes.
+    pub fn ranks_wait_for(&self, stream: &CudaStream) -> Result<()> {
+        for rank in self.comm.ranks.iter().filter(|r| r.stream.cu_stream() != stream.cu_stream()) {
+            rank.stream.join(stream).map_err(cudarc_err("cuStreamWaitEvent (a rank waiting)"))?;
+        }
+        Ok(())
+    }
+
     /// For tests of failure handling only: the next fused (mesh or
     /// one-shot) launch on `rank` takes `fault` instead. Does nothing on a
     /// group without fused kernels.

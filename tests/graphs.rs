@@ -14,34 +14,11 @@
 
 mod common;
 
-use common::gpus;
-use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
+use common::graph::{capture, untracked};
+use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cuda_peer::{Algorithm, Group, GroupOptions, PathPolicy, ReduceOp};
 use rand::Rng;
 use std::sync::Arc;
-
-/// Captures `call` (which enqueues on every stream) into one graph: the
-/// other streams join `streams[0]`'s capture through an event, and it joins
-/// theirs at the end.
-fn capture(streams: &[Arc<CudaStream>], call: impl FnOnce() -> cuda_peer::Result<()>) -> CudaGraph {
-    let s0 = &streams[0];
-    s0.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("begin capture");
-    let mut res: Result<(), String> = s0
-        .record_event(None)
-        .map_err(|e| format!("fork event: {e:?}"))
-        .and_then(|fork| streams[1..].iter().try_for_each(|s| s.wait(&fork).map_err(|e| format!("joining the capture: {e:?}"))));
-    res = res.and_then(|()| call().map_err(|e| format!("collective under capture: {e}")));
-    for s in &streams[1..] {
-        res = res.and_then(|()| s0.join(s).map_err(|e| format!("joining back: {e:?}")));
-    }
-    // Ended whatever happened, so that a failure reports its first cause.
-    let graph = s0.end_capture(CUgraphInstantiate_flags(0));
-    if let Err(e) = res {
-        panic!("{e}");
-    }
-    graph.expect("end capture / instantiate").expect("a non-empty graph")
-}
 
 fn sync(streams: &[Arc<CudaStream>]) {
     for s in streams {
@@ -128,18 +105,6 @@ fn capture_and_replay(ctxs: &[Arc<CudaContext>], n: usize, tag: &str, policy: Pa
         sync(&streams);
         check(&format!("eager after capture {what}"), &streams, &recv, &reference(&inputs));
     }
-}
-
-/// Contexts with event tracking off, for the first `min` devices or more.
-fn untracked(test: &str, min: usize) -> Option<Vec<Arc<CudaContext>>> {
-    let ctxs = gpus(test, min)?;
-    for c in &ctxs {
-        // SAFETY: these contexts are this test's own handles; every buffer
-        // below is created after this, and the test orders all work itself
-        // (joins and synchronisations).
-        unsafe { c.disable_event_tracking() };
-    }
-    Some(ctxs)
 }
 
 /// Counts (u32): under Auto with P2P, 1024 to 1 << 19 (4 KiB to 2 MiB) take

@@ -227,6 +227,49 @@ fn two_processes_avg_near_the_top_of_the_range_does_not_overflow() {
     processes("two_processes_avg_near_the_top_of_the_range_does_not_overflow", 2, Duration::from_secs(120), vec![], "averages near the top right");
 }
 
+const ABORT_LINE: &str = "freed by the shared abort word";
+
+/// A rank whose kernel times out tells the others through the abort word
+/// the processes share: rank 1, which starts its call a second after rank
+/// 0, gives up when rank 0 does (about a second into its wait), not after
+/// its own 2 s barrier timeout; rank 2, which calls after the failure, is
+/// refused at once. Every rank reports rank 0's timeout of call 2.
+#[test]
+fn a_timeout_between_processes_frees_the_peers_early() {
+    if child() {
+        let comm = child_comm(&child_opts().check_calls(false).barrier_timeout(Duration::from_secs(2)));
+        let r = comm.rank();
+        let stream = comm.stream().clone();
+        let count = 4099;
+        let mut buf: CudaSlice<u32> = stream.clone_htod(&seeded(30 + r as u64, count)).unwrap();
+        let want: Vec<u32> = (0..count).map(|i| (0..comm.world_size()).fold(0u32, |a, k| a.wrapping_add(seeded(30 + k as u64, count)[i]))).collect();
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+        comm.synchronize().unwrap();
+        assert!(stream.clone_dtoh(&buf).unwrap() == want, "rank {r}: call 1 is wrong");
+        std::thread::sleep(Duration::from_millis([0, 1000, 5000][r]));
+        let start = Instant::now();
+        let called = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum);
+        let synced = comm.synchronize();
+        let took = start.elapsed();
+        for got in [&synced, if r == 2 { &called } else { &synced }] {
+            match got {
+                Err(Error::PeerTimeout { rank: 0, call: 2, after }) => assert_eq!(*after, Duration::from_secs(2), "rank {r}"),
+                other => panic!("rank {r}: expected rank 0's timeout of call 2, got {other:?}"),
+            }
+        }
+        match r {
+            0 => assert!(took >= Duration::from_millis(1900), "rank 0 gave up after {took:?}, before its 2 s timeout"),
+            1 => assert!(
+                took >= Duration::from_millis(500) && took < Duration::from_millis(1600),
+                "rank 1 returned after {took:?}: expected about 1 s (rank 0's timeout), not its own 2 s"
+            ),
+            _ => assert!(took < Duration::from_millis(500), "rank 2 took {took:?} to be refused"),
+        }
+        return println!("rank {r}: {ABORT_LINE} after {took:?}");
+    }
+    processes("a_timeout_between_processes_frees_the_peers_early", 3, Duration::from_secs(120), vec![], ABORT_LINE);
+}
+
 /// Two ranks on one device without `share_devices` are refused on both.
 #[test]
 fn two_ranks_on_one_device_are_a_typed_error() {

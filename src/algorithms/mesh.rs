@@ -54,15 +54,16 @@ impl Mesh {
         comm.launch_each(&|r| {
             let f = mesh.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
             let rank = r as i32;
-            let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
-            if skip {
+            let fused = comm.ctl_args(r)?;
+            if fused.skip {
                 return Ok(());
             }
             let mut launch = comm.ranks[r].stream.launch_builder(f);
-            launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec).arg(&ctl).arg(&timeout_ns);
+            launch.arg(&pin).arg(&pout).arg(&pflags).arg(&nranks).arg(&rank).arg(&cnt).arg(&seg64).arg(&vec);
+            launch.arg(&fused.ctl).arg(&fused.timeout_ns).arg(&fused.call);
             // SAFETY: the signature is (PtrArray, PtrArray, PtrArray, i32, i32,
-            // u64, u64, i32, u32*, u64); `ctl` is the group's mapped control
-            // block (1 + 2 * ranks words); every pointer holds `count` elements (flags:
+            // u64, u64, i32, u32*, u64, u32); `ctl` is the group's mapped control
+            // block (`ctl_bytes(ranks)`); every pointer holds `count` elements (flags:
             // MESH_FLAG_WORDS words) on a device that every rank's device has
             // P2P access to (enabled and verified when the mesh was set up),
             // or on its own device; the same grid is launched on every rank,

@@ -345,8 +345,8 @@ impl OneShot {
         let lane = self.lane(count * dtype.size());
         let kernel = Kernel::OneShot(op, dtype);
         let f = self.funcs[r].get(kernel, || comm.kernel_function(r, kernel))?;
-        let (ctl, timeout_ns, skip) = comm.ctl_args(r)?;
-        if skip {
+        let fused = comm.ctl_args(r)?;
+        if fused.skip {
             return Ok(());
         }
         let args = launch::OneShot {
@@ -362,8 +362,9 @@ impl OneShot {
             count: count as u64,
             cap: lane.layout.cap as u64,
             ahead: lane.layout.pipeline.arg(),
-            ctl,
-            timeout_ns,
+            ctl: fused.ctl,
+            timeout_ns: fused.timeout_ns,
+            call: fused.call,
         };
         // SAFETY: `f` is rank r's one-shot kernel of `dtype`; `ctl` is the
         // group's mapped control block. `input`/`output` hold `count`

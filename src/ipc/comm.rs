@@ -114,6 +114,18 @@ pub const DEFAULT_BUFFER_BYTES: usize = 8 << 20;
 const BOARD_TAG: u64 = 1 << 63;
 /// The tag of the staged path's shared host buffer (with its length).
 const HOST_TAG: u64 = 1 << 62;
+/// The page after the call board that holds the communicator's control
+/// block (`crate::failure`).
+const CTL_PAGE: usize = 4096;
+
+/// The bytes of rank 0's call board for `size` ranks: the board's pages,
+/// then the control block's page.
+fn board_with_ctl(size: usize) -> Result<usize> {
+    region_len(board_bytes(size))
+        .filter(|_| crate::failure::ctl_bytes(size) <= CTL_PAGE)
+        .and_then(|b| b.checked_add(CTL_PAGE))
+        .ok_or_else(|| Error::Internal(format!("a call board for {size} ranks")))
+}
 
 /// Settings of a [`Comm`]: `CommOptions::default()`, then the
 /// builder-style setters (one per field).
@@ -253,6 +265,9 @@ pub struct Comm {
     order: Orderer,
     /// Number of the next call; held for a whole call.
     calls: Mutex<u64>,
+    /// The number of the latest collective or point-to-point call this
+    /// rank entered (from 1), for failure records.
+    call_number: std::sync::atomic::AtomicU32,
     check_calls: bool,
     barrier_timeout: Duration,
     /// The per-call descriptors of every rank (host memory shared with the
@@ -547,7 +562,7 @@ impl Comm {
                 fd: listener.addr(),
             };
             // Rank 0 makes the call board and sends it to every peer.
-            let board = if rank == 0 { Some(SharedMemory::create(board_bytes(size))?) } else { None };
+            let board = if rank == 0 { Some(SharedMemory::create(board_with_ctl(size)?)?) } else { None };
             Ok((ctx, stream, info, board, listener))
         })();
         let infos = agree(ex, "communicator: opening the devices", opened.as_ref().map(|o| o.2.encode()).map_err(Clone::clone))?;
@@ -600,7 +615,7 @@ impl Comm {
         // Step 3: memory, descriptors out, then in, then mapped.
         let imported = (|| {
             let Sizes { region, per_rank, host: host_bytes } = sizes(bytes, staging, size)?;
-            let board_len = region_len(board_bytes(size)).ok_or_else(|| Error::Internal(format!("a call board for {size} ranks")))?;
+            let board_len = board_with_ctl(size)?;
             let own = if staged {
                 None
             } else {
@@ -678,7 +693,11 @@ impl Comm {
                 let own = own.map(|o| o.1).ok_or_else(|| Error::Internal("no own region".into()))?;
                 Memory::Device { peers, own }
             };
-            Ok((memory, CallBoard::new(board, size)?))
+            // The control block: the board's last page, mapped for this
+            // device, so that every rank's kernels see one abort word.
+            let board = Arc::new(board);
+            let ctl_page = RegisteredMemory::register_range(&ctx, board.clone(), board_len - CTL_PAGE, CTL_PAGE)?;
+            Ok((memory, CallBoard::new(board, size)?, ctl_page))
         })();
         drop(listener);
         // Each rank's own mapping of its region, for the peers that are
@@ -687,8 +706,8 @@ impl Comm {
             Memory::Device { own, .. } => own.device_ptr().to_string(),
             Memory::Host { .. } => String::new(),
         };
-        let addrs = agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|(m, _)| own_addr(m)).map_err(Clone::clone))?;
-        let (mut memory, board) = imported?;
+        let addrs = agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|(m, _, _)| own_addr(m)).map_err(Clone::clone))?;
+        let (mut memory, board, ctl_page) = imported?;
         if let Memory::Device { peers, .. } = &mut memory {
             for (k, info) in infos.iter().enumerate().filter(|&(k, i)| k != rank && i.fd.pid == own_info.fd.pid && i.bus == own_info.bus) {
                 let slot = if k < rank { k } else { k - 1 };
@@ -741,7 +760,6 @@ impl Comm {
                 counters: counter_base + (l * kernels::ONESHOT_MAX_BLOCKS * 4) as u64,
             })
             .collect();
-        let ctx_for_ctl = ctx.clone();
         let threads_here = infos.iter().filter(|i| i.fd.pid == own_info.fd.pid && i.bus == own_info.bus).count();
         let shares_context = threads_here > 1;
         if rank == 0 || shares_context {
@@ -766,6 +784,7 @@ impl Comm {
             max_blocks: kernels::launch::max_blocks(own_info.sms),
             order: Orderer::default(),
             calls: Mutex::new(0),
+            call_number: std::sync::atomic::AtomicU32::new(0),
             check_calls: opts.check_calls,
             barrier_timeout: opts.barrier_timeout,
             board,
@@ -782,7 +801,7 @@ impl Comm {
                 funcs: FnTable::default(),
                 div: FnTable::default(),
                 red: FnTable::default(),
-                ctl: Ctl::for_contexts(&[&*ctx_for_ctl], size, opts.barrier_timeout)?,
+                ctl: Ctl::shared(ctl_page.host_ptr(), ctl_page.device_ptr(), size, opts.barrier_timeout, Arc::new(ctl_page))?,
                 _bar: bar,
                 _counters: counters,
                 _pair_counters: pair_counters,
@@ -951,7 +970,18 @@ impl Comm {
             }
         }
         *calls += 1;
+        self.number_call();
         Ok(calls)
+    }
+
+    /// Numbers a new call (see `call_number`) and returns its number.
+    pub(super) fn number_call(&self) -> u32 {
+        self.call_number.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_add(1)
+    }
+
+    /// The number of the call being enqueued.
+    pub(super) fn current_call(&self) -> u32 {
+        self.call_number.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Before each enqueue on the stream: where the stream is capturing
@@ -1012,9 +1042,10 @@ impl Comm {
             ahead: lane.layout.pipeline.arg(),
             ctl: self.held.ctl.addrs[0],
             timeout_ns: self.held.ctl.timeout_ns,
+            call: self.current_call(),
         };
         // SAFETY: `f` is this rank's one-shot kernel of `dtype`; the control
-        // block holds 1 + 2 * size words, mapped for this device.
+        // block (`ctl_bytes(size)`, in the board's last page) is mapped for this device.
         // `input`/`output` hold `count` elements of `dtype` on this rank's
         // device (checked by the callers); the lane's push regions (the
         // peers' regions, imported and mapped with read-write access for

@@ -141,33 +141,54 @@ impl Drop for SharedMemory {
     }
 }
 
-/// [`SharedMemory`] page-locked and mapped for one device
-/// (`cuMemHostRegister` with `DEVICEMAP`), so that the device's kernels
-/// and copies reach it at [`Self::device_ptr`]: the staged path between
-/// processes. Unregistered on drop, then unmapped.
+/// [`SharedMemory`] (all of it, or a range of whole pages) page-locked and
+/// mapped for one device (`cuMemHostRegister` with `DEVICEMAP`), so that
+/// the device's kernels and copies reach it at [`Self::device_ptr`]: the
+/// staged path and the control block between processes. Unregistered on
+/// drop, then unmapped (when no other holder of the mapping is left).
 #[derive(Debug)]
 pub struct RegisteredMemory {
     ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     dptr: u64,
+    /// Where the registered range starts in `mem`.
+    offset: usize,
     // Dropped after `drop` unregisters it.
-    mem: SharedMemory,
+    mem: std::sync::Arc<SharedMemory>,
 }
 
 impl RegisteredMemory {
-    /// Registers `mem` for `ctx`'s device.
+    /// Registers all of `mem` for `ctx`'s device.
     pub fn register(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, mem: SharedMemory) -> Result<RegisteredMemory> {
+        let len = mem.len();
+        Self::register_range(ctx, std::sync::Arc::new(mem), 0, len)
+    }
+
+    /// Registers bytes `offset..offset + len` of `mem` (whole pages) for
+    /// `ctx`'s device.
+    pub fn register_range(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        mem: std::sync::Arc<SharedMemory>,
+        offset: usize,
+        len: usize,
+    ) -> Result<RegisteredMemory> {
+        let fits = offset.checked_add(len).is_some_and(|end| end <= mem.len());
+        if !fits || len == 0 || !offset.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) {
+            return Err(Error::Internal(format!("registering bytes {offset}..+{len} of a shared region of {}", mem.len())));
+        }
         crate::driver::bind(ctx)?;
-        // SAFETY: `mem` is a live mapping of `mem.len()` bytes, page aligned,
-        // registered once here and unregistered in `drop` before it is
-        // unmapped; a context is current (bound above).
-        unsafe { crate::driver::host_register("cuMemHostRegister", mem.as_ptr().cast(), mem.len()) }?;
+        let host = mem.as_ptr().wrapping_add(offset);
+        // SAFETY: `host..host + len` lies in the live mapping of `mem`
+        // (checked above), page aligned, registered once here and
+        // unregistered in `drop` before `mem` can be unmapped (this holds
+        // it); a context is current (bound above).
+        unsafe { crate::driver::host_register("cuMemHostRegister", host.cast(), len) }?;
         let mut dptr: cuda_peer_sys::CUdeviceptr = 0;
         // SAFETY: the registered range, alive for the call; the driver writes
         // one device address.
         let got = crate::error::check("cuMemHostGetDevicePointer", unsafe {
-            crate::driver::api()?.cuMemHostGetDevicePointer_v2(&mut dptr, mem.as_ptr().cast(), 0)
+            crate::driver::api()?.cuMemHostGetDevicePointer_v2(&mut dptr, host.cast(), 0)
         });
-        let reg = RegisteredMemory { ctx: ctx.clone(), dptr, mem };
+        let reg = RegisteredMemory { ctx: ctx.clone(), dptr, offset, mem };
         got?;
         Ok(reg)
     }
@@ -175,6 +196,11 @@ impl RegisteredMemory {
     /// Its address for the device's kernels and copies.
     pub fn device_ptr(&self) -> u64 {
         self.dptr
+    }
+
+    /// Its address in this process.
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.mem.as_ptr().wrapping_add(self.offset)
     }
 }
 
@@ -184,9 +210,10 @@ impl Drop for RegisteredMemory {
             log::warn!("cuda-peer: no context to unregister shared host memory");
             return;
         }
-        // SAFETY: registered in `register`, unregistered once; its users
-        // (the communicator's kernels and copies) were synchronized first.
-        if let Err(e) = unsafe { crate::driver::host_unregister("cuMemHostUnregister", self.mem.as_ptr().cast()) } {
+        // SAFETY: registered in `register_range`, unregistered once; its
+        // users (the communicator's kernels and copies) were synchronized
+        // first.
+        if let Err(e) = unsafe { crate::driver::host_unregister("cuMemHostUnregister", self.host_ptr().cast()) } {
             log::warn!("cuda-peer: {e}");
         }
     }
@@ -281,7 +308,7 @@ const WORDS: usize = 4;
 /// Every rank's per-call descriptors, in [`SharedMemory`].
 #[derive(Debug)]
 pub(crate) struct CallBoard {
-    mem: SharedMemory,
+    mem: std::sync::Arc<SharedMemory>,
     size: usize,
 }
 
@@ -292,7 +319,8 @@ pub(crate) fn board_bytes(size: usize) -> usize {
 
 impl CallBoard {
     /// The board of `size` ranks in `mem` (zeroed by its creator).
-    pub(crate) fn new(mem: SharedMemory, size: usize) -> Result<CallBoard> {
+    pub(crate) fn new(mem: impl Into<std::sync::Arc<SharedMemory>>, size: usize) -> Result<CallBoard> {
+        let mem = mem.into();
         if mem.len() < board_bytes(size) {
             return Err(Error::Internal(format!("a call board of {} bytes for {size} ranks", mem.len())));
         }

@@ -125,9 +125,11 @@ pub(crate) struct OneShot<'a> {
     pub(crate) cap: u64,
     /// The lane's pipeline (`OneShotPipeline::arg`).
     pub(crate) ahead: i32,
-    /// This rank's control block (1 + 2 * nranks words, mapped for the device).
+    /// This rank's control block (`failure::ctl_bytes(nranks)`, mapped for the device).
     pub(crate) ctl: u64,
     pub(crate) timeout_ns: u64,
+    /// The call's number, for the failure record.
+    pub(crate) call: u32,
 }
 
 /// Launches one rank's one-shot kernel.
@@ -136,7 +138,7 @@ pub(crate) struct OneShot<'a> {
 ///
 /// `f` is the one-shot kernel of the element type of `input`/`output`
 /// (signature `(PtrArray, i32, const void*, const T*, T*, u32*, i32, i32,
-/// u64, u64, i32, u32*, u64)`) loaded in `stream`'s context. `input` and
+/// u64, u64, i32, u32*, u64, u32)`) loaded in `stream`'s context. `input` and
 /// `output` hold `count` elements on that device (the same, or disjoint).
 /// The `npush` regions of `push` and the `pull` region hold
 /// `ONESHOT_FLAG_BYTES + ONESHOT_SETS * nranks * cap` bytes each, reachable
@@ -164,7 +166,8 @@ pub(crate) unsafe fn oneshot(stream: &CudaStream, f: &CudaFunction, a: &OneShot<
         .arg(&a.cap)
         .arg(&a.ahead)
         .arg(&a.ctl)
-        .arg(&a.timeout_ns);
+        .arg(&a.timeout_ns)
+        .arg(&a.call);
     // SAFETY: the caller's contract.
     unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (one-shot all-reduce)"))?;
     Ok(())
@@ -193,6 +196,8 @@ pub(crate) struct PairSync {
     pub(crate) ctl: u64,
     pub(crate) rank: i32,
     pub(crate) peer: i32,
+    /// The call's number, for the failure record.
+    pub(crate) call: u32,
     pub(crate) timeout_ns: u64,
 }
 
@@ -205,7 +210,8 @@ pub(crate) struct PairSync {
 /// `my_view` in this rank's, reachable from the device (peer memory with
 /// read-write access, or mapped host memory) and alive until the kernel is
 /// done; `counter` is one word of this rank's device memory; `ctl` is this
-/// rank's mapped control block of more than `2 * rank + 2` words. Both
+/// rank's mapped control block (`failure::ctl_bytes` of more than `rank`
+/// ranks). Both
 /// ranks of the pair launch their meetings in the same order.
 pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, a: &PairSync) -> Result<()> {
     let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
@@ -223,6 +229,7 @@ pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, a: &PairSy
         .arg(&a.ctl)
         .arg(&a.rank)
         .arg(&a.peer)
+        .arg(&a.call)
         .arg(&a.timeout_ns);
     // SAFETY: the caller's contract.
     unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (point-to-point meeting)"))?;

@@ -350,7 +350,7 @@ pub(crate) const ONESHOT_HOST_BLOCKS: u32 = 32;
 
 /// `u32` words in one rank's mesh flag area: two barrier slots of
 /// `[block][source rank]` flags, then one counter per block.
-pub(crate) const MESH_FLAG_WORDS: usize = 2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS + MESH_MAX_BLOCKS;
+pub(crate) const MESH_FLAG_WORDS: usize = 3 * MESH_MAX_BLOCKS * MESH_MAX_RANKS + MESH_MAX_BLOCKS;
 
 /// Recommended block size (threads per block) for all kernels.
 pub(crate) const BLOCK_SIZE: u32 = 256;
@@ -458,7 +458,7 @@ mod tests {
         let src = include_str!("../../kernels/reduce.cu");
         assert!(src.contains(&format!("#define MESH_MAX_BLOCKS {MESH_MAX_BLOCKS}\n")));
         assert!(src.contains(&format!("#define MESH_MAX_RANKS {MESH_MAX_RANKS}\n")));
-        assert!(src.contains("#define MESH_COUNTERS_OFFSET (2 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)"));
+        assert!(src.contains("#define MESH_COUNTERS_OFFSET (3 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)"));
         assert!(src.contains("#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)"));
         assert!(src.contains(&format!("#define ONESHOT_MAX_BLOCKS {ONESHOT_MAX_BLOCKS}\n")));
         assert!(src.contains("#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)"));

@@ -52,6 +52,7 @@ impl Comm {
         }
         let _calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.held.ctl.check()?;
+        self.number_call();
         self.guarded(|| {
             each_segment(&to_self, &from_self, 0, out, |src, dst, len| self.copy(dst, src, len))?;
             for q in (0..n).filter(|&q| q != me) {
@@ -107,6 +108,7 @@ impl Comm {
             ctl: self.held.ctl.addrs[0],
             rank: me as i32,
             peer: q as i32,
+            call: self.current_call(),
             timeout_ns: self.held.ctl.timeout_ns,
         };
         // SAFETY: `f` is this context's `cp_pair_sync`. The pair areas are
@@ -118,7 +120,7 @@ impl Comm {
         // long as this communicator and every graph its calls went into;
         // `q`, `me` < size <= MAX_RANKS, so each word lies in its area. The
         // counter is word `q` of this rank's `size` counters and the
-        // control block has 1 + 2 * size words. Both ranks meet in one
+        // control block holds `ctl_bytes(size)`. Both ranks meet in one
         // order: each runs its exchanges in ascending peer order, with the
         // same number of meetings when their views agree (and when they do
         // not, the first meeting fails both).
