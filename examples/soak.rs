@@ -1,18 +1,19 @@
 //! Soak: many randomized collectives, every result checked against the CPU.
 //!
 //!     cargo run --release --example soak -- [--iters 10000] [--seed S] [--max-ranks 8]
+//!     cargo run --release --example soak -- --back-to-back [--iters 200] [--batch 16] [--max-bytes 12582912]
 //!
 //! Groups of 2 to `--max-ranks` ranks are laid round-robin over the GPUs
 //! (a group may put several ranks on one device: `Group::new` takes any
-//! streams, so with 2 GPUs a group of 8 ranks has 4 on each; the fused
-//! algorithms need one device per rank, so only groups of at most one rank
-//! per GPU use them). Each has one stream per rank, P2P-or-staged links
-//! (`PathPolicy::Auto`, verified) or staged links (`StagedOnly`); where
-//! every rank has its own GPU, groups with each algorithm forced (ring,
-//! mesh, one-shot over P2P and through host memory) are added. A group
-//! that cannot be built fails the run, except a forced mesh or P2P
-//! one-shot where the driver claims no P2P between some pair of the
-//! devices: that group is left out with a `SKIPPED soak group ...` line
+//! streams, so with 2 GPUs a group of 8 ranks has 4 on each; ranks that
+//! share a device run the fused algorithms too, each rank's grid on a share
+//! of the device's multiprocessors). Each has one stream per rank,
+//! P2P-or-staged links (`PathPolicy::Auto`, verified) or staged links
+//! (`StagedOnly`); where every rank has its own GPU, groups with each
+//! algorithm forced (ring, mesh, one-shot over P2P and through host memory)
+//! are added. A group that cannot be built fails the run, except a forced
+//! mesh or P2P one-shot where the driver claims no P2P between some pair of
+//! the devices: that group is left out with a `SKIPPED soak group ...` line
 //! (as are the forced groups on one GPU), and the summary lists it.
 //!
 //! Each iteration picks a group, an element type (all ten), a collective
@@ -29,6 +30,29 @@
 //! is exact in any order (bf16 included), and avg is that exact sum divided
 //! once (in f32 for f32/f16/bf16, as the kernel does).
 //!
+//! `--back-to-back`: each iteration picks a group and enqueues `--batch`
+//! random collectives on it, each on buffers of its own, with nothing
+//! synchronised between them (no stream, event or group synchronisation,
+//! no read-back), then synchronises once and checks them all. Float inputs
+//! are real values (for sum and avg, per element one random sign and
+//! magnitudes in [1, 2); for prod magnitudes in [1.25, 2) of random signs;
+//! min, max and the data movements in [-1, 1)), and float reductions are
+//! compared element by element with the f64 reduction of that element's
+//! inputs, within the bound of the tests (`tests/common/num.rs`,
+//! `float_bound`; this file keeps a copy, below): a rank left out or an
+//! average divided by `n - 1` lies outside it. Integers and data movements
+//! stay exact, and every rank's all-reduce result must be bitwise the
+//! same. Sizes are drawn by bytes per rank, log-uniform up to `--max-bytes`
+//! (12 MiB by default) and one in three at a lane's edge (64 KiB and 1 MiB,
+//! the one-shot's lanes over P2P; 4 MiB pushed, where `Auto` turns from the
+//! one-shot to the mesh; 8 MiB and 16 MiB pushed, the host one-shot's
+//! last lane and its end; five rounds of the P2P large lane's slot), a few
+//! elements either side, so that two-rank `Auto` groups reach the mesh
+//! and the one-shot's large lane; a call's input is at most `--max-bytes`
+//! per rank and 2^24 elements over all ranks (the CPU's share), and
+//! `--max-count`, if given, caps the count too. No graphs in this mode (the
+//! warm-up included); the memory check stays.
+//!
 //! Memory: after a warm-up (every group and collective once at the largest
 //! count, 8-byte elements, so that group scratch reaches its size), and at
 //! the end, each device's default pool is trimmed and its used bytes
@@ -36,15 +60,16 @@
 //! process's resident set (pinned host memory is resident) are recorded;
 //! growth beyond 1 MiB used, 64 MiB device or 64 MiB host fails the run.
 //!
-//! Prints the groups, a line per 1000 iterations and a summary; exits 0
-//! only if every check passed, 1 otherwise, 2 (one line) without a GPU.
+//! Prints the groups, a line per 1000 iterations (100 back to back) and a
+//! summary; exits 0 only if every check passed, 1 otherwise (any wrong
+//! element fails the run), 2 (one line) without a GPU.
 
 mod common;
 
 use clap::Parser;
 use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
-use cuda_peer::{driver, Algorithm, Element, Error, Group, GroupOptions, PathPolicy, ReduceOp};
+use cuda_peer::{driver, Algorithm, Element, Error, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -64,30 +89,55 @@ struct Args {
     /// Largest group (ranks laid round-robin over the GPUs), 2 to 8.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(2..=8))]
     max_ranks: u64,
-    /// Largest element count per rank (rounded up to odd).
-    #[arg(long, default_value_t = (1 << 18) + 1)]
-    max_count: usize,
+    /// Largest element count per rank (rounded up to odd; 2^18 + 1 unless
+    /// given). With `--back-to-back`, counts follow `--max-bytes`, and this
+    /// caps them only where given.
+    #[arg(long)]
+    max_count: Option<usize>,
+    /// Enqueue `--batch` collectives per iteration back to back, with no
+    /// synchronisation between them, on real float values checked within
+    /// the per-element bound, at sizes up to `--max-bytes` (see above).
+    #[arg(long)]
+    back_to_back: bool,
+    /// Collectives per back-to-back iteration.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    batch: u64,
+    /// Largest message per rank in bytes, back to back.
+    #[arg(long, default_value_t = 12 << 20)]
+    max_bytes: usize,
     /// One in this many iterations is also captured and replayed from a
     /// graph (the warm-up captures every collective); 0: no graphs at all.
     #[arg(long, default_value_t = 8)]
     graph_every: u32,
 }
 
-/// An element type with an exact CPU reference.
+/// An element type with an exact CPU reference (and, for floats, the f64
+/// one with its bound).
 trait Val: Element + Copy + std::fmt::Debug {
+    /// Significand bits of a float type, its implicit bit included; `None`
+    /// for integers.
+    const BITS: Option<u32>;
     fn gen(rng: &mut StdRng, op: ReduceOp) -> Self;
+    /// An input of the back-to-back mode: integers as [`Val::gen`]; floats
+    /// real values (sum and avg: a magnitude in [1, 2) of the sign given;
+    /// prod: a magnitude in [1.25, 2) of a random sign; otherwise in
+    /// [-1, 1)).
+    fn gen_real(rng: &mut StdRng, op: ReduceOp, negative: bool) -> Self;
     /// `a op b` (sum for avg).
     fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
     /// The average of `n` values whose sum is `sum` (floats only).
     fn avg(sum: Self, n: usize) -> Self;
     fn same(a: Self, b: Self) -> bool;
     fn poison() -> Self;
+    fn to_f64(self) -> f64;
 }
 
 macro_rules! int_val {
     ($($t:ty),*) => {$(
         impl Val for $t {
+            const BITS: Option<u32> = None;
             fn gen(rng: &mut StdRng, _: ReduceOp) -> Self { rng.random() }
+            fn gen_real(rng: &mut StdRng, _: ReduceOp, _: bool) -> Self { rng.random() }
             fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
                 match op {
                     ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
@@ -99,14 +149,16 @@ macro_rules! int_val {
             fn avg(sum: Self, _: usize) -> Self { sum }
             fn same(a: Self, b: Self) -> bool { a == b }
             fn poison() -> Self { 0x5a as Self }
+            fn to_f64(self) -> f64 { self as f64 }
         }
     )*};
 }
 int_val!(i8, u8, i32, u32, i64, u64);
 
 macro_rules! float_val {
-    ($t:ty, $to:expr, $from:expr, $avg:expr, $bits:expr) => {
+    ($t:ty, $to:expr, $from:expr, $avg:expr, $bits:expr, $sig:expr) => {
         impl Val for $t {
+            const BITS: Option<u32> = Some($sig);
             fn gen(rng: &mut StdRng, op: ReduceOp) -> Self {
                 let v: f64 = match op {
                     // At most 8 ranks: sums within +-64, products within +-256,
@@ -116,6 +168,14 @@ macro_rules! float_val {
                     ReduceOp::Min | ReduceOp::Max => f64::from(rng.random_range(-100i32..=100)),
                 };
                 $from(v)
+            }
+            fn gen_real(rng: &mut StdRng, op: ReduceOp, negative: bool) -> Self {
+                let sign = |negative: bool| if negative { -1.0 } else { 1.0 };
+                $from(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => sign(negative) * rng.random_range(1.0..2.0),
+                    ReduceOp::Prod => sign(rng.random()) * rng.random_range(1.25..2.0),
+                    ReduceOp::Min | ReduceOp::Max => rng.random_range(-1.0..1.0),
+                })
             }
             fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
                 let (a, b): (f64, f64) = ($to(a), $to(b));
@@ -135,14 +195,89 @@ macro_rules! float_val {
             fn poison() -> Self {
                 $from(f64::NAN)
             }
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
         }
     };
 }
-float_val!(f32, f64::from, |v: f64| v as f32, |s: f32, n: usize| s / n as f32, f32::to_bits);
-float_val!(f64, |v: f64| v, |v: f64| v, |s: f64, n: usize| s / n as f64, f64::to_bits);
-float_val!(f16, |v: f16| v.to_f64(), f16::from_f64, |s: f16, n: usize| f16::from_f32(s.to_f32() / n as f32), f16::to_bits);
-float_val!(bf16, |v: bf16| v.to_f64(), bf16::from_f64, |s: bf16, n: usize| bf16::from_f32(s.to_f32() / n as f32), bf16::to_bits);
+float_val!(f32, f64::from, |v: f64| v as f32, |s: f32, n: usize| s / n as f32, f32::to_bits, 24);
+float_val!(f64, |v: f64| v, |v: f64| v, |s: f64, n: usize| s / n as f64, f64::to_bits, 53);
+float_val!(f16, |v: f16| v.to_f64(), f16::from_f64, |s: f16, n: usize| f16::from_f32(s.to_f32() / n as f32), f16::to_bits, 11);
+float_val!(bf16, |v: bf16| v.to_f64(), bf16::from_f64, |s: bf16, n: usize| bf16::from_f32(s.to_f32() / n as f32), bf16::to_bits, 8);
 
+// The float comparison of the back-to-back mode: a copy of
+// `tests/common/num.rs` (`reference`, `step_roundoff`, `worst_partials`,
+// `exact_in`, `float_bound`; an example cannot use the tests' modules).
+// docs/testing.md explains the bound; change both copies together.
+
+/// The exact result of `op` over one element's inputs `xs`, in f64.
+fn reference(op: ReduceOp, xs: &[f64]) -> f64 {
+    match op {
+        ReduceOp::Sum => xs.iter().sum(),
+        ReduceOp::Prod => xs.iter().product(),
+        ReduceOp::Min => xs.iter().copied().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg => xs.iter().sum::<f64>() / xs.len() as f64,
+    }
+}
+
+/// The relative error of one binary step in a float type of `bits`
+/// significand bits (16-bit types are computed in f32, then rounded).
+fn step_roundoff(bits: u32) -> f64 {
+    let u = 2f64.powi(-(bits as i32));
+    if bits < 24 {
+        u + 2f64.powi(-24)
+    } else {
+        u
+    }
+}
+
+/// `sum_{k=2..n}` of the sum of the `k` largest `|x|`: the magnitudes of a
+/// sum's partial results in the worst order.
+fn worst_partials(xs: &[f64]) -> f64 {
+    let mut a: Vec<f64> = xs.iter().map(|x| x.abs()).collect();
+    a.sort_unstable_by(|x, y| y.total_cmp(x));
+    let (mut top, mut partials) = (0.0, 0.0);
+    for (k, v) in a.iter().enumerate() {
+        top += v;
+        if k >= 1 {
+            partials += top;
+        }
+    }
+    partials
+}
+
+/// Whether every partial result of `op` over `xs` is exact in `bits` bits.
+fn exact_in(op: ReduceOp, xs: &[f64], bits: u32) -> bool {
+    let limit = 2f64.powi(bits as i32);
+    let integers = xs.iter().all(|x| x.fract() == 0.0);
+    match op {
+        ReduceOp::Sum => integers && xs.iter().map(|x| x.abs()).sum::<f64>() <= limit,
+        ReduceOp::Prod => integers && xs.iter().map(|x| x.abs()).product::<f64>() <= limit,
+        ReduceOp::Min | ReduceOp::Max => true,
+        ReduceOp::Avg => false,
+    }
+}
+
+/// The largest error of `op` over `xs` computed in a float type of `bits`
+/// significand bits, against [`reference`] (docs/testing.md).
+fn float_bound(op: ReduceOp, xs: &[f64], bits: u32) -> f64 {
+    let n = xs.len();
+    if (n <= 1 && op != ReduceOp::Avg) || exact_in(op, xs, bits) {
+        return 0.0;
+    }
+    let u = step_roundoff(bits) + 2f64.powi(-53);
+    let widen = 1.0 + 2.0 * (n as f64 + 1.0) * u;
+    let abs: f64 = xs.iter().map(|x| x.abs()).sum();
+    match op {
+        ReduceOp::Sum => u * worst_partials(xs) * widen,
+        ReduceOp::Avg if n == 1 => 0.0,
+        ReduceOp::Avg => (u * worst_partials(xs) + (2.0 * u + 2f64.powi(-22)) * abs) * widen / n as f64,
+        ReduceOp::Prod => (n as f64 - 1.0) * u * reference(ReduceOp::Prod, xs).abs() * widen,
+        ReduceOp::Min | ReduceOp::Max => 0.0,
+    }
+}
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Kind {
     AllReduceInPlace,
@@ -162,15 +297,34 @@ struct Soak {
     name: String,
 }
 
-/// One collective's buffers and expected results.
+/// One collective's buffers.
 struct Case<T> {
     kind: Kind,
     op: ReduceOp,
     root: usize,
     count: usize,
+    /// Real float inputs, compared within the bound (back to back).
+    real: bool,
     /// Inputs (`send`, or the in-place buffers) per rank.
     send: Vec<CudaSlice<T>>,
     recv: Vec<CudaSlice<T>>,
+}
+
+/// What a rank's output must hold.
+enum Want<T> {
+    /// Exactly these values (bit for bit).
+    Exact(Vec<T>),
+    /// Element `i` within the bound of the f64 reduction of every rank's
+    /// input `offset + i` (real floats).
+    Near(usize),
+    /// Nothing (a rank other than the root of a reduce).
+    Unspecified,
+}
+
+/// A case's inputs and what each rank's output must hold.
+struct Expect<T> {
+    inputs: Vec<Vec<T>>,
+    ranks: Vec<Want<T>>,
 }
 
 impl<T: Val> Case<T> {
@@ -192,11 +346,19 @@ impl<T: Val> Case<T> {
         }
     }
 
-    /// Fresh inputs and poisoned outputs, on every rank's stream; returns
-    /// the expected outputs (`None` for ranks whose output is unspecified).
-    fn fill(&mut self, s: &Soak, rng: &mut StdRng) -> Result<Vec<Option<Vec<T>>>, String> {
+    /// Fresh inputs and poisoned outputs, on every rank's stream (stream
+    /// ordered: nothing is synchronised); returns what every rank's output
+    /// must hold.
+    fn fill(&mut self, s: &Soak, rng: &mut StdRng) -> Result<Expect<T>, String> {
         let n = s.streams.len();
-        let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..self.in_len(n)).map(|_| T::gen(rng, self.op)).collect()).collect();
+        let len = self.in_len(n);
+        let inputs: Vec<Vec<T>> = if self.real {
+            let negative: Vec<bool> = (0..len).map(|_| rng.random()).collect();
+            (0..n).map(|_| negative.iter().map(|&neg| T::gen_real(rng, self.op, neg)).collect()).collect()
+        } else {
+            (0..n).map(|_| (0..len).map(|_| T::gen(rng, self.op)).collect()).collect()
+        };
+        let near = self.real && T::BITS.is_some();
         let reduce = |len: usize| -> Vec<T> {
             (0..len)
                 .map(|i| {
@@ -209,15 +371,14 @@ impl<T: Val> Case<T> {
                 })
                 .collect()
         };
-        let want: Vec<Option<Vec<T>>> = match self.kind {
-            Kind::AllReduceInPlace | Kind::AllReduce => vec![Some(reduce(self.count)); n],
-            Kind::ReduceScatter => {
-                let all = reduce(n * self.count);
-                (0..n).map(|r| Some(all[r * self.count..(r + 1) * self.count].to_vec())).collect()
-            }
-            Kind::AllGather => vec![Some(inputs.concat()); n],
-            Kind::Broadcast => vec![Some(inputs[self.root].clone()); n],
-            Kind::Reduce => (0..n).map(|r| (r == self.root).then(|| reduce(self.count))).collect(),
+        let all = if near { Vec::new() } else { reduce(len) };
+        let reduced = |offset: usize, len: usize| if near { Want::Near(offset) } else { Want::Exact(all[offset..offset + len].to_vec()) };
+        let ranks: Vec<Want<T>> = match self.kind {
+            Kind::AllReduceInPlace | Kind::AllReduce => (0..n).map(|_| reduced(0, self.count)).collect(),
+            Kind::ReduceScatter => (0..n).map(|r| reduced(r * self.count, self.count)).collect(),
+            Kind::AllGather => (0..n).map(|_| Want::Exact(inputs.concat())).collect(),
+            Kind::Broadcast => (0..n).map(|_| Want::Exact(inputs[self.root].clone())).collect(),
+            Kind::Reduce => (0..n).map(|r| if r == self.root { reduced(0, self.count) } else { Want::Unspecified }).collect(),
         };
         let poison = vec![T::poison(); self.out_len(n)];
         for (r, (st, input)) in s.streams.iter().zip(&inputs).enumerate() {
@@ -228,7 +389,7 @@ impl<T: Val> Case<T> {
                 st.memcpy_htod(&poison, &mut self.recv[r]).map_err(|e| format!("poison: {e:?}"))?;
             }
         }
-        Ok(want)
+        Ok(Expect { inputs, ranks })
     }
 
     fn call(&mut self, g: &Group) -> cuda_peer::Result<()> {
@@ -242,13 +403,60 @@ impl<T: Val> Case<T> {
         }
     }
 
-    fn check(&self, s: &Soak, want: &[Option<Vec<T>>]) -> Result<(), String> {
-        for (r, w) in want.iter().enumerate() {
-            let Some(w) = w else { continue };
+    /// Reads every rank's output back and compares it with `want`: bit for
+    /// bit, or within the bound of each element's f64 reduction; every
+    /// rank's all-reduce result must be bitwise the same too.
+    fn check(&self, s: &Soak, want: &Expect<T>) -> Result<(), String> {
+        let mut first: Option<Vec<T>> = None;
+        for (r, w) in want.ranks.iter().enumerate() {
+            if matches!(w, Want::Unspecified) {
+                continue;
+            }
             let got = s.streams[r].clone_dtoh(&self.recv[r]).map_err(|e| format!("read back: {e:?}"))?;
-            if let Some(i) = got.iter().zip(w).position(|(a, b)| !T::same(*a, *b)) {
-                let wrong = got.iter().zip(w).filter(|(a, b)| !T::same(**a, **b)).count();
-                return Err(format!("rank {r}: {wrong} of {} wrong, first at {i}: {:?} instead of {:?}", w.len(), got[i], w[i]));
+            match w {
+                Want::Unspecified => {}
+                Want::Exact(w) => {
+                    if let Some(i) = got.iter().zip(w).position(|(a, b)| !T::same(*a, *b)) {
+                        let wrong = got.iter().zip(w).filter(|(a, b)| !T::same(**a, **b)).count();
+                        return Err(format!("rank {r}: {wrong} of {} wrong, first at {i}: {:?} instead of {:?}", w.len(), got[i], w[i]));
+                    }
+                }
+                &Want::Near(offset) => {
+                    let bits = T::BITS.ok_or("a bound on an integer type")?;
+                    let mut xs = vec![0f64; want.inputs.len()];
+                    let (mut wrong, mut first_wrong) = (0usize, None);
+                    for (i, g) in got.iter().enumerate() {
+                        for (x, input) in xs.iter_mut().zip(&want.inputs) {
+                            *x = input[offset + i].to_f64();
+                        }
+                        let (reference, bound) = (reference(self.op, &xs), float_bound(self.op, &xs, bits));
+                        // NaN (the poison) is never within it.
+                        let error = (g.to_f64() - reference).abs();
+                        if error.is_nan() || error > bound {
+                            wrong += 1;
+                            first_wrong.get_or_insert((i, *g, reference, bound, xs.clone()));
+                        }
+                    }
+                    if let Some((i, g, reference, bound, xs)) = first_wrong {
+                        return Err(format!(
+                            "rank {r}: {wrong} of {} outside the bound, first at {i}: {g:?}, expected {reference} within {bound:e} (f64 reference) from {xs:?}",
+                            got.len()
+                        ));
+                    }
+                }
+            }
+            if matches!(self.kind, Kind::AllReduceInPlace | Kind::AllReduce) {
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => {
+                        if let Some(i) = got.iter().zip(f).position(|(a, b)| !T::same(*a, *b)) {
+                            return Err(format!(
+                                "rank {r} differs from rank 0 at {i}: {:?} vs {:?} (all-reduce results must be bitwise the same)",
+                                got[i], f[i]
+                            ));
+                        }
+                    }
+                }
             }
         }
         Ok(())
@@ -301,24 +509,112 @@ impl Tally {
     }
 }
 
-/// One collective: eager, then (if `graph`) captured and replayed twice.
-#[allow(clippy::too_many_arguments)]
-fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usize, graph: bool, rng: &mut StdRng, tally: &mut Tally, tag: &str) {
+/// A case's buffers on every rank's stream, poisoned (the send buffers
+/// too, until `fill`).
+fn alloc_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usize, real: bool) -> Result<Case<T>, String> {
     let n = s.streams.len();
-    let what = format!("{tag} {} {kind:?} {op:?} {} count {count} root {root}", s.name, T::DTYPE.name());
-    let mut case = Case::<T> { kind, op, root, count, send: Vec::new(), recv: Vec::new() };
+    let mut case = Case::<T> { kind, op, root, count, real, send: Vec::new(), recv: Vec::new() };
     let (in_len, out_len) = (case.in_len(n), case.out_len(n));
     for st in &s.streams {
         let alloc = |len: usize| st.clone_htod(&vec![T::poison(); len]);
-        let bufs = (if case.in_place() { Ok(None) } else { alloc(in_len).map(Some) }).and_then(|snd| alloc(out_len).map(|rcv| (snd, rcv)));
-        match bufs {
-            Ok((snd, rcv)) => {
-                case.send.extend(snd);
-                case.recv.push(rcv);
-            }
-            Err(e) => return tally.fail(format!("{what}: allocating: {e:?}")),
-        }
+        let (snd, rcv) = (if case.in_place() { Ok(None) } else { alloc(in_len).map(Some) })
+            .and_then(|snd| alloc(out_len).map(|rcv| (snd, rcv)))
+            .map_err(|e| format!("allocating: {e:?}"))?;
+        case.send.extend(snd);
+        case.recv.push(rcv);
     }
+    Ok(case)
+}
+
+/// A collective of a back-to-back batch: its inputs uploaded first (for
+/// every call of the batch), then the call enqueued, then (once the batch
+/// is synchronised) its results checked.
+trait Pending {
+    fn what(&self) -> &str;
+    fn call(&mut self, s: &Soak) -> Result<(), String>;
+    fn check(&self, s: &Soak) -> Result<(), String>;
+}
+
+struct Enqueued<T> {
+    what: String,
+    case: Case<T>,
+    want: Expect<T>,
+}
+
+impl<T: Val> Pending for Enqueued<T> {
+    fn what(&self) -> &str {
+        &self.what
+    }
+    fn call(&mut self, s: &Soak) -> Result<(), String> {
+        self.case.call(&s.group).map_err(|e| format!("{}: call: {e}", self.what))
+    }
+    fn check(&self, s: &Soak) -> Result<(), String> {
+        self.case.check(s, &self.want).map_err(|e| format!("{} (back to back): {e}", self.what))
+    }
+}
+
+/// Allocates and fills (real floats) one collective's buffers, stream
+/// ordered: nothing is synchronised.
+fn prepare_case<T: Val>(
+    s: &Soak,
+    kind: Kind,
+    op: ReduceOp,
+    count: usize,
+    root: usize,
+    rng: &mut StdRng,
+    tag: &str,
+) -> Result<Box<dyn Pending>, String> {
+    let what = format!("{tag} {} {kind:?} {op:?} {} count {count} ({} bytes) root {root}", s.name, T::DTYPE.name(), count * T::DTYPE.size());
+    let r = alloc_case::<T>(s, kind, op, count, root, true).and_then(|mut case| case.fill(s, rng).map(|want| (case, want)));
+    match r {
+        Ok((case, want)) => Ok(Box::new(Enqueued { what, case, want })),
+        Err(e) => Err(format!("{what}: {e}")),
+    }
+}
+
+/// The element count per rank of a back-to-back call of `kind` on `n`
+/// ranks with `elem`-byte elements: at most `max_bytes` of input per rank
+/// and 2^24 input elements over all ranks (the CPU draws and checks them),
+/// and at most `max_count`, where given.
+fn b2b_cap(n: usize, elem: usize, kind: Kind, max_bytes: usize, max_count: Option<usize>) -> usize {
+    let per = if kind == Kind::ReduceScatter { n } else { 1 };
+    let cap = (max_bytes / elem / per).min((1 << 24) / (n * per)).max(1);
+    max_count.map_or(cap, |m| cap.min(m.max(1)))
+}
+
+/// A back-to-back call's count: bytes per rank log-uniform up to
+/// `max_bytes`, or (one in three) a lane's edge a few elements either
+/// side; odd where possible; within [`b2b_cap`].
+fn b2b_count(rng: &mut StdRng, n: usize, elem: usize, kind: Kind, max_bytes: usize, max_count: Option<usize>) -> usize {
+    let pushing = n.saturating_sub(1).max(1);
+    // The one-shot's lanes over P2P (64 KiB, 1 MiB), the bytes pushed where
+    // `Auto` leaves the one-shot for the mesh (4 MiB) and the host one-shot
+    // changes lanes (8 MiB) and ends (16 MiB), and five rounds of the P2P
+    // large lane's slot (one more than it has slot sets).
+    let slot = ((32usize << 20) / (4 * n)) & !255;
+    let edges = [64 << 10, 1 << 20, (4 << 20) / pushing, (8 << 20) / pushing, (16 << 20) / pushing, 5 * slot];
+    let bytes = if rng.random_ratio(1, 3) {
+        let edge = edges[rng.random_range(0..edges.len())] as i64;
+        (edge + elem as i64 * rng.random_range(-3i64..=3)).max(1) as usize
+    } else {
+        2f64.powf(rng.random_range(0.0..=(max_bytes.max(2) as f64).log2())) as usize
+    };
+    let count = (bytes / elem).clamp(1, b2b_cap(n, elem, kind, max_bytes, max_count));
+    if count > 1 && count.is_multiple_of(2) {
+        count - 1
+    } else {
+        count
+    }
+}
+
+/// One collective: eager, then (if `graph`) captured and replayed twice.
+#[allow(clippy::too_many_arguments)]
+fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usize, graph: bool, rng: &mut StdRng, tally: &mut Tally, tag: &str) {
+    let what = format!("{tag} {} {kind:?} {op:?} {} count {count} root {root}", s.name, T::DTYPE.name());
+    let mut case = match alloc_case::<T>(s, kind, op, count, root, false) {
+        Ok(c) => c,
+        Err(e) => return tally.fail(format!("{what}: {e}")),
+    };
     let eager = case.fill(s, rng).and_then(|want| {
         sync(s)?;
         case.call(&s.group).map_err(|e| format!("eager call: {e}"))?;
@@ -352,6 +648,41 @@ fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usiz
             return tally.fail(format!("{what} (graph): {e}"));
         }
         tally.replays += 1;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dispatch_prepare(
+    s: &Soak,
+    dtype: &str,
+    kind: Kind,
+    op: ReduceOp,
+    count: usize,
+    root: usize,
+    rng: &mut StdRng,
+    tag: &str,
+) -> Result<Box<dyn Pending>, String> {
+    match dtype {
+        "f32" => prepare_case::<f32>(s, kind, op, count, root, rng, tag),
+        "f64" => prepare_case::<f64>(s, kind, op, count, root, rng, tag),
+        "f16" => prepare_case::<f16>(s, kind, op, count, root, rng, tag),
+        "bf16" => prepare_case::<bf16>(s, kind, op, count, root, rng, tag),
+        "i32" => prepare_case::<i32>(s, kind, op, count, root, rng, tag),
+        "i64" => prepare_case::<i64>(s, kind, op, count, root, rng, tag),
+        "u32" => prepare_case::<u32>(s, kind, op, count, root, rng, tag),
+        "u64" => prepare_case::<u64>(s, kind, op, count, root, rng, tag),
+        "i8" => prepare_case::<i8>(s, kind, op, count, root, rng, tag),
+        _ => prepare_case::<u8>(s, kind, op, count, root, rng, tag),
+    }
+}
+
+/// The byte size of an element of `dtype` (one of [`DTYPES`]).
+fn dtype_size(dtype: &str) -> usize {
+    match dtype {
+        "f64" | "i64" | "u64" => 8,
+        "f32" | "i32" | "u32" => 4,
+        "f16" | "bf16" => 2,
+        _ => 1,
     }
 }
 
@@ -475,6 +806,82 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> (Vec<Soak>, Vec<String
     (out, left_out)
 }
 
+/// A random element type, collective and reduction (avg on floats only).
+fn pick(rng: &mut StdRng) -> (&'static str, Kind, ReduceOp) {
+    let dtype = DTYPES[rng.random_range(0..DTYPES.len())];
+    let kind = KINDS[rng.random_range(0..KINDS.len())];
+    let float = matches!(dtype, "f32" | "f64" | "f16" | "bf16");
+    let op = loop {
+        let op = OPS[rng.random_range(0..OPS.len())];
+        if op != ReduceOp::Avg || float {
+            break op;
+        }
+    };
+    (dtype, kind, op)
+}
+
+/// The algorithm and lane an all-reduce of `bytes` per rank takes on `s`
+/// (the one-shot's lanes as `oneshot::DEVICE_LANES` and `HOST_LANES` cut
+/// them), for the summary.
+fn lane(s: &Soak, bytes: usize) -> String {
+    let algorithm = s.group.all_reduce_algorithm(bytes);
+    if algorithm != Selected::OneShot {
+        return format!("{algorithm:?}");
+    }
+    let host = s.group.oneshot_on_host() == Some(true);
+    let edges: &[(usize, &str)] = if host {
+        &[(16 << 10, "<=16KiB"), (256 << 10, "<=256KiB"), (8 << 20, "<=8MiB"), (usize::MAX, ">8MiB")]
+    } else {
+        &[(64 << 10, "<=64KiB"), (1 << 20, "<=1MiB"), (usize::MAX, ">1MiB")]
+    };
+    let name = edges.iter().find(|(max, _)| bytes <= *max).map_or("?", |e| e.1);
+    format!("OneShot {} lane {name}", if host { "host" } else { "device" })
+}
+
+/// One back-to-back iteration on `s`: `--batch` random collectives, each
+/// on buffers of its own, every input uploaded first, then every call
+/// enqueued with nothing synchronised between them; then one
+/// synchronisation of every stream and the group, and every result checked.
+fn back_to_back(s: &Soak, args: &Args, rng: &mut StdRng, tally: &mut Tally, i: u64) {
+    let n = s.streams.len();
+    let mut pending: Vec<Box<dyn Pending>> = Vec::new();
+    for b in 0..args.batch {
+        let (dtype, kind, op) = pick(rng);
+        let count = b2b_count(rng, n, dtype_size(dtype), kind, args.max_bytes, args.max_count);
+        let root = rng.random_range(0..n);
+        *tally.by.entry(format!("dtype {dtype}")).or_default() += 1;
+        *tally.by.entry(format!("kind {kind:?}")).or_default() += 1;
+        *tally.by.entry(format!("op {op:?}")).or_default() += 1;
+        *tally.by.entry(format!("group {}", s.name)).or_default() += 1;
+        if matches!(kind, Kind::AllReduceInPlace | Kind::AllReduce) {
+            *tally.by.entry(format!("all-reduce n={n} {}", lane(s, count * dtype_size(dtype)))).or_default() += 1;
+        }
+        match dispatch_prepare(s, dtype, kind, op, count, root, rng, &format!("#{i}.{b}")) {
+            Ok(p) => pending.push(p),
+            Err(e) => tally.fail(e),
+        }
+    }
+    let mut called = Vec::with_capacity(pending.len());
+    for mut p in pending {
+        match p.call(s) {
+            Ok(()) => called.push(p),
+            Err(e) => tally.fail(e),
+        }
+    }
+    if let Err(e) = sync(s) {
+        for p in &called {
+            tally.fail(format!("{} (back to back): {e}", p.what()));
+        }
+        return;
+    }
+    for p in &called {
+        match p.check(s) {
+            Ok(()) => tally.eager += 1,
+            Err(e) => tally.fail(e),
+        }
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let gpus = common::gpus_or_exit("soak");
@@ -484,17 +891,31 @@ fn main() {
     };
     for c in &ctxs {
         // SAFETY: the soak's own contexts: every buffer is made after this,
-        // on a group's stream, and the soak orders all work itself (it
-        // synchronises every stream around each collective), as graph
-        // capture needs.
+        // on a group's stream, and the soak orders all work itself, as graph
+        // capture needs: it synchronises every stream around each
+        // collective, or (back to back) keeps all of a case's work (its
+        // allocation, uploads, call and read-back) on its ranks' streams,
+        // reads back only after synchronising them all, and frees the
+        // buffers after that.
         unsafe { c.disable_event_tracking() };
     }
     let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64));
-    let max_count = args.max_count | 1;
-    println!(
-        "soak: {gpus} GPU(s), ranks 2..={}, {} iterations, seed {seed}, counts 1..={max_count} (odd), graph 1 in {}",
-        args.max_ranks, args.iters, args.graph_every
-    );
+    let max_count = args.max_count.unwrap_or((1 << 18) + 1) | 1;
+    if args.back_to_back {
+        println!(
+            "soak: {gpus} GPU(s), ranks 2..={}, {} iterations of {} back-to-back collectives, seed {seed}, up to {} bytes per rank{}, real floats within the bound, no graphs",
+            args.max_ranks,
+            args.iters,
+            args.batch,
+            args.max_bytes,
+            args.max_count.map_or(String::new(), |m| format!(" and {m} elements"))
+        );
+    } else {
+        println!(
+            "soak: {gpus} GPU(s), ranks 2..={}, {} iterations, seed {seed}, counts 1..={max_count} (odd), graph 1 in {}",
+            args.max_ranks, args.iters, args.graph_every
+        );
+    }
     let start = Instant::now();
     let (soaks, left_out) = groups(&ctxs, args.max_ranks as usize);
     println!("soak: {} groups in {:.1} s", soaks.len(), start.elapsed().as_secs_f64());
@@ -503,9 +924,14 @@ fn main() {
 
     // Warm-up: every group and collective at the largest count with 8-byte
     // elements (scratch reaches its size), eager and from a graph.
+    // Back to back: the largest count of 8-byte elements any call takes,
+    // eager only.
     for s in &soaks {
+        let n = s.streams.len();
         for kind in KINDS {
-            dispatch(s, "u64", kind, ReduceOp::Sum, max_count, s.streams.len() - 1, args.graph_every > 0, &mut rng, &mut tally, "warm-up");
+            let (count, graph) =
+                if args.back_to_back { (b2b_cap(n, 8, kind, args.max_bytes, args.max_count), false) } else { (max_count, args.graph_every > 0) };
+            dispatch(s, "u64", kind, ReduceOp::Sum, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
         }
     }
     let warm_failures = tally.failures.len();
@@ -519,18 +945,24 @@ fn main() {
     println!("soak: warm-up done ({warm_failures} failures) at {:.1} s", start.elapsed().as_secs_f64());
 
     let t0 = Instant::now();
-    for i in 1..=args.iters {
+    if args.back_to_back {
+        for i in 1..=args.iters {
+            back_to_back(&soaks[rng.random_range(0..soaks.len())], &args, &mut rng, &mut tally, i);
+            if i % 100 == 0 || i == args.iters {
+                println!(
+                    "soak: {i}/{} batches done, {} collectives checked, {} failures, {:.1} s",
+                    args.iters,
+                    tally.eager,
+                    tally.failures.len(),
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+    for i in (1..=args.iters).filter(|_| !args.back_to_back) {
         let s = &soaks[rng.random_range(0..soaks.len())];
         let n = s.streams.len();
-        let dtype = DTYPES[rng.random_range(0..DTYPES.len())];
-        let kind = KINDS[rng.random_range(0..KINDS.len())];
-        let float = matches!(dtype, "f32" | "f64" | "f16" | "bf16");
-        let op = loop {
-            let op = OPS[rng.random_range(0..OPS.len())];
-            if op != ReduceOp::Avg || float {
-                break op;
-            }
-        };
+        let (dtype, kind, op) = pick(&mut rng);
         // Log-uniform odd counts.
         let bits = rng.random_range(0.0..=(max_count as f64).log2());
         let count = ((2f64.powf(bits) as usize) | 1).min(max_count);
