@@ -10,6 +10,10 @@
 //!   not run on device N though their launch succeeds, so nothing their SM
 //!   peer stores would carry arrives (a pair whose copy engines work while
 //!   its SM peer stores are lost, as seen from its peers);
+//! - `corrupt-fused-results=N`: the fused kernels run and meet their
+//!   barriers, then the first byte of their output on device N flips:
+//!   wrong data behind a clean barrier, which only the creation check's
+//!   comparison of the results with the CPU's can catch;
 //! - `fail-call=NAME:N[@AFTER:M|@restart]`: the Nth call of one driver
 //!   entry point (after the Mth of another, or after the test arms it)
 //!   fails, every asynchronous copy is held back
@@ -23,25 +27,39 @@
 //! path policy) must give either exact results (checked against the CPU),
 //! through a verified fallback where the lie is found, or a typed error:
 //! never a wrong answer, a panic or a hang (each test runs under a
-//! watchdog). Controls check that each fault really fires (the shim counts
-//! them) and that, with verification turned off, the corruption really
-//! reaches the results, so the passing cases are not vacuous.
+//! watchdog). Each case is judged on what the library reports, not only
+//! on its result: the fault must have fired in that case itself (the
+//! shim's count read before and after it), or not at all where it is not
+//! on the case's path (StagedOnly under a P2P lie, the ring under a fault
+//! of the fused kernels); a claimed fallback must show in the public API
+//! (every pull's `LinkStatus` staged, the driver's claim and the
+//! verification's result; the group's algorithms, `uses_mesh` and
+//! `oneshot_on_host`); refusals must be the error variant the fault calls
+//! for, naming the right devices or algorithm. Where the library
+//! remembers a fault for the process (a pair's verification verdict is
+//! cached), each case runs in a child process of its own. Controls check
+//! that, with verification turned off, the corruptions really reach the
+//! results, so the passing cases are not vacuous, and a CPU test feeds the
+//! judges outcomes that prove nothing, which they must reject.
 //!
-//! `tests/fakecuda/run.sh` runs this binary once per mode. Groups lay their
-//! two ranks round robin over the GPUs (both on device 0 where there is
-//! one). The faults of peer access and peer copies, links between two
+//! `tests/fakecuda/run.sh` runs this binary once per mode, and requires
+//! each mode's own tests to print their last line (`finished`). Groups lay
+//! their two ranks round robin over the GPUs (both on device 0 where there
+//! is one). The faults of peer access and peer copies, links between two
 //! devices, a ring pulling over P2P, and a fault on a device that is not
 //! there (`drop-sm-stores=1` on one GPU) need two GPUs and say SKIPPED
-//! with one; `drop-sm-stores=0` and `fail-module-load=0` run their group
-//! cases on one. Without the shim (or without a GPU) the GPU tests skip;
-//! with `CUDA_PEER_REQUIRE_GPU=1` and `CUDA_PEER_FAKE_EXPECTED=1` they fail
-//! instead. The CPU test at the
-//! end builds the shim and runs its self-test where gcc is available.
+//! with one; `drop-sm-stores=0`, `corrupt-fused-results=0` and
+//! `fail-module-load=0` run their group cases on one. Without the shim (or
+//! without a GPU) the GPU tests skip; with `CUDA_PEER_REQUIRE_GPU=1` and
+//! `CUDA_PEER_FAKE_EXPECTED=1` they fail instead. The CPU tests at the
+//! end check the judges, and build the shim and run its self-test where gcc
+//! is available.
 
 mod common;
 
+use cuda_peer::copy::LinkStatus;
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{Algorithm, Error, Group, GroupOptions, Link, LinkOptions, Path, PathPolicy, ReduceOp};
+use cuda_peer::{Algorithm, Error, Group, GroupOptions, Link, LinkOptions, Path, PathPolicy, ReduceOp, Selected};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
@@ -191,23 +209,88 @@ fn bounded(test: &str, f: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// What a correct case went through, as the library's public API reports it.
+#[derive(Debug)]
+struct How {
+    /// A link case: its link's status; a group: each rank's pull (rank r's
+    /// from rank r-1, `Group::link_status`).
+    links: Vec<LinkStatus>,
+    /// A group: the algorithm each count of [`COUNTS`] ran with
+    /// (`Group::all_reduce_algorithm`); empty for a link.
+    selected: Vec<Selected>,
+    /// Whether the group kept the mesh (`Group::uses_mesh`).
+    mesh: bool,
+    /// Whether it kept the one-shot, and where its slots are
+    /// (`Group::oneshot_on_host`: `Some(true)` in host memory).
+    oneshot_on_host: Option<bool>,
+}
+
+impl How {
+    fn describe(&self) -> String {
+        let paths: Vec<String> = self.links.iter().map(|s| s.path.to_string()).collect();
+        if self.selected.is_empty() {
+            return format!("{} link: {}", paths.join(", "), self.links.iter().map(|s| s.reason.as_str()).collect::<Vec<_>>().join("; "));
+        }
+        format!("pulls {paths:?}, algorithms {:?}, mesh {}, one-shot {:?}", self.selected, self.mesh, self.oneshot_on_host)
+    }
+
+    /// Every link on the staged path, with the driver's (false) claim of
+    /// P2P in its status and the verification result `verified` (`None`:
+    /// none ran, `Some(false)`: it ran and failed).
+    fn staged(&self, verified: Option<bool>) -> Result<(), String> {
+        match self.links.iter().position(|s| s.path != Path::Staged || !s.driver_claims_p2p || s.verified != verified) {
+            Some(r) => Err(format!("link {r} is not staged with the driver claiming P2P and verified {verified:?}: {:?}", self.links[r])),
+            None if self.links.is_empty() => Err("no link status".into()),
+            None => Ok(()),
+        }
+    }
+
+    /// A group that kept neither fused algorithm and ran every count on the ring.
+    fn ring_only(&self) -> Result<(), String> {
+        if self.mesh || self.oneshot_on_host.is_some() || self.selected.len() != COUNTS.len() || self.selected.iter().any(|s| *s != Selected::Ring) {
+            return Err(format!("not the ring alone: {}", self.describe()));
+        }
+        Ok(())
+    }
+
+    /// A group whose fused algorithm is the one-shot through host memory
+    /// (a staged group's), no mesh; with `forced`, every count ran on it.
+    fn host_oneshot(&self, forced: bool) -> Result<(), String> {
+        if self.mesh || self.oneshot_on_host != Some(true) || (forced && self.selected.iter().any(|s| *s != Selected::OneShot)) {
+            return Err(format!("not on the one-shot through host memory: {}", self.describe()));
+        }
+        Ok(())
+    }
+}
+
+/// Where a case's results differed from the CPU's.
+#[derive(Debug)]
+struct Wrong {
+    what: String,
+    /// How many elements (or bytes, for a link) were wrong, and the first.
+    wrong: usize,
+    first: usize,
+    /// A group: the rank whose result was wrong, and the algorithm its count ran with.
+    group: Option<(usize, Selected)>,
+}
+
 /// What one case did.
 #[derive(Debug)]
 enum Outcome {
     /// Every result exact; how it got there.
-    Correct(String),
+    Correct(How),
     /// A typed error.
     Failed(Error),
     /// Results differ from the CPU's.
-    Wrong(String),
+    Wrong(Wrong),
 }
 
 impl Outcome {
     fn short(&self) -> String {
         match self {
-            Outcome::Correct(how) => format!("correct ({how})"),
+            Outcome::Correct(how) => format!("correct ({})", how.describe()),
             Outcome::Failed(e) => format!("error: {e}"),
-            Outcome::Wrong(what) => format!("WRONG ANSWER: {what}"),
+            Outcome::Wrong(w) => format!("WRONG ANSWER: {}: {} wrong, first at {}", w.what, w.wrong, w.first),
         }
     }
 }
@@ -239,11 +322,10 @@ fn link_case(ctxs: &[Arc<CudaContext>], opts: &LinkOptions) -> Outcome {
         }
         let got = s1.clone_dtoh(&dst).unwrap();
         if let Some((first, wrong)) = common::diff(&got, &data) {
-            return Outcome::Wrong(format!("{:?} link, {n} bytes: {wrong} wrong, first at {first}", link.path()));
+            return Outcome::Wrong(Wrong { what: format!("{} link, {n} bytes", link.path()), wrong, first, group: None });
         }
     }
-    let st = link.status();
-    Outcome::Correct(format!("{} link: {}", link.path(), st.reason))
+    Outcome::Correct(How { links: vec![link.status().clone()], selected: Vec::new(), mesh: false, oneshot_on_host: None })
 }
 
 /// Counts (elements) that take the one-shot, the mesh and the ring's
@@ -258,9 +340,10 @@ fn group_case(streams: &[Arc<CudaStream>], opts: &GroupOptions) -> Outcome {
         Err(e) => return Outcome::Failed(e),
     };
     let n = streams.len();
-    let mut used = Vec::new();
+    let mut selected = Vec::new();
     for count in COUNTS {
-        used.push(format!("{:?}", group.all_reduce_algorithm(count * 4)));
+        let algorithm = group.all_reduce_algorithm(count * 4);
+        selected.push(algorithm);
         let inputs: Vec<Vec<u32>> = (0..n).map(|_| random_u32(count)).collect();
         let want: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect();
         let mut bufs: Vec<CudaSlice<u32>> = (0..n).map(|r| streams[r].clone_htod(&inputs[r]).unwrap()).collect();
@@ -272,11 +355,12 @@ fn group_case(streams: &[Arc<CudaStream>], opts: &GroupOptions) -> Outcome {
         }
         for r in 0..n {
             if let Some((first, wrong)) = common::diff(&streams[r].clone_dtoh(&bufs[r]).unwrap(), &want) {
-                return Outcome::Wrong(format!("u32 in place, count {count}, rank {r}: {wrong} wrong, first at {first}"));
+                let what = format!("u32 in place, count {count}, rank {r} ({algorithm:?})");
+                return Outcome::Wrong(Wrong { what, wrong, first, group: Some((r, algorithm)) });
             }
         }
         let inputs: Vec<Vec<f32>> = (0..n).map(|_| small_f32(count)).collect();
-        let want: Vec<f32> = (0..count).map(|i| inputs.iter().map(|v| v[i]).sum()).collect();
+        let want: Vec<u32> = (0..count).map(|i| inputs.iter().map(|v| v[i]).sum::<f32>().to_bits()).collect();
         let send: Vec<CudaSlice<f32>> = (0..n).map(|r| streams[r].clone_htod(&inputs[r]).unwrap()).collect();
         let mut recv: Vec<CudaSlice<f32>> = (0..n).map(|r| streams[r].clone_htod(&vec![f32::NAN; count]).unwrap()).collect();
         if let Err(e) = group.all_reduce(&send, &mut recv, ReduceOp::Sum) {
@@ -286,14 +370,19 @@ fn group_case(streams: &[Arc<CudaStream>], opts: &GroupOptions) -> Outcome {
             return Outcome::Failed(e);
         }
         for r in 0..n {
-            let got = streams[r].clone_dtoh(&recv[r]).unwrap();
-            if let Some(i) = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits()) {
-                return Outcome::Wrong(format!("f32 out of place, count {count}, rank {r}: first wrong at {i}: {} instead of {}", got[i], want[i]));
+            let got: Vec<u32> = streams[r].clone_dtoh(&recv[r]).unwrap().iter().map(|x| x.to_bits()).collect();
+            if let Some((first, wrong)) = common::diff(&got, &want) {
+                let what = format!(
+                    "f32 out of place, count {count}, rank {r} ({algorithm:?}): {} instead of {}",
+                    f32::from_bits(got[first]),
+                    f32::from_bits(want[first])
+                );
+                return Outcome::Wrong(Wrong { what, wrong, first, group: Some((r, algorithm)) });
             }
         }
     }
-    let paths: Vec<String> = (0..n).filter_map(|r| group.link_status(r).map(|s| s.path.to_string())).collect();
-    Outcome::Correct(format!("pulls {paths:?}, algorithms {used:?}"))
+    let links = (0..n).filter_map(|r| group.link_status(r).cloned()).collect();
+    Outcome::Correct(How { links, selected, mesh: group.uses_mesh(), oneshot_on_host: group.oneshot_on_host() })
 }
 
 /// Link options under `policy`, without the doctor's cached verdicts (a
@@ -315,72 +404,233 @@ fn group_opts(policy: PathPolicy, algorithm: Algorithm) -> GroupOptions {
 const ALGORITHMS: [Algorithm; 4] = [Algorithm::Auto, Algorithm::Ring, Algorithm::Mesh, Algorithm::OneShot];
 const POLICIES: [PathPolicy; 3] = [PathPolicy::Auto, PathPolicy::P2pOnly, PathPolicy::StagedOnly];
 
-/// Every (policy, algorithm) group of two ranks on devices 0 and 1 (both
-/// on device 0 where there is one GPU); `judge` says whether each outcome
-/// is acceptable (`Err(why)` fails the test after all cases ran). A wrong
-/// answer always fails.
-fn every_group(mode: &str, ctxs: &[Arc<CudaContext>], judge: impl Fn(PathPolicy, Algorithm, &Outcome) -> Result<(), String>) {
-    let streams: Vec<Arc<CudaStream>> = (0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
-    let mut failures = Vec::new();
-    for policy in POLICIES {
-        for algorithm in ALGORITHMS {
+/// One case of a mode's sweep: a link 0 -> 1 under a policy, or a group of
+/// two ranks on devices 0 and 1 (both on device 0 where there is one GPU)
+/// under a policy and an algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Case {
+    Link(PathPolicy),
+    Group(PathPolicy, Algorithm),
+}
+
+impl Case {
+    fn name(&self) -> String {
+        match self {
+            Case::Link(p) => format!("link {p:?}"),
+            Case::Group(p, a) => format!("group {p:?} {a:?}"),
+        }
+    }
+
+    fn policy(&self) -> PathPolicy {
+        match *self {
+            Case::Link(p) | Case::Group(p, _) => p,
+        }
+    }
+}
+
+/// A link per policy.
+fn link_cases() -> Vec<Case> {
+    POLICIES.iter().map(|&p| Case::Link(p)).collect()
+}
+
+/// Every (policy, algorithm) group.
+fn group_cases() -> Vec<Case> {
+    POLICIES.iter().flat_map(|&p| ALGORITHMS.iter().map(move |&a| Case::Group(p, a))).collect()
+}
+
+/// Runs `case` (groups on `streams`, with a 5 s barrier timeout).
+fn run_case(ctxs: &[Arc<CudaContext>], streams: &[Arc<CudaStream>], case: Case) -> Outcome {
+    match case {
+        Case::Link(policy) => link_case(ctxs, &link_opts(policy)),
+        Case::Group(policy, algorithm) => {
             // Field by field (builds if the options become #[non_exhaustive]).
             let mut opts = group_opts(policy, algorithm);
             opts.barrier_timeout = Duration::from_secs(5);
-            let outcome = group_case(&streams, &opts);
-            say(&format!("  [{mode}] group policy {policy:?}, algorithm {algorithm:?}: {}", outcome.short()));
-            let verdict = match &outcome {
-                Outcome::Wrong(w) => Err(format!("a wrong answer: {w}")),
-                o => judge(policy, algorithm, o),
-            };
-            if let Err(why) = verdict {
-                failures.push(format!("policy {policy:?}, algorithm {algorithm:?}: {why}"));
-            }
+            group_case(streams, &opts)
         }
     }
-    assert!(failures.is_empty(), "[{mode}] groups:\n  {}", failures.join("\n  "));
 }
 
-/// An error that says, by its type, that peer access or P2P is not to be
-/// had, or that the requested algorithm is impossible without it.
-fn is_no_p2p(e: &Error) -> bool {
-    matches!(e, Error::PeerUnsupported { .. } | Error::P2pUnavailable { .. } | Error::FusedUnverified { .. } | Error::AlgorithmUnavailable { .. })
+/// Set in a child process that runs one case of its test's sweep (the case's name).
+const CASE_ENV: &str = "CUDA_PEER_FAULT_CASE";
+
+/// How long a child running one case may take.
+const CASE_DEADLINE: Duration = Duration::from_secs(90);
+
+/// Where a sweep's cases run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isolation {
+    /// One after another in this process.
+    InProcess,
+    /// Each in a child process of its own (this test binary, filtered to
+    /// the test, with [`CASE_ENV`] naming the case): for a fault whose
+    /// effect the library remembers for the rest of the process (a pair's
+    /// verification verdict, cached per pair by `copy::verify`), where in
+    /// one process only the first case would meet the fault itself.
+    Process,
 }
 
-/// The verdict shared by the two P2P lies: Auto policy must fall back and
-/// be exact (with every algorithm but a forced mesh, which needs P2P);
-/// P2pOnly must be a typed error; StagedOnly must be exact except a forced
-/// mesh (a typed error).
-fn judge_p2p_lie(policy: PathPolicy, algorithm: Algorithm, o: &Outcome) -> Result<(), String> {
-    let needs_p2p = policy == PathPolicy::P2pOnly || algorithm == Algorithm::Mesh;
-    match o {
-        Outcome::Correct(_) if !needs_p2p => Ok(()),
-        Outcome::Failed(e) if needs_p2p && is_no_p2p(e) => Ok(()),
-        Outcome::Correct(how) => Err(format!("succeeded ({how}) where P2P is not to be had")),
-        Outcome::Failed(e) if needs_p2p => Err(format!("not a typed no-P2P error: {e:?}")),
-        Outcome::Failed(e) => Err(format!("expected a verified fallback with exact results, got: {e}")),
-        Outcome::Wrong(w) => Err(w.clone()),
+/// Whether a sweep ran every case (`All`), or this process is a child that
+/// ran its one case (`One`: the test ends there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ran {
+    All,
+    One,
+}
+
+const NEVER_FIRED: &str = "the shim's fault never fired in this case: its outcome proves nothing about the fault";
+
+/// Requires a case to have met its fault.
+fn fired_in_case(fired: i64) -> Result<(), String> {
+    if fired < 1 {
+        return Err(NEVER_FIRED.into());
     }
+    Ok(())
 }
 
-/// Link cases shared by the two P2P lies.
-fn links_under_p2p_lie(mode: &str, ctxs: &[Arc<CudaContext>], want_unverified: bool) {
-    let auto = link_case(ctxs, &link_opts(PathPolicy::Auto));
-    say(&format!("  [{mode}] link policy Auto: {}", auto.short()));
-    assert!(matches!(&auto, Outcome::Correct(how) if how.starts_with("staged")), "[{mode}] link Auto: {}", auto.short());
-    let only = link_case(ctxs, &link_opts(PathPolicy::P2pOnly));
-    say(&format!("  [{mode}] link policy P2pOnly: {}", only.short()));
-    assert!(matches!(&only, Outcome::Failed(e) if is_no_p2p(e)), "[{mode}] link P2pOnly: {}", only.short());
-    let staged = link_case(ctxs, &link_opts(PathPolicy::StagedOnly));
-    say(&format!("  [{mode}] link policy StagedOnly: {}", staged.short()));
-    assert!(matches!(&staged, Outcome::Correct(_)), "[{mode}] link StagedOnly: {}", staged.short());
-    // The status tells the lie apart from a driver that says no.
-    let link = Link::open(&ctxs[0], &ctxs[1], &link_opts(PathPolicy::Auto)).expect("an Auto link");
-    let st = link.status();
-    assert_eq!(st.path, Path::Staged, "[{mode}]");
-    assert!(st.driver_claims_p2p, "[{mode}] the shim claims P2P, the status should say so: {st:?}");
-    if want_unverified {
-        assert_eq!(st.verified, Some(false), "[{mode}] the verification should have failed: {st:?}");
+/// Requires a case to have met no fault (it is not on its path).
+fn quiet_in_case(fired: i64, why: &str) -> Result<(), String> {
+    if fired != 0 {
+        return Err(format!("the shim's fault fired {fired} times, where {why}"));
+    }
+    Ok(())
+}
+
+/// Runs `cases` and judges each one's outcome and the number of faults the
+/// shim fired during it (read before and after the case): `judge` says
+/// whether they are what the mode must give (`Err(why)` fails the test
+/// after every case ran). A wrong answer always fails.
+fn sweep(
+    test: &str,
+    shim: &Shim,
+    ctxs: &[Arc<CudaContext>],
+    cases: &[Case],
+    isolation: Isolation,
+    judge: impl Fn(Case, &Outcome, i64) -> Result<(), String>,
+) -> Ran {
+    let mode = shim.mode.as_str();
+    let streams: Vec<Arc<CudaStream>> = (0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
+    let one = |case: Case| -> Result<(), String> {
+        let before = shim.fired();
+        let outcome = run_case(ctxs, &streams, case);
+        let fired = shim.fired() - before;
+        say(&format!("  [{mode}] {}: {} (faults fired: {fired})", case.name(), outcome.short()));
+        match &outcome {
+            Outcome::Wrong(w) => Err(format!("a wrong answer: {}: {} wrong, first at {}", w.what, w.wrong, w.first)),
+            o => judge(case, o, fired),
+        }
+    };
+    if let Some(name) = std::env::var(CASE_ENV).ok().filter(|n| !n.is_empty()) {
+        let case = cases.iter().copied().find(|c| c.name() == name).unwrap_or_else(|| panic!("{test}: {CASE_ENV}={name:?} is no case of this sweep"));
+        if let Err(why) = one(case) {
+            panic!("{test}: [{mode}] {name}: {why}");
+        }
+        say(&format!("{test}: case {name}: right"));
+        return Ran::One;
+    }
+    let mut failures = Vec::new();
+    for &case in cases {
+        let name = case.name();
+        let verdict = match isolation {
+            Isolation::InProcess => one(case),
+            Isolation::Process => {
+                let results = common::procs::spawn(test, 1, CASE_DEADLINE, |_| vec![(CASE_ENV, name.clone())]);
+                let (code, out) = &results[0];
+                for line in out.lines().filter(|l| l.contains(&format!("  [{mode}] {name}: "))) {
+                    say(line);
+                }
+                let end = common::procs::End::Passes(format!("{test}: case {name}: right"));
+                match common::procs::failure(test, *code, out, &end) {
+                    Some(why) => Err(format!("its child {why}; the child's output:\n{out}")),
+                    None => Ok(()),
+                }
+            }
+        };
+        if let Err(why) = verdict {
+            failures.push(format!("{name}: {why}"));
+        }
+    }
+    assert!(failures.is_empty(), "[{mode}] cases:\n  {}", failures.join("\n  "));
+    Ran::All
+}
+
+/// The last line of a mode's test, which `tests/fakecuda/run.sh` requires
+/// of each mode's own tests (a test that skipped, or ended early, has none).
+fn finished(test: &str, shim: &Shim) {
+    say(&format!("{test}: ran to its end under fakecuda mode {}", shim.mode));
+}
+
+/// The two lies about P2P.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum P2pLie {
+    /// `peer-unavailable`: peer access claimed, and refused when enabled.
+    PeerUnavailable,
+    /// `corrupt-peer-copies`: peer access works, peer copies land wrong.
+    CorruptCopies,
+}
+
+/// The typed refusal of P2P under `lie` (the lie found where peer access is
+/// enabled, or where the verification copies): `PeerUnsupported` or
+/// `P2pUnavailable` between devices 0 and 1 (`pair`: in that direction).
+fn p2p_refusal(lie: P2pLie, e: &Error, pair: Option<(usize, usize)>) -> Result<(), String> {
+    let ends = match (lie, e) {
+        (P2pLie::PeerUnavailable, Error::PeerUnsupported { from, to }) => (*from, *to),
+        (P2pLie::CorruptCopies, Error::P2pUnavailable { from, to, .. }) => (*from, *to),
+        _ => {
+            return Err(format!(
+                "expected {} P2P refusal, got {e:?}",
+                if lie == P2pLie::PeerUnavailable { "PeerUnsupported" } else { "P2pUnavailable" }
+            ))
+        }
+    };
+    let ok = match pair {
+        Some(p) => ends == p,
+        None => ends == (0, 1) || ends == (1, 0),
+    };
+    if !ok {
+        return Err(format!("the refusal names devices {ends:?}, expected {}", pair.map_or("0 and 1".to_string(), |p| format!("{p:?}"))));
+    }
+    Ok(())
+}
+
+/// The verdict shared by the two P2P lies, per case. Policy `Auto` must
+/// fall back to the staged path (every pull's status: staged, the driver's
+/// claim of P2P, the verification's result) and be exact, with the ring,
+/// or with the one-shot through host memory (forced or under `Auto`), and
+/// a forced mesh a typed `AlgorithmUnavailable`; `P2pOnly` must be the lie's
+/// typed refusal; `StagedOnly` as `Auto`, without meeting the fault at all.
+/// Every `Auto` and `P2pOnly` case must meet the fault itself.
+fn judge_p2p_lie(lie: P2pLie, case: Case, o: &Outcome, fired: i64) -> Result<(), String> {
+    let policy = case.policy();
+    if policy == PathPolicy::StagedOnly {
+        quiet_in_case(fired, "StagedOnly should try neither peer access nor peer copies")?;
+    } else {
+        fired_in_case(fired)?;
+    }
+    // A pair whose peer access failed to enable never reaches its
+    // verification; one whose verification copies land wrong fails it.
+    let verified = (lie == P2pLie::CorruptCopies && policy == PathPolicy::Auto).then_some(false);
+    let p2p_only = policy == PathPolicy::P2pOnly;
+    match (case, o) {
+        (Case::Link(_), Outcome::Failed(e)) if p2p_only => p2p_refusal(lie, e, Some((0, 1))),
+        (Case::Group(..), Outcome::Failed(e)) if p2p_only => p2p_refusal(lie, e, None),
+        (Case::Group(_, Algorithm::Mesh), Outcome::Failed(Error::AlgorithmUnavailable { algorithm: "mesh", .. })) if !p2p_only => Ok(()),
+        (Case::Link(_), Outcome::Correct(how)) if !p2p_only => how.staged(verified),
+        (Case::Group(_, algorithm), Outcome::Correct(how)) if !p2p_only && algorithm != Algorithm::Mesh => {
+            how.staged(verified)?;
+            match algorithm {
+                Algorithm::Ring => how.ring_only(),
+                _ => how.host_oneshot(algorithm == Algorithm::OneShot),
+            }
+        }
+        (_, o) => {
+            let want = match case {
+                _ if p2p_only => "the lie's typed refusal",
+                Case::Group(_, Algorithm::Mesh) => "AlgorithmUnavailable for the mesh",
+                _ => "exact results over the staged path",
+            };
+            Err(format!("expected {want}, got {}", o.short()))
+        }
     }
 }
 
@@ -392,13 +642,18 @@ fn peer_unavailable_falls_back_or_errors() {
         return;
     }
     bounded(T, move || {
-        links_under_p2p_lie("peer-unavailable", &ctxs, false);
-        every_group("peer-unavailable", &ctxs, judge_p2p_lie);
-        assert!(shim.fired() > 0, "the shim never refused peer access: the test proved nothing");
+        let cases: Vec<Case> = link_cases().into_iter().chain(group_cases()).collect();
+        if sweep(T, &shim, &ctxs, &cases, Isolation::InProcess, |c, o, f| judge_p2p_lie(P2pLie::PeerUnavailable, c, o, f)) == Ran::One {
+            return;
+        }
         say(&format!("  [peer-unavailable] faults injected: {}", shim.fired()));
+        finished(T, &shim);
     });
 }
 
+/// Each case in a process of its own: the library caches a pair's
+/// verification verdict for the process, so in one process only the first
+/// case to verify the pair would meet the corruption itself.
 #[test]
 fn corrupt_peer_copies_are_caught() {
     const T: &str = "corrupt_peer_copies_are_caught";
@@ -407,10 +662,11 @@ fn corrupt_peer_copies_are_caught() {
         return;
     }
     bounded(T, move || {
-        links_under_p2p_lie("corrupt-peer-copies", &ctxs, true);
-        every_group("corrupt-peer-copies", &ctxs, judge_p2p_lie);
-        assert!(shim.fired() > 0, "the shim never corrupted a copy: the test proved nothing");
-        say(&format!("  [corrupt-peer-copies] faults injected: {}", shim.fired()));
+        let cases: Vec<Case> = link_cases().into_iter().chain(group_cases()).collect();
+        if sweep(T, &shim, &ctxs, &cases, Isolation::Process, |c, o, f| judge_p2p_lie(P2pLie::CorruptCopies, c, o, f)) == Ran::One {
+            return;
+        }
+        finished(T, &shim);
     });
 }
 
@@ -428,18 +684,116 @@ fn corrupt_peer_copies_reach_unverified_p2p() {
     bounded(T, move || {
         let mut link = link_opts(PathPolicy::P2pOnly);
         link.verify = false;
+        let before = shim.fired();
         let o = link_case(&ctxs, &link);
-        say(&format!("  [corrupt-peer-copies, verify off] link P2pOnly: {}", o.short()));
-        assert!(matches!(o, Outcome::Wrong(_)), "with verification off the shim's corruption should show: {}", o.short());
+        let fired = shim.fired() - before;
+        say(&format!("  [corrupt-peer-copies, verify off] link P2pOnly: {} (faults fired: {fired})", o.short()));
+        assert!(
+            matches!(&o, Outcome::Wrong(w) if w.first == 0),
+            "with verification off the shim's corruption should show from byte 0: {}",
+            o.short()
+        );
+        assert!(fired >= 1, "{T}: the link's copies met no fault");
         let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
         let mut opts = GroupOptions::with_policy(PathPolicy::P2pOnly);
         opts.algorithm = Algorithm::Ring;
         opts.link = link;
+        let before = shim.fired();
         let o = group_case(&streams, &opts);
-        say(&format!("  [corrupt-peer-copies, verify off] ring over P2P: {}", o.short()));
-        assert!(matches!(o, Outcome::Wrong(_)), "with verification off the ring's P2P copies should be corrupt: {}", o.short());
-        assert!(shim.fired() > 0);
+        let fired = shim.fired() - before;
+        say(&format!("  [corrupt-peer-copies, verify off] ring over P2P: {} (faults fired: {fired})", o.short()));
+        assert!(
+            matches!(&o, Outcome::Wrong(Wrong { group: Some((_, Selected::Ring)), .. })),
+            "with verification off the ring's P2P copies should be corrupt: {}",
+            o.short()
+        );
+        assert!(fired >= 1, "{T}: the ring's pulls met no fault");
+        finished(T, &shim);
     });
+}
+
+/// What a fault on the fused kernels does to them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FusedFault {
+    /// `drop-sm-stores`: the kernels on one device never run (a barrier
+    /// that times out on its peers, or, where every rank is on that
+    /// device, results that are the inputs).
+    Dropped,
+    /// `corrupt-fused-results`: they run and meet their barriers, and the
+    /// first byte of their output on one device then flips: `rank` (the
+    /// group's first rank on that device) has one wrong element, at 0.
+    Corrupted { rank: usize },
+}
+
+/// The fused algorithm's name in [`Error::FusedUnverified`] and
+/// [`Error::AlgorithmUnavailable`].
+fn fused_name(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::Mesh => "mesh",
+        Algorithm::OneShot => "one-shot",
+        Algorithm::Auto | Algorithm::Ring => "(not fused)",
+    }
+}
+
+/// The numbers of the creation check's wrong-data reason
+/// (`src/algorithms/check.rs`: `rank R: W of C results wrong, first at I`,
+/// then ` (C elements)`): (R, W, C, I, C). `FusedUnverified` carries the
+/// reason as text only.
+fn wrong_data(reason: &str) -> Option<[usize; 5]> {
+    let rest = reason.strip_prefix("rank ")?;
+    let (rank, rest) = rest.split_once(": ")?;
+    let (wrong, rest) = rest.split_once(" of ")?;
+    let (count, rest) = rest.split_once(" results wrong, first at ")?;
+    let (first, rest) = rest.split_once(" (")?;
+    let elements = rest.strip_suffix(" elements)")?;
+    let n = |s: &str| s.parse::<usize>().ok();
+    Some([n(rank)?, n(wrong)?, n(count)?, n(first)?, n(elements)?])
+}
+
+/// The verdict for a fault on the fused kernels, per group case
+/// (`distinct`: the ranks are on two devices). The ring runs no fused
+/// kernel: exact, and the fault never fires. Under `Auto` the creation
+/// check meets the fault and the group keeps only the ring: exact. A
+/// forced mesh or one-shot fails its check with `FusedUnverified` naming
+/// it (for a corruption: the check's wrong-data reason, exactly one
+/// element wrong, at 0, on the faulted rank), except a mesh between two
+/// devices on staged links, refused before any kernel runs.
+fn judge_fused_fault(fault: FusedFault, distinct: bool, case: Case, o: &Outcome, fired: i64) -> Result<(), String> {
+    let Case::Group(policy, algorithm) = case else { return Err(format!("{} is not a group case", case.name())) };
+    let no_mesh = policy == PathPolicy::StagedOnly && distinct;
+    match (algorithm, o) {
+        (Algorithm::Ring, Outcome::Correct(how)) => {
+            quiet_in_case(fired, "the ring runs no fused kernel")?;
+            how.ring_only()
+        }
+        (Algorithm::Auto, Outcome::Correct(how)) => {
+            fired_in_case(fired)?;
+            how.ring_only().map_err(|e| format!("Auto kept a fused algorithm whose check met the fault: {e}"))
+        }
+        (Algorithm::Mesh, Outcome::Failed(Error::AlgorithmUnavailable { algorithm: "mesh", .. })) if no_mesh => {
+            quiet_in_case(fired, "a mesh that is refused runs no kernel")
+        }
+        (Algorithm::Mesh | Algorithm::OneShot, Outcome::Failed(Error::FusedUnverified { algorithm: name, reason }))
+            if *name == fused_name(algorithm) && !(no_mesh && algorithm == Algorithm::Mesh) =>
+        {
+            fired_in_case(fired)?;
+            match fault {
+                FusedFault::Dropped => Ok(()),
+                FusedFault::Corrupted { rank } => match wrong_data(reason) {
+                    Some([r, 1, c, 0, e]) if r == rank && c == e => Ok(()),
+                    _ => Err(format!("expected the check's wrong data on rank {rank} (1 element wrong, at 0), got: {reason}")),
+                },
+            }
+        }
+        (_, o) => {
+            let want = match algorithm {
+                Algorithm::Auto | Algorithm::Ring => "the ring's exact results".to_string(),
+                Algorithm::Mesh if no_mesh => "AlgorithmUnavailable for the mesh".to_string(),
+                a => format!("FusedUnverified for the {}", fused_name(a)),
+            };
+            Err(format!("expected {want}, got {}", o.short()))
+        }
+    }
 }
 
 /// Fused kernels that never deliver (the shim drops every one-shot and
@@ -456,17 +810,79 @@ fn dropped_sm_stores_leave_the_ring_or_a_typed_error() {
         return;
     }
     bounded(T, move || {
-        let mode = shim.mode.clone();
-        every_group(&mode, &ctxs, |_, algorithm, o| match (algorithm, o) {
-            (Algorithm::Mesh | Algorithm::OneShot, Outcome::Failed(e)) if is_no_p2p(e) => Ok(()),
-            (Algorithm::Auto, Outcome::Correct(how)) if how.contains("OneShot") || how.contains("Mesh") => {
-                Err(format!("Auto kept a fused algorithm whose kernels never ran: {how}"))
-            }
-            (Algorithm::Auto | Algorithm::Ring, Outcome::Correct(_)) => Ok(()),
-            (_, other) => Err(format!("expected the ring's exact result or a typed refusal, got {}", other.short())),
-        });
-        assert!(shim.fired() > 0, "the shim never dropped a launch: the test proved nothing");
-        say(&format!("  [{mode}] launches dropped: {}", shim.fired()));
+        let distinct = ctxs.len() >= 2;
+        if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, |c, o, f| judge_fused_fault(FusedFault::Dropped, distinct, c, o, f))
+            == Ran::One
+        {
+            return;
+        }
+        say(&format!("  [{}] launches dropped: {}", shim.mode, shim.fired()));
+        finished(T, &shim);
+    });
+}
+
+/// The group's first rank on device `ordinal` (ranks lie round robin over
+/// the devices there are: both on device 0 where there is one).
+fn first_rank_on(ordinal: usize, devices: usize) -> usize {
+    (0..2).find(|r| r % devices == ordinal).unwrap_or_else(|| panic!("no rank of two on device {ordinal} of {devices}"))
+}
+
+/// Fused kernels that run, meet their barriers and then leave a wrong
+/// byte in their output on one device (`corrupt-fused-results=N`: wrong
+/// data behind a clean barrier, as from SM peer stores that land wrong):
+/// the creation check's comparison with the CPU catches it
+/// (`src/algorithms/check.rs`, its wrong-data branch). A forced mesh or
+/// one-shot fails creation with `FusedUnverified` and the check's
+/// reason: the faulted rank, one element wrong, at 0. Auto groups keep
+/// only the ring and are exact; ring groups never meet the fault.
+#[test]
+fn corrupt_fused_results_fail_the_creation_check() {
+    const T: &str = "corrupt_fused_results_fail_the_creation_check";
+    let Some((shim, ctxs)) = under(T, |m| m.starts_with("corrupt-fused-results=")) else { return };
+    let device: usize = shim.mode["corrupt-fused-results=".len()..].parse().expect("corrupt-fused-results=<ordinal>");
+    assert!(device < 2, "{}: the groups here are on devices 0 and 1", shim.mode);
+    if !common::has_gpus(T, &format!("{} (device {device})", shim.mode), ctxs.len(), device + 1) {
+        return;
+    }
+    bounded(T, move || {
+        let (distinct, rank) = (ctxs.len() >= 2, first_rank_on(device, ctxs.len()));
+        let fault = FusedFault::Corrupted { rank };
+        if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, |c, o, f| judge_fused_fault(fault, distinct, c, o, f)) == Ran::One {
+            return;
+        }
+        finished(T, &shim);
+    });
+}
+
+/// The control: with the checks off (`link.verify = false` skips the
+/// links' verification and the fused-path check), an Auto group keeps its
+/// one-shot and the corruption reaches the caller's results, on the
+/// faulted rank at element 0: the fault is on the kernels the library
+/// runs, and the check above is what stops it.
+#[test]
+fn corrupt_fused_results_reach_an_unchecked_group() {
+    const T: &str = "corrupt_fused_results_reach_an_unchecked_group";
+    let Some((shim, ctxs)) = under(T, |m| m.starts_with("corrupt-fused-results=")) else { return };
+    let device: usize = shim.mode["corrupt-fused-results=".len()..].parse().expect("corrupt-fused-results=<ordinal>");
+    assert!(device < 2, "{}: the groups here are on devices 0 and 1", shim.mode);
+    if !common::has_gpus(T, &format!("{} (device {device})", shim.mode), ctxs.len(), device + 1) {
+        return;
+    }
+    bounded(T, move || {
+        let rank = first_rank_on(device, ctxs.len());
+        let streams: Vec<Arc<CudaStream>> = (0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
+        let mut opts = group_opts(PathPolicy::Auto, Algorithm::Auto);
+        opts.link.verify = false;
+        let before = shim.fired();
+        let o = group_case(&streams, &opts);
+        let fired = shim.fired() - before;
+        say(&format!("  [{}, checks off] group Auto: {} (faults fired: {fired})", shim.mode, o.short()));
+        match &o {
+            Outcome::Wrong(Wrong { wrong: 1, first: 0, group: Some((r, Selected::OneShot)), .. }) if *r == rank => {}
+            other => panic!("{T}: expected rank {rank}'s one-shot result wrong at element 0 alone, got {}", other.short()),
+        }
+        assert!(fired >= 1, "{T}: the one-shot met no fault");
+        finished(T, &shim);
     });
 }
 
@@ -486,19 +902,28 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
     bounded(T, move || {
         let mode = shim.mode.clone();
         // Every group with a rank on the bad device fails to be created,
-        // with the driver's error by name.
-        every_group(&mode, &ctxs, |_, _, o| match o {
-            Outcome::Failed(Error::Driver { op, name, .. }) if op.contains("cuModuleLoadData") && name == "CUDA_ERROR_OUT_OF_MEMORY" => Ok(()),
-            other => Err(format!("expected the module load's error, got {}", other.short())),
-        });
-        assert!(shim.fired() > 0, "the shim never failed a module load: the test proved nothing");
-        // Two ranks on the good device alone: exact.
+        // with the driver's error by name, each having met the fault itself
+        // (nothing caches a failed load).
+        let judge = |_: Case, o: &Outcome, fired: i64| {
+            fired_in_case(fired)?;
+            match o {
+                Outcome::Failed(Error::Driver { op, name, .. }) if op.contains("cuModuleLoadData") && name == "CUDA_ERROR_OUT_OF_MEMORY" => Ok(()),
+                other => Err(format!("expected the module load's error, got {}", other.short())),
+            }
+        };
+        if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, judge) == Ran::One {
+            return;
+        }
+        // Two ranks on the good device alone: exact, and the fault stays on its device.
         if let Some(good) = good {
             let streams: Vec<Arc<CudaStream>> = (0..2).map(|_| ctxs[good].new_stream().unwrap()).collect();
             for algorithm in [Algorithm::Auto, Algorithm::Ring] {
+                let before = shim.fired();
                 let o = group_case(&streams, &group_opts(PathPolicy::Auto, algorithm));
-                say(&format!("  [{mode}] two ranks on device {good}, {algorithm:?}: {}", o.short()));
+                let fired = shim.fired() - before;
+                say(&format!("  [{mode}] two ranks on device {good}, {algorithm:?}: {} (faults fired: {fired})", o.short()));
                 assert!(matches!(o, Outcome::Correct(_)), "a group on device {good} alone: {}", o.short());
+                assert_eq!(fired, 0, "{T}: a group on device {good} alone met the fault of device {bad}");
             }
         }
         // Plain cudarc work on the bad device's context still works.
@@ -509,11 +934,15 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
         assert!(s.clone_dtoh(&copy).unwrap() == data, "a device-to-device copy on device {bad}");
         // And links (no kernels) between the two devices work.
         if good.is_some() {
+            let before = shim.fired();
             let o = link_case(&ctxs, &link_opts(PathPolicy::Auto));
-            say(&format!("  [{mode}] link 0 -> 1: {}", o.short()));
+            let fired = shim.fired() - before;
+            say(&format!("  [{mode}] link 0 -> 1: {} (faults fired: {fired})", o.short()));
             assert!(matches!(o, Outcome::Correct(_)), "a link after the failed loads: {}", o.short());
+            assert_eq!(fired, 0, "{T}: a link, which loads no kernel, met the fault");
         }
         say(&format!("  [{mode}] faults injected: {}", shim.fired()));
+        finished(T, &shim);
     });
 }
 
@@ -561,6 +990,7 @@ fn failed_verification_frees_nothing_its_copies_touch() {
         let again = link_case(&ctxs, &link_opts(PathPolicy::P2pOnly));
         say(&format!("  [{}] link P2pOnly after the fault: {}", shim.mode, again.short()));
         assert!(matches!(&again, Outcome::Correct(_)), "{T}: a transient error left the pair unusable: {}", again.short());
+        finished(T, &shim);
     });
 }
 
@@ -619,7 +1049,131 @@ fn failed_ring_pull_leaves_no_read_of_a_returned_buffer() {
             assert!(common::diff(&got, &want).is_none(), "{T}: rank {r}'s result after the failed call is wrong");
         }
         say(&format!("  [{}] the failed pull's error, no free under a pending pull, then exact results", shim.mode));
+        finished(T, &shim);
     });
+}
+
+/// The judges themselves (CPU only), fed outcomes that prove nothing or
+/// are wrong, which they must reject, beside the right ones, which they
+/// must accept: a case that never met its fault, a fault met where it is
+/// not on the case's path, a fallback claimed on a P2P pull, a fused
+/// algorithm kept by Auto, a refusal of the wrong type or naming the wrong
+/// algorithm, and a creation check that failed for another reason than
+/// the corrupted element (or on another rank).
+#[test]
+fn the_fault_judges_reject_cases_that_prove_nothing() {
+    let status = |path: Path, verified: Option<bool>| LinkStatus { path, driver_claims_p2p: true, verified, reason: String::new() };
+    let group = |links: Vec<LinkStatus>, selected: Selected, mesh: bool, oneshot_on_host: Option<bool>| {
+        Outcome::Correct(How { links, selected: vec![selected; COUNTS.len()], mesh, oneshot_on_host })
+    };
+    let staged = |verified| vec![status(Path::Staged, verified); 2];
+    use Algorithm::{Auto, Mesh, OneShot, Ring};
+    use PathPolicy::{P2pOnly, StagedOnly};
+    let (unavailable, corrupt) = (P2pLie::PeerUnavailable, P2pLie::CorruptCopies);
+    // The P2P lies: right outcomes.
+    let host = group(staged(None), Selected::OneShot, false, Some(true));
+    assert_eq!(judge_p2p_lie(unavailable, Case::Group(PathPolicy::Auto, Auto), &host, 1), Ok(()));
+    assert_eq!(judge_p2p_lie(unavailable, Case::Group(StagedOnly, OneShot), &host, 0), Ok(()));
+    let ring = group(staged(Some(false)), Selected::Ring, false, None);
+    assert_eq!(judge_p2p_lie(corrupt, Case::Group(PathPolicy::Auto, Ring), &ring, 3), Ok(()));
+    let refused = Outcome::Failed(Error::PeerUnsupported { from: 1, to: 0 });
+    assert_eq!(judge_p2p_lie(unavailable, Case::Group(P2pOnly, Mesh), &refused, 1), Ok(()));
+    let no_mesh = Outcome::Failed(Error::AlgorithmUnavailable { algorithm: "mesh", reason: "needs every ring link on P2P".into() });
+    assert_eq!(judge_p2p_lie(unavailable, Case::Group(StagedOnly, Mesh), &no_mesh, 0), Ok(()));
+    let link = Outcome::Correct(How { links: vec![status(Path::Staged, Some(false))], selected: Vec::new(), mesh: false, oneshot_on_host: None });
+    assert_eq!(judge_p2p_lie(corrupt, Case::Link(PathPolicy::Auto), &link, 1), Ok(()));
+    // ... and what they must reject.
+    let rejects = [
+        (unavailable, Case::Group(PathPolicy::Auto, Auto), &host, 0, "a fallback that never met the fault"),
+        (unavailable, Case::Group(StagedOnly, OneShot), &host, 1, "StagedOnly meeting the fault"),
+        (corrupt, Case::Group(PathPolicy::Auto, Ring), &ring, 0, "a cached verdict reused instead of the case's own"),
+        (
+            corrupt,
+            Case::Group(PathPolicy::Auto, Auto),
+            &group(vec![status(Path::P2p, Some(true)); 2], Selected::OneShot, true, Some(false)),
+            1,
+            "P2P pulls where the fallback is claimed",
+        ),
+        (
+            unavailable,
+            Case::Group(PathPolicy::Auto, Auto),
+            &group(staged(None), Selected::OneShot, false, Some(false)),
+            1,
+            "a one-shot in device memory over staged links",
+        ),
+        (
+            corrupt,
+            Case::Group(PathPolicy::Auto, Ring),
+            &group(staged(None), Selected::Ring, false, None),
+            1,
+            "a staged pull whose verification did not fail",
+        ),
+        (corrupt, Case::Group(P2pOnly, Ring), &refused, 1, "the other lie's refusal"),
+        (unavailable, Case::Link(P2pOnly), &refused, 1, "a link's refusal naming the reverse direction"),
+        (unavailable, Case::Group(P2pOnly, Ring), &ring, 1, "P2pOnly succeeding"),
+        (unavailable, Case::Group(StagedOnly, OneShot), &no_mesh, 0, "a refusal of what the group can run"),
+    ];
+    for (lie, case, o, fired, what) in rejects {
+        assert!(judge_p2p_lie(lie, case, o, fired).is_err(), "judge_p2p_lie accepted {what}: {lie:?} {} {} (fired {fired})", case.name(), o.short());
+    }
+    // The fused faults, on two devices, rank 1 faulted.
+    let local = vec![status(Path::P2p, Some(true)); 2];
+    let ring = group(local.clone(), Selected::Ring, false, None);
+    let unverified = |algorithm: &'static str, reason: &str| Outcome::Failed(Error::FusedUnverified { algorithm, reason: reason.into() });
+    let wrong_one = unverified("one-shot", "rank 1: 1 of 16381 results wrong, first at 0 (16381 elements)");
+    let timeout =
+        unverified("mesh", "rank 0 waited 5s for its peers at call 1 and gave up; the group is out of step (make a new one) (16387 elements)");
+    let c = FusedFault::Corrupted { rank: 1 };
+    let d = FusedFault::Dropped;
+    for fault in [c, d] {
+        assert_eq!(judge_fused_fault(fault, true, Case::Group(PathPolicy::Auto, Auto), &ring, 2), Ok(()));
+        assert_eq!(judge_fused_fault(fault, true, Case::Group(StagedOnly, Ring), &ring, 0), Ok(()));
+        assert_eq!(judge_fused_fault(fault, true, Case::Group(StagedOnly, Mesh), &no_mesh, 0), Ok(()));
+        assert_eq!(judge_fused_fault(fault, true, Case::Group(P2pOnly, OneShot), &wrong_one, 1), Ok(()));
+    }
+    assert_eq!(judge_fused_fault(d, true, Case::Group(P2pOnly, Mesh), &timeout, 2), Ok(()));
+    let rejects = [
+        (c, Case::Group(PathPolicy::Auto, Auto), &ring, 0, "Auto on the ring without having met the fault"),
+        (c, Case::Group(PathPolicy::Auto, Ring), &ring, 1, "the ring meeting a fault of fused kernels"),
+        (d, Case::Group(PathPolicy::Auto, Auto), &group(local.clone(), Selected::OneShot, true, Some(false)), 2, "Auto keeping its fused algorithms"),
+        (d, Case::Group(PathPolicy::Auto, Auto), &group(local.clone(), Selected::Ring, true, None), 2, "Auto keeping the mesh unused"),
+        (c, Case::Group(P2pOnly, Mesh), &timeout, 2, "a check failed by its barrier, not its data"),
+        (FusedFault::Corrupted { rank: 0 }, Case::Group(P2pOnly, OneShot), &wrong_one, 1, "the wrong-data branch on the other rank"),
+        (
+            c,
+            Case::Group(P2pOnly, OneShot),
+            &unverified("one-shot", "rank 1: 2 of 16381 results wrong, first at 0 (16381 elements)"),
+            1,
+            "two elements wrong",
+        ),
+        (
+            c,
+            Case::Group(P2pOnly, OneShot),
+            &unverified("one-shot", "rank 1: 1 of 16381 results wrong, first at 4 (16381 elements)"),
+            1,
+            "another element wrong",
+        ),
+        (d, Case::Group(P2pOnly, Mesh), &wrong_one, 1, "the check of another algorithm"),
+        (d, Case::Group(P2pOnly, OneShot), &wrong_one, 0, "a check failed without the fault"),
+        (d, Case::Group(P2pOnly, Mesh), &no_mesh, 0, "a mesh refused where the group has P2P"),
+        (d, Case::Group(P2pOnly, OneShot), &refused, 1, "a refusal of P2P"),
+    ];
+    for (fault, case, o, fired, what) in rejects {
+        assert!(
+            judge_fused_fault(fault, true, case, o, fired).is_err(),
+            "judge_fused_fault accepted {what}: {fault:?} {} {} (fired {fired})",
+            case.name(),
+            o.short()
+        );
+    }
+    // One device (both ranks on it): a StagedOnly group is local, so a forced mesh is checked, not refused.
+    assert_eq!(judge_fused_fault(d, false, Case::Group(StagedOnly, Mesh), &timeout, 2), Ok(()));
+    assert!(judge_fused_fault(d, false, Case::Group(StagedOnly, Mesh), &no_mesh, 0).is_err());
+    // The check's reason, as src/algorithms/check.rs writes it.
+    assert_eq!(wrong_data("rank 1: 1 of 16387 results wrong, first at 0 (16387 elements)"), Some([1, 1, 16387, 0, 16387]));
+    assert_eq!(wrong_data("launching the check failed: x (16387 elements)"), None);
+    assert_eq!(first_rank_on(1, 2), 1);
+    assert_eq!(first_rank_on(0, 1), 0);
 }
 
 /// The shim builds (no CUDA needed), exports exactly its overrides, and
