@@ -123,7 +123,7 @@ impl Ctl {
     /// `device` for this process's kernels, [`ctl_bytes`] long, 8-byte
     /// aligned, alive as long as `keep`.
     pub(crate) fn shared(host: *mut u8, device: u64, nranks: usize, timeout: Duration, keep: Arc<dyn Send + Sync>) -> Result<Ctl> {
-        if host.is_null() || (host as usize) % 8 != 0 || device % 8 != 0 {
+        if host.is_null() || !(host as usize).is_multiple_of(8) || !device.is_multiple_of(8) {
             return Err(Error::Internal("a shared control block that is not 8-byte aligned".into()));
         }
         Ok(Ctl::with(Block::Shared { host: host.cast(), _keep: keep }, nranks, vec![device], timeout))
