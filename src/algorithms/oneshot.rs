@@ -94,10 +94,15 @@ pub(crate) struct LaneLayout {
 
 /// The lanes of a one-shot among `n` ranks, with slots in device memory
 /// (`p2p`) or in host memory, and the bytes of one region holding them all.
-/// No lane's grid exceeds `sms`, the fewest multiprocessors of the ranks'
-/// devices, so that every block can be resident (a block waits only for the
-/// blocks of the same index on the other ranks, so this is for speed, not
-/// progress).
+/// `sms` is the fewest multiprocessors a rank has (its device's, divided
+/// among the ranks sharing it). A block of the one-shot fills a
+/// multiprocessor (its registers), and no lane's grid takes more than
+/// `sms - 1` of them: a block waits only for the blocks of the same index
+/// on the other ranks, so a free multiprocessor on every device is enough
+/// for some pair of blocks to run, whereas two groups whose kernels each
+/// filled a device the other needs would wait for each other until the
+/// barrier timeout (`tests/edges.rs` runs several groups on shared devices
+/// at once).
 pub(crate) fn layout(n: usize, p2p: bool, sms: u32) -> (Vec<LaneLayout>, usize) {
     let spec: &[(usize, u32, OneShotPipeline)] = if p2p { &DEVICE_LANES } else { &HOST_LANES };
     let last_cap = if p2p { (ONESHOT_SCRATCH_BYTES / (kernels::ONESHOT_SETS * n.max(1))) & !255 } else { HOST_ROUND_BYTES };
@@ -105,7 +110,7 @@ pub(crate) fn layout(n: usize, p2p: bool, sms: u32) -> (Vec<LaneLayout>, usize) 
     let mut bytes = 0;
     for &(max_bytes, blocks, pipeline) in spec {
         let cap = if max_bytes == usize::MAX { last_cap } else { (max_bytes.div_ceil(256) * 256).min(last_cap) };
-        lanes.push(LaneLayout { max_bytes, blocks: blocks.min(sms).max(1), cap, pipeline, offset: bytes });
+        lanes.push(LaneLayout { max_bytes, blocks: blocks.min(sms.saturating_sub(1)).max(1), cap, pipeline, offset: bytes });
         bytes += kernels::ONESHOT_FLAG_BYTES + kernels::ONESHOT_SETS * n * cap;
     }
     (lanes, bytes)
@@ -462,11 +467,12 @@ mod tests {
                 assert!(lanes.iter().all(|l| l.cap <= last && l.cap >= 256), "{n} {p2p} {lanes:?}");
                 assert!(lanes.iter().all(|l| l.blocks as usize <= kernels::ONESHOT_MAX_BLOCKS));
                 // A device with fewer multiprocessors than a lane's grid gets a
-                // grid of one block per multiprocessor; the slots stay in place.
+                // grid of one block per multiprocessor but one; the slots stay
+                // in place.
                 let (small, bytes_small) = layout(n, p2p, 58);
                 assert_eq!(bytes_small, layout(n, p2p, 132).1);
                 for (a, b) in small.iter().zip(&lanes) {
-                    assert_eq!(a.blocks, b.blocks.min(58));
+                    assert_eq!(a.blocks, b.blocks.min(57));
                     assert_eq!((a.cap, a.offset, a.max_bytes, a.pipeline), (b.cap, b.offset, b.max_bytes, b.pipeline));
                 }
                 assert!(layout(n, p2p, 0).0.iter().all(|l| l.blocks == 1));
@@ -476,6 +482,13 @@ mod tests {
         assert!(host.iter().filter(|l| l.max_bytes > 256 << 10).all(|l| l.cap == HOST_ROUND_BYTES));
         let (device, _) = layout(2, true, 132);
         assert_eq!(device.last().map(|l| l.blocks), Some(kernels::ONESHOT_MAX_BLOCKS as u32));
+        // A multiprocessor of every device stays free for another group.
+        for sms in [2, 66, 108, 128, 129] {
+            for p2p in [true, false] {
+                assert!(layout(2, p2p, sms).0.iter().all(|l| l.blocks < sms), "{sms} multiprocessors");
+            }
+        }
+        assert_eq!(layout(2, true, 128).0.last().map(|l| l.blocks), Some(127));
     }
 
     /// Each lane's check count takes that lane, in at least as many rounds as
