@@ -820,6 +820,8 @@ impl Comm {
             let checked = comm.verify(opts.timeout);
             agree(&*comm.exchange, "communicator: verification", checked.map(|()| String::new()))?;
         }
+        // The caller's first call is call 1 (the verification's are not numbered).
+        comm.call_number.store(0, std::sync::atomic::Ordering::Relaxed);
         Ok(comm)
     }
 
