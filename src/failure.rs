@@ -120,9 +120,16 @@ impl Ctl {
 
     /// The control block of a communicator whose ranks are processes: in
     /// memory they all map (zeroed by its creator), at `host` here and
-    /// `device` for this process's kernels, [`ctl_bytes`] long, 8-byte
-    /// aligned, alive as long as `keep`.
-    pub(crate) fn shared(host: *mut u8, device: u64, nranks: usize, timeout: Duration, keep: Arc<dyn Send + Sync>) -> Result<Ctl> {
+    /// `device` for this process's kernels.
+    ///
+    /// # Safety
+    ///
+    /// `host` points to [`ctl_bytes`]`(nranks)` bytes, 8-byte aligned,
+    /// mapped as long as `keep` lives, read and written by others only
+    /// through whole-word accesses (the kernels, the other processes'
+    /// `Ctl`s); `device` is the same memory's address for this process's
+    /// kernels.
+    pub(crate) unsafe fn shared(host: *mut u8, device: u64, nranks: usize, timeout: Duration, keep: Arc<dyn Send + Sync>) -> Result<Ctl> {
         if host.is_null() || !(host as usize).is_multiple_of(8) || !device.is_multiple_of(8) {
             return Err(Error::Internal("a shared control block that is not 8-byte aligned".into()));
         }

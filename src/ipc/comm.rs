@@ -801,7 +801,12 @@ impl Comm {
                 funcs: FnTable::default(),
                 div: FnTable::default(),
                 red: FnTable::default(),
-                ctl: Ctl::shared(ctl_page.host_ptr(), ctl_page.device_ptr(), size, opts.barrier_timeout, Arc::new(ctl_page))?,
+                // SAFETY: the board's last page (`CTL_PAGE` >= `ctl_bytes(size)`,
+                // checked by `board_with_ctl`), page aligned, zeroed by rank 0
+                // at creation, registered for this device at `device_ptr`, and
+                // mapped as long as `ctl_page` (which the `Ctl` keeps); every
+                // rank's `Ctl` and kernels access it by whole words.
+                ctl: unsafe { Ctl::shared(ctl_page.host_ptr(), ctl_page.device_ptr(), size, opts.barrier_timeout, Arc::new(ctl_page)) }?,
                 _bar: bar,
                 _counters: counters,
                 _pair_counters: pair_counters,
