@@ -14,11 +14,11 @@
 
 use crate::algorithms::ring::{self, PullOp};
 use crate::algorithms::schedule;
-use crate::algorithms::{divide, Pick};
+use crate::algorithms::{prescales, Pick};
 use crate::copy::check_context;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
-use crate::group::Group;
+use crate::group::{Group, Scratch};
 use crate::kernels::KernelOp;
 use crate::sync::Held;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -95,8 +95,22 @@ impl Group {
         Ok(Bufs { ptrs, held })
     }
 
-    fn divide<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
-        divide(&self.comm, op, T::DTYPE, ptrs, count, ranks)
+    /// The inputs a reduction of `op` reads: where [`prescales`], each
+    /// rank's `count` elements at `ptrs[r]` divided by the rank count into
+    /// the group's scratch (on the rank's stream), to be summed, so that an
+    /// average cannot overflow where the mean is representable (as every
+    /// all-reduce averages); else `ptrs` and `op` as they are.
+    fn prescaled<T: Element>(&self, op: ReduceOp, ptrs: &[u64], count: usize, name: &'static str) -> Result<(ReduceOp, Vec<u64>)> {
+        if !prescales(op, T::DTYPE, self.size()) {
+            return Ok((op, ptrs.to_vec()));
+        }
+        let bytes = count * T::DTYPE.size();
+        let scaled = self.scratch(Scratch::Scaled, bytes, name)?;
+        for (r, (&to, &from)) in scaled.iter().zip(ptrs).enumerate() {
+            self.comm.local_copy(r, to, from, bytes)?;
+            self.comm.launch_scale_div(r, T::DTYPE, to, count, self.size() as f64)?;
+        }
+        Ok((ReduceOp::Sum, scaled))
     }
 
     fn segments<T: Element>(&self, count: usize, parts: usize) -> Vec<Range<usize>> {
@@ -164,7 +178,7 @@ impl Group {
             return Ok(());
         }
         let esz = T::DTYPE.size();
-        let scratch = if n >= 3 { self.scratch(c * esz)? } else { Vec::new() };
+        let scratch = if n >= 3 { self.scratch(Scratch::Partial, c * esz, "reduce_scatter")? } else { Vec::new() };
         let s = self.read_ptrs(send)?;
         let d = self.write_ptrs(recv)?;
         let r = (|| -> Result<()> {
@@ -173,6 +187,8 @@ impl Group {
             }
             self.comm.check_reach("reduce_scatter", &s.ptrs, false)?;
             self.comm.check_reach("reduce_scatter", &d.ptrs, false)?;
+            let (op, src) = self.prescaled::<T>(op, &s.ptrs, total, "reduce_scatter")?;
+            self.comm.check_reach("reduce_scatter", &src, false)?;
             let partial = |r: usize, which: usize| if which == 0 { d.ptrs[r] } else { scratch[r] };
             let blk = |q: usize| (q * c * esz) as u64;
             let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce_scatter(n)
@@ -183,14 +199,13 @@ impl Group {
                         .map(|r| {
                             let pred = (r + n - 1) % n;
                             let q = step[r].part();
-                            let from = if st == 0 { s.ptrs[pred] + blk(q) } else { partial(pred, schedule::partial_buffer(n, st - 1)) };
-                            Some(PullOp::Reduce { dst: partial(r, schedule::partial_buffer(n, st)), pred: from, own: s.ptrs[r] + blk(q), count: c })
+                            let from = if st == 0 { src[pred] + blk(q) } else { partial(pred, schedule::partial_buffer(n, st - 1)) };
+                            Some(PullOp::Reduce { dst: partial(r, schedule::partial_buffer(n, st)), pred: from, own: src[r] + blk(q), count: c })
                         })
                         .collect()
                 })
                 .collect();
-            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)?;
-            self.divide::<T>(op, &d.ptrs, c, 0..n)
+            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)
         })();
         ordered(r, [s, d])
     }
@@ -292,6 +307,8 @@ impl Group {
             }
             self.comm.check_reach("reduce", &s.ptrs, false)?;
             self.comm.check_reach("reduce", &d.ptrs, false)?;
+            let (op, src) = self.prescaled::<T>(op, &s.ptrs, count, "reduce")?;
+            self.comm.check_reach("reduce", &src, false)?;
             let chunks = self.chain_chunks::<T>(count);
             let start = (root + 1) % n; // chain position 0 reads its send buffer
             let steps: Vec<Vec<Option<PullOp>>> = schedule::reduce(n, root, chunks.len())
@@ -303,26 +320,26 @@ impl Group {
                                 let pred = (r + n - 1) % n;
                                 let ch = &chunks[a.part()];
                                 let off = (ch.start * esz) as u64;
-                                let from = if pred == start { s.ptrs[pred] } else { d.ptrs[pred] };
-                                PullOp::Reduce { dst: d.ptrs[r] + off, pred: from + off, own: s.ptrs[r] + off, count: ch.len() }
+                                let from = if pred == start { src[pred] } else { d.ptrs[pred] };
+                                PullOp::Reduce { dst: d.ptrs[r] + off, pred: from + off, own: src[r] + off, count: ch.len() }
                             })
                         })
                         .collect()
                 })
                 .collect();
-            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)?;
-            self.divide::<T>(op, &d.ptrs, count, std::iter::once(root))
+            ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)
         })();
         ordered(r, [s, d])
     }
 
-    /// Per-rank scratch of at least `bytes`, kept with the group.
-    fn scratch(&self, bytes: usize) -> Result<Vec<u64>> {
-        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+    /// Per-rank scratch `which` of at least `bytes`, kept with the group
+    /// (grown by an eager call; under capture, growing it is an error).
+    fn scratch(&self, which: Scratch, bytes: usize, op: &'static str) -> Result<Vec<u64>> {
+        let mut held = self.scratch[which as usize].lock().unwrap_or_else(|p| p.into_inner());
         if held.len() != self.size() || held.iter().any(|s| s.len() < bytes) {
             if self.comm.capturing() {
                 return Err(Error::Capture {
-                    op: "reduce_scatter",
+                    op,
                     reason: format!(
                         "its scratch ({bytes} bytes per rank) is allocated by an eager call of this size or larger, made before the capture"
                     ),
@@ -331,7 +348,7 @@ impl Group {
             // Graphs captured earlier keep the old scratch alive themselves.
             held.clear();
             for rank in &self.comm.ranks {
-                // SAFETY: scratch is written by a reduction before it is read.
+                // SAFETY: scratch is written (by a copy or a reduction) before it is read.
                 held.push(Arc::new(unsafe { rank.stream.alloc::<u8>(bytes) }.map_err(cudarc_err("cuMemAlloc (scratch)"))?));
             }
         }

@@ -251,7 +251,7 @@ mod tests {
         // kernels/reduce.cu: CTL_ABORT 0, CTL_RECORD(r) 2 + 2r (8-byte aligned).
         assert_eq!(CTL_ABORT, 0);
         assert_eq!((ctl_record(0), ctl_record(7), ctl_bytes(8)), (2, 16, 72));
-        assert!((0..8).all(|r| ctl_record(r) % 2 == 0));
+        assert!((0..8).all(|r| ctl_record(r).is_multiple_of(2)));
         let src = include_str!("../kernels/reduce.cu");
         for needle in [
             "#define CTL_ABORT 0",

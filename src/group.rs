@@ -157,6 +157,16 @@ pub(crate) struct RawEvents {
     pub(crate) group_done: CudaEvent,
 }
 
+/// What a per-rank scratch buffer of a group holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scratch {
+    /// A reduce-scatter's partial sums (three or more ranks).
+    Partial = 0,
+    /// Each rank's input divided by the rank count, for an average of a
+    /// reduce-scatter or a reduce.
+    Scaled = 1,
+}
+
 /// A communicator of ranks in one process. See the module docs.
 pub struct Group {
     // Fields drop in this order (after `Drop::drop` has waited for every
@@ -166,8 +176,8 @@ pub struct Group {
     pub(crate) algos: Algorithms,
     /// Ranks, routes, launchers and the control block.
     pub(crate) comm: Communicator,
-    /// Per-rank scratch for reduce-scatter on three or more ranks.
-    pub(crate) scratch: Mutex<Vec<Arc<CudaSlice<u8>>>>,
+    /// Per-rank scratch buffers, by [`Scratch`].
+    pub(crate) scratch: [Mutex<Vec<Arc<CudaSlice<u8>>>>; 2],
     /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
     pub(crate) raw_events: once_cell::sync::OnceCell<Vec<RawEvents>>,
 }
@@ -215,7 +225,8 @@ impl Group {
         if algos.any_fused() {
             comm.attach_fused(opts.launch_spin, opts.barrier_timeout)?;
         }
-        let mut group = Group { comm, algos, scratch: Mutex::new(Vec::new()), raw_events: once_cell::sync::OnceCell::new() };
+        let mut group =
+            Group { comm, algos, scratch: [Mutex::new(Vec::new()), Mutex::new(Vec::new())], raw_events: once_cell::sync::OnceCell::new() };
         if !opts.lazy_kernels {
             group.warm_up()?;
         }
@@ -374,7 +385,7 @@ impl Group {
     /// the one-shot's and the mesh's slots and flags, the staged routes'
     /// buffers, the scratch, and the peer access the kernels rely on.
     fn keep_alive(&self) -> KeepAlive {
-        let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let scratch: Vec<Vec<Arc<CudaSlice<u8>>>> = self.scratch.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
         let c = &self.comm;
         KeepAlive {
             ctx: c.ranks[0].ctx.clone(),

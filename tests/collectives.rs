@@ -436,12 +436,33 @@ fn avg_near_the_top<T: TestElem>(s: &Setup, lo: f64, hi: f64, tag: &str) {
         assert!(outs.iter().flatten().all(|x| x.to_f64().is_finite()), "{}: an average overflowed", what("all_reduce"));
         check_all_ranks(&what("all_reduce"), ReduceOp::Avg, &inputs, &outs);
         assert!(download(s, &send) == inputs, "{}: send buffers changed", what("all_reduce"));
+        // Reduce-scatter: block r of every rank's `inputs` (count rounded down
+        // to n blocks).
+        let c = count / n;
+        let blocks: Vec<Vec<T>> = inputs.iter().map(|x| x[..n * c].to_vec()).collect();
+        let send = upload(s, &blocks);
+        let mut recv = upload(s, &vec![vec![T::poison(); c]; n]);
+        s.group.reduce_scatter(&send, &mut recv, ReduceOp::Avg).expect("reduce_scatter");
+        for (r, o) in download(s, &recv).iter().enumerate() {
+            assert!(o.iter().all(|x| x.to_f64().is_finite()), "{}: an average overflowed", what(&format!("reduce_scatter, rank {r}")));
+            check_all(&what(&format!("reduce_scatter, rank {r}")), ReduceOp::Avg, &blocks, r * c, o);
+        }
+        assert!(download(s, &send) == blocks, "{}: send buffers changed", what("reduce_scatter"));
+        // Reduce to the last rank.
+        let root = n - 1;
+        let send = upload(s, &inputs);
+        let mut recv = upload(s, &vec![vec![T::poison(); count]; n]);
+        s.group.reduce(&send, &mut recv, root, ReduceOp::Avg).expect("reduce");
+        let out = s.streams[root].clone_dtoh(&recv[root]).unwrap();
+        assert!(out.iter().all(|x| x.to_f64().is_finite()), "{}: an average overflowed", what("reduce"));
+        check_all(&what("reduce"), ReduceOp::Avg, &inputs, 0, &out);
+        assert!(download(s, &send) == inputs, "{}: send buffers changed", what("reduce"));
     }
 }
 
 /// f16 and bf16 averages whose sums overflow the type but whose means do
 /// not (two ranks of 40,000 in f16, say) are finite and right, on every
-/// algorithm the GPUs allow.
+/// algorithm the GPUs allow, and in the group's reduce-scatter and reduce.
 #[test]
 fn avg_near_the_top_of_the_range_does_not_overflow() {
     let test = "avg_near_the_top_of_the_range_does_not_overflow";

@@ -137,7 +137,7 @@ pub(crate) fn unavailable(algorithm: &'static str, why: &str) -> Error {
 /// after the sum overflows near the top of the range (a 16-bit sum is
 /// rounded after every add) although the mean is representable. Every
 /// all-reduce algorithm, in one process and between processes, averages
-/// this way; reduce-scatter and reduce divide their sums ([`divide`]).
+/// this way, and so do reduce-scatter and reduce.
 pub(crate) fn prescales(op: ReduceOp, dtype: DType, n: usize) -> bool {
     op == ReduceOp::Avg && dtype.is_float() && n > 1
 }
@@ -165,14 +165,4 @@ pub(crate) fn prescale_all(comm: &Communicator, op: ReduceOp, dtype: DType, ins:
         reduced = prescale(comm, op, dtype, r, ins[r], outs[r], count)?.0;
     }
     Ok((reduced, reduced != op))
-}
-
-/// Launches `x /= n` on `ranks` for [`ReduceOp::Avg`] on `n > 1` ranks.
-pub(crate) fn divide(comm: &Communicator, op: ReduceOp, dtype: DType, ptrs: &[u64], count: usize, ranks: impl Iterator<Item = usize>) -> Result<()> {
-    if op == ReduceOp::Avg && comm.size() > 1 {
-        for r in ranks {
-            comm.launch_scale_div(r, dtype, ptrs[r], count, comm.size() as f64)?;
-        }
-    }
-    Ok(())
 }
