@@ -14,7 +14,7 @@
 
 use crate::algorithms::ring::{self, PullOp};
 use crate::algorithms::schedule;
-use crate::algorithms::{prescales, Pick};
+use crate::algorithms::{prescale, prescales, Pick};
 use crate::copy::check_context;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
@@ -104,11 +104,9 @@ impl Group {
         if !prescales(op, T::DTYPE, self.size()) {
             return Ok((op, ptrs.to_vec()));
         }
-        let bytes = count * T::DTYPE.size();
-        let scaled = self.scratch(Scratch::Scaled, bytes, name)?;
+        let scaled = self.scratch(Scratch::Scaled, count * T::DTYPE.size(), name)?;
         for (r, (&to, &from)) in scaled.iter().zip(ptrs).enumerate() {
-            self.comm.local_copy(r, to, from, bytes)?;
-            self.comm.launch_scale_div(r, T::DTYPE, to, count, self.size() as f64)?;
+            prescale(&self.comm, op, T::DTYPE, r, from, to, count)?;
         }
         Ok((ReduceOp::Sum, scaled))
     }

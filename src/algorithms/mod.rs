@@ -20,7 +20,7 @@ pub(crate) mod schedule;
 use crate::communicator::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-pub(crate) use common::{prescales, wants_all_pairs, AllReduce, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES, ONESHOT_AUTO_MAX_BYTES};
+pub(crate) use common::{prescale, prescales, wants_all_pairs, AllReduce, HOST_ONESHOT_AUTO_MAX_BYTES, MESH_AUTO_MAX_BYTES, ONESHOT_AUTO_MAX_BYTES};
 pub use common::{Algorithm, Selected};
 use mesh::Mesh;
 use oneshot::OneShot;
