@@ -1222,5 +1222,12 @@ fn layering_probe() {
     let shim = find_shim().expect("the library loaded as libcuda.so.1 is the shim");
     assert_eq!(shim.mode, "off");
     same_entry_points("layering_probe", &shim);
+    // The pretend driver reports no device: every way to a context is
+    // Error::NoDevice (not a driver error, not an ordinal out of range).
+    assert_eq!(cuda_peer::driver::device_count(), Ok(0), "the pretend driver's device count");
+    assert_eq!(cuda_peer::driver::context(0).err(), Some(cuda_peer::Error::NoDevice), "driver::context(0)");
+    assert_eq!(cuda_peer::driver::all_contexts().err(), Some(cuda_peer::Error::NoDevice), "driver::all_contexts()");
+    let group = cuda_peer::Group::from_devices(&[0, 1], &cuda_peer::GroupOptions::default());
+    assert_eq!(group.err(), Some(cuda_peer::Error::NoDevice), "Group::from_devices");
     say("layering probe: ok");
 }

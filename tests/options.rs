@@ -24,7 +24,12 @@
 //!   than eight peer devices.
 //! - `Error::NoDevice`: returned only where the driver loads and reports
 //!   zero devices; on a machine with a GPU every ordinal past the last is
-//!   `Error::DeviceOutOfRange` instead (tested below).
+//!   `Error::DeviceOutOfRange` instead (tested below); the fault shim's
+//!   pretend driver reports none (`layering_probe` in `tests/fault_shim.rs`,
+//!   in CI).
+//!
+//! `Error::Load` is tested where no driver library loads (CI, no GPU):
+//! `without_a_driver_every_way_in_is_a_load_error`.
 
 mod common;
 
@@ -567,4 +572,28 @@ fn captured_reduce_scatter_broadcast_and_reduce_replay_exactly() {
             }
         }
     }
+}
+
+/// Where no CUDA driver library loads (the CI machine), every way in is
+/// `Error::Load` naming the library and each name tried, never a panic;
+/// where one loads, says SKIPPED (the GPU machine). (`Error::NoDevice`, a
+/// driver that loads and reports no device, is tested over the fault
+/// shim's pretend driver: `layering_probe` in `tests/fault_shim.rs`.)
+#[test]
+fn without_a_driver_every_way_in_is_a_load_error() {
+    let test = "without_a_driver_every_way_in_is_a_load_error";
+    let e = match driver::api() {
+        Ok(_) => return common::skipped(test, "a CUDA driver library loads here"),
+        Err(e) => e,
+    };
+    let Error::Load(load) = &e else { panic!("driver::api() without a driver: expected Error::Load, got {e:?}") };
+    assert_eq!(load.library, "the CUDA driver library");
+    assert!(load.attempts.iter().any(|(name, _)| name.starts_with("libcuda.so")), "the names tried: {:?}", load.attempts);
+    assert!(e.to_string().starts_with("could not load the CUDA driver library: libcuda.so"), "{e}");
+    let is_load = |r: Result<(), Error>, what: &str| assert!(matches!(r, Err(Error::Load(_))), "{what}: {r:?}");
+    is_load(driver::device_count().map(drop), "driver::device_count");
+    is_load(driver::context(0).map(drop), "driver::context(0)");
+    is_load(driver::all_contexts().map(drop), "driver::all_contexts");
+    is_load(Group::from_devices(&[0, 1], &GroupOptions::default()).map(drop), "Group::from_devices");
+    is_load(cuda_peer::peer::can_access_peer(0, 1).map(drop), "peer::can_access_peer");
 }

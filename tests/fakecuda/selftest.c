@@ -22,6 +22,8 @@ CUresult cuDeviceCanAccessPeer(int *can, int a, int b) { (void)a; (void)b; *can 
 CUresult cuDeviceGetP2PAttribute(int *v, int attr, int a, int b) { (void)attr; (void)a; (void)b; *v = 0; return 0; }
 CUresult cuCtxEnablePeerAccess(void *peer, unsigned int flags) { (void)peer; (void)flags; return 0; }
 CUresult cuCtxGetDevice(int *dev) { *dev = 1; return 0; }
+/* A driver that loads and reports no device (Error::NoDevice). */
+CUresult cuDeviceGetCount(int *n) { *n = 0; return 0; }
 CUresult cuModuleLoadData(void **m, const void *image) { (void)image; *m = (void *)0x1; return 0; }
 CUresult cuGetProcAddress(const char *s, void **pfn, int v, unsigned long long f) {
     (void)v; (void)f;
