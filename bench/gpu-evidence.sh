@@ -42,7 +42,7 @@ phase() {  # name, seconds, command...
 line "gpu-evidence: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), $(date -u +%FT%TZ)"
 for p in "$@"; do
   case "$p" in
-    tests) SHARDS=8 SHARD_TIMEOUT=260 phase tests 300 bash bench/gpu-tests-parallel.sh ;;
+    tests) ALONE="thousand_copy_cycles_return_device_memory a_timeout_between_processes_frees_the_peers_early" SHARDS=8 SHARD_TIMEOUT=260 phase tests 300 bash bench/gpu-tests-parallel.sh ;;
     alone) CUDA_PEER_REQUIRE_GPU=1 phase alone 200 bash -c 'for t in .gpu/tests/*-raw-test .gpu/tests/*-copy-test; do echo "== $t"; "$t" --test-threads=1 || exit 1; done' ;;
     edges) CUDA_PEER_REQUIRE_GPU=1 phase edges 200 bash -c 'for t in .gpu/tests/*-edges-test; do "$t" --test-threads=1 --nocapture || exit 1; done; for t in .gpu/tests/*-multiprocess-test; do "$t" --exact a_timeout_between_processes_frees_the_peers_early --nocapture || exit 1; done' ;;
     fault) FAKECUDA_TIMEOUT=70 phase fault 420 tests/fakecuda/run.sh ;;
