@@ -1673,3 +1673,44 @@ fn the_pairwise_exchange_pairs_every_rank() {
         }
     }
 }
+
+/// `cuda_peer::compat::nccl`'s `Comm::group`, cudarc's shape (views by
+/// value): a ring shift of fresh random words and an all-reduce through
+/// one group, on 2 and 3 thread ranks, every result exact against the CPU;
+/// a peer out of range is a typed error and leaves the group usable.
+#[test]
+fn compat_groups_take_views_as_cudarcs_do() {
+    use cuda_peer::compat::nccl::safe::{Comm as NcclComm, ReduceOp as NcclOp};
+    let test = "compat_groups_take_views_as_cudarcs_do";
+    let Some(ctxs) = gpus(test, 1) else { return };
+    let _gpu = exclusive();
+    let (mut fresh, seed) = Fresh::new();
+    for n in [2, 3] {
+        let what = format!("n={n}, seed {seed:#x}");
+        let comms = NcclComm::from_devices(streams(&ctxs, n)).unwrap_or_else(|e| panic!("{what}: from_devices: {e}"));
+        let count = 4099;
+        let inputs: Vec<Vec<u32>> = (0..n).map(|_| (0..count).map(|_| fresh.next() as u32).collect()).collect();
+        let outs = each(&comms, |r, c| {
+            let s = c.stream();
+            let mine = s.clone_htod(&inputs[r]).unwrap();
+            let mut from_prev = s.clone_htod(&vec![0xDEAD_BEEFu32; count]).unwrap();
+            let mut sum = s.clone_htod(&vec![0xDEAD_BEEFu32; count]).unwrap();
+            {
+                let mut g = c.group();
+                g.send(mine.slice(..), next(r, n) as i32).unwrap_or_else(|e| panic!("{what}: rank {r}: send: {e}"));
+                let bad = g.send(mine.slice(..), n as i32);
+                assert!(matches!(&bad, Err(e) if matches!(e.0, Error::InvalidArgument(_))), "{what}: rank {r}: a send to rank {n}: {bad:?}");
+                g.recv(from_prev.slice_mut(..), prev(r, n) as i32).unwrap_or_else(|e| panic!("{what}: rank {r}: recv: {e}"));
+                g.all_reduce(mine.slice(..), sum.slice_mut(..), &NcclOp::Sum).unwrap_or_else(|e| panic!("{what}: rank {r}: all_reduce: {e}"));
+                g.end().unwrap_or_else(|e| panic!("{what}: rank {r}: end: {e}"));
+            }
+            c.async_error().unwrap_or_else(|e| panic!("{what}: rank {r}: async_error: {e}"));
+            (s.clone_dtoh(&from_prev).unwrap(), s.clone_dtoh(&sum).unwrap())
+        });
+        let want_sum: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect();
+        for (r, (shifted, sum)) in outs.iter().enumerate() {
+            assert!(*shifted == inputs[prev(r, n)], "{what}: rank {r} did not receive rank {}'s words", prev(r, n));
+            assert!(*sum == want_sum, "{what}: rank {r}'s all-reduce through the group is wrong");
+        }
+    }
+}

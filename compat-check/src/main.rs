@@ -99,6 +99,20 @@ fn broadcast_from_rank0(comm: &Comm, weights: &mut CudaSlice<f32>) -> Result<()>
     Ok(())
 }
 
+/// A pipeline stage's exchange (cubecl's and pipeline parallelism's
+/// send/recv): each rank sends its part to the next rank and receives the
+/// previous rank's, in one group (cudarc's `Comm::group`, views by value).
+fn ring_shift(comm: &Comm, stream: &Arc<CudaStream>, part: &CudaSlice<f32>) -> Result<CudaSlice<f32>> {
+    let (rank, n) = (comm.rank() as i32, comm.world_size() as i32);
+    let mut from_prev = stream.alloc_zeros::<f32>(part.len()).map_err(|e| format!("{e:?}"))?;
+    {
+        let mut group = comm.group();
+        group.send(part.slice(..), (rank + 1) % n).map_err(|e| format!("send: {:?}", e.0))?;
+        group.recv(from_prev.slice_mut(..), (rank + n - 1) % n).map_err(|e| format!("recv: {:?}", e.0))?;
+    }
+    Ok(from_prev)
+}
+
 fn run(rank: usize, world_size: usize, id_file: &Path) -> Result<()> {
     let (stream, comm) = join(rank, world_size, id_file)?;
     let (rank, world_size) = (comm.rank(), comm.world_size());
@@ -111,11 +125,17 @@ fn run(rank: usize, world_size: usize, id_file: &Path) -> Result<()> {
     let halves = stream.clone_htod(&vec![bf16::from_f32(1.0); 2 * n]).map_err(|e| format!("{e:?}"))?;
     let sum_bf16 = op.bf16(&halves.slice(n..))?;
     let gathered = all_gather(&comm, &stream, &sum_bf16)?;
+    let mine = stream.clone_htod(&vec![rank as f32 + 1.0; n]).map_err(|e| format!("{e:?}"))?;
+    let shifted = stream.clone_dtoh(&ring_shift(&comm, &stream, &mine)?).map_err(|e| format!("{e:?}"))?;
+    let prev = ((rank + world_size - 1) % world_size) as f32 + 1.0;
 
     let sum = stream.clone_dtoh(&sum).map_err(|e| format!("{e:?}"))?;
     let gathered = stream.clone_dtoh(&gathered).map_err(|e| format!("{e:?}"))?;
     // Rank 0's zeros summed; `world_size` ones summed, from every rank.
-    let ok = sum.iter().all(|&x| x == 0.0) && gathered.len() == n * world_size && gathered.iter().all(|x| x.to_f32() == world_size as f32);
+    let ok = sum.iter().all(|&x| x == 0.0)
+        && gathered.len() == n * world_size
+        && gathered.iter().all(|x| x.to_f32() == world_size as f32)
+        && shifted.iter().all(|&x| x == prev);
     if !ok {
         return Err(format!("rank {rank}: wrong results"));
     }

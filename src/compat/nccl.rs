@@ -79,9 +79,8 @@
 //! - Point-to-point: [`Comm::send`] and [`Comm::recv`] are cuda-peer's
 //!   ([`crate::Comm::send`]), matched in order as NCCL's are.
 //! - Groups: [`group_start`] and [`group_end`] return
-//!   [`crate::Error::Unsupported`]. cudarc's `Comm::group()` and `Group`
-//!   (which take views by value) are left out; grouped sends and receives
-//!   are [`crate::Comm::group`] on [`Comm::inner`].
+//!   [`crate::Error::Unsupported`] ([`Comm::group`] and [`Group`], cudarc's
+//!   shape, are here).
 //! - cudarc's `nccl::result`'s raw calls (`comm_init_rank`, ...) and
 //!   `nccl::sys`, and the `group!` macro.
 
@@ -140,7 +139,7 @@ pub mod result {
     /// The error of what cuda-peer does not have (yet): `what` names the call.
     pub(super) fn unsupported(what: &str) -> NcclError {
         NcclError(crate::Error::Unsupported(format!(
-            "{what}: cuda-peer has no point-to-point calls or NCCL groups yet (cuda_peer::compat::nccl); nothing was enqueued"
+            "{what}: cuda-peer has no ncclGroupStart/ncclGroupEnd (one thread driving several ranks' calls); group one rank's sends and receives with Comm::group (cuda_peer::compat::nccl); nothing was enqueued"
         )))
     }
 
@@ -216,7 +215,7 @@ pub mod safe {
     use super::result::{NcclError, NcclStatus};
     use crate::dtype::{DType, Element};
     use crate::error::{cudarc_err, Error};
-    use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, ValidAsZeroBits};
+    use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, ValidAsZeroBits};
     use std::ffi::c_char;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, OnceLock};
@@ -451,9 +450,10 @@ pub mod safe {
     /// read on other streams are ordered with it. Every rank must make the same
     /// calls in the same order.
     ///
-    /// Unlike cudarc's it is `Send + Sync`, never panics, can be aborted
-    /// ([`Comm::abort`]) and polled ([`Comm::async_error`]), and has no
-    /// `group()`.
+    /// Unlike cudarc's it is `Send + Sync`, never panics, and can be aborted
+    /// ([`Comm::abort`]) and polled ([`Comm::async_error`]); its
+    /// [`Comm::group`] enqueues the collectives called through it at once
+    /// (see [`Group`]).
     ///
     /// Dropping it never panics: it waits for this rank's enqueued work on the
     /// stream (the peers' memory that its kernels write must outlive them; the
@@ -569,7 +569,7 @@ pub mod safe {
 
         /// Runs one call of the communicator underneath, unless aborted, and
         /// records its failure.
-        fn call(&self, f: impl FnOnce(&crate::Comm) -> crate::Result<()>) -> Result<NcclStatus, NcclError> {
+        pub(crate) fn call(&self, f: impl FnOnce(&crate::Comm) -> crate::Result<()>) -> Result<NcclStatus, NcclError> {
             self.state.admit()?;
             self.state.outcome(f(&self.inner))
         }
@@ -577,9 +577,8 @@ pub mod safe {
         /// Sends `data` to rank `peer`, matched in order with that rank's
         /// [`Self::recv`] from this one ([`crate::Comm::send`]). Alone, a send
         /// moves its data only while the peer's receive runs: two ranks that
-        /// send to each other first wait for each other (cudarc groups them
-        /// with `group()`, which this module does not have: use
-        /// [`crate::Comm::group`] on [`Self::inner`]).
+        /// send to each other put their sends and receives in one
+        /// [`Self::group`].
         pub fn send<S: DevicePtr<T>, T: NcclType>(&self, data: &S, peer: i32) -> Result<(), NcclError> {
             self.call(|c| c.send::<T, S>(data, peer_rank(peer)?)).map(|_| ())
         }
@@ -694,6 +693,198 @@ pub mod safe {
         fn drop(&mut self) {
             if let Err(e) = self.state.async_error() {
                 log::debug!("cuda-peer: compat::nccl::Comm rank {} dropped after: {e}", self.inner.rank());
+            }
+        }
+    }
+
+    /// A send or a receive a [`Group`] holds until it ends.
+    trait Pending {
+        /// Adds it to `group`, borrowing its view for as long as the group.
+        fn add<'x>(&'x mut self, group: &mut crate::comm::group::Group<'x>) -> crate::Result<()>;
+    }
+
+    enum Transfer<'v, T> {
+        Send(CudaView<'v, T>, usize),
+        Recv(CudaViewMut<'v, T>, usize),
+    }
+
+    impl<T: NcclType> Pending for Transfer<'_, T> {
+        fn add<'x>(&'x mut self, group: &mut crate::comm::group::Group<'x>) -> crate::Result<()> {
+            match self {
+                Transfer::Send(view, peer) => group.send::<T, _>(view, *peer),
+                Transfer::Recv(view, peer) => group.recv::<T, _>(view, *peer),
+            }
+        }
+    }
+
+    /// The sends and receives of one rank, started together when the group
+    /// ends, as cudarc's `Group` (made by [`Comm::group`]; the views it is
+    /// given must outlive it). Its sends and receives are those of
+    /// [`crate::comm::group::Group`]: matched with each peer's in order, two
+    /// ranks that send to each other inside a group never deadlock, and
+    /// lengths that differ fail both ranks' communicators with a typed error.
+    ///
+    /// Differences from cudarc's:
+    /// - The collectives called through a group ([`Group::all_reduce`], ...)
+    ///   are enqueued at once, each as [`Comm`]'s own call, before the
+    ///   group's sends and receives; NCCL orders nothing inside a group either,
+    ///   and every rank must still call the collectives in the same order.
+    /// - Dropping it ends it and logs an error where cudarc's panics;
+    ///   [`Group::end`] ends it and returns the error.
+    pub struct Group<'g> {
+        comm: &'g Comm,
+        pending: Vec<Box<dyn Pending + 'g>>,
+        ended: bool,
+    }
+
+    impl std::fmt::Debug for Group<'_> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Group").field("rank", &self.comm.rank()).field("pending", &self.pending.len()).finish()
+        }
+    }
+
+    impl Comm {
+        /// Starts a group of sends and receives (see [`Group`]), as cudarc's
+        /// `Comm::group`.
+        pub fn group(&self) -> Group<'_> {
+            Group { comm: self, pending: Vec::new(), ended: false }
+        }
+    }
+
+    /// A peer's rank from cudarc's `i32`, in range.
+    fn peer_of(comm: &Comm, peer: i32) -> Result<usize, NcclError> {
+        match usize::try_from(peer) {
+            Ok(p) if p < comm.world_size() => Ok(p),
+            _ => Err(NcclError(Error::InvalidArgument(format!("peer rank {peer} of {} ranks", comm.world_size())))),
+        }
+    }
+
+    impl<'g> Group<'g> {
+        /// The communicator the group belongs to.
+        pub fn comm(&self) -> &'g Comm {
+            self.comm
+        }
+
+        /// Adds a send of `data` to rank `peer` ([`Comm::send`]); it moves when
+        /// the group ends.
+        pub fn send<'s: 'g, T: NcclType>(&mut self, data: CudaView<'s, T>, peer: i32) -> Result<(), NcclError> {
+            let peer = peer_of(self.comm, peer)?;
+            self.pending.push(Box::new(Transfer::Send(data, peer)));
+            Ok(())
+        }
+
+        /// Adds a receive into `buff` from rank `peer` ([`Comm::recv`]); it
+        /// moves when the group ends.
+        pub fn recv<'r: 'g, T: NcclType>(&mut self, buff: CudaViewMut<'r, T>, peer: i32) -> Result<NcclStatus, NcclError> {
+            let peer = peer_of(self.comm, peer)?;
+            self.pending.push(Box::new(Transfer::Recv(buff, peer)));
+            Ok(NcclStatus::Success)
+        }
+
+        /// [`Comm::broadcast`], enqueued at once.
+        pub fn broadcast<'s: 'g, 'r: 'g, T: NcclType>(
+            &mut self,
+            sendbuff: Option<CudaView<'s, T>>,
+            mut recvbuff: CudaViewMut<'r, T>,
+            root: i32,
+        ) -> Result<NcclStatus, NcclError> {
+            self.comm.broadcast(sendbuff.as_ref(), &mut recvbuff, root)
+        }
+
+        /// [`Comm::broadcast_in_place`], enqueued at once.
+        pub fn broadcast_in_place<'r: 'g, T: NcclType>(&mut self, mut recvbuff: CudaViewMut<'r, T>, root: i32) -> Result<NcclStatus, NcclError> {
+            self.comm.broadcast_in_place(&mut recvbuff, root)
+        }
+
+        /// [`Comm::all_gather`], enqueued at once.
+        pub fn all_gather<'s: 'g, 'r: 'g, T: NcclType>(
+            &mut self,
+            sendbuff: CudaView<'s, T>,
+            mut recvbuff: CudaViewMut<'r, T>,
+        ) -> Result<NcclStatus, NcclError> {
+            self.comm.all_gather(&sendbuff, &mut recvbuff)
+        }
+
+        /// [`Comm::all_reduce`], enqueued at once.
+        pub fn all_reduce<'s: 'g, 'r: 'g, T: NcclType>(
+            &mut self,
+            sendbuff: CudaView<'s, T>,
+            mut recvbuff: CudaViewMut<'r, T>,
+            reduce_op: &ReduceOp,
+        ) -> Result<NcclStatus, NcclError> {
+            self.comm.all_reduce(&sendbuff, &mut recvbuff, reduce_op)
+        }
+
+        /// [`Comm::all_reduce_in_place`], enqueued at once.
+        pub fn all_reduce_in_place<'r: 'g, T: NcclType>(
+            &mut self,
+            mut buff: CudaViewMut<'r, T>,
+            reduce_op: &ReduceOp,
+        ) -> Result<NcclStatus, NcclError> {
+            self.comm.all_reduce_in_place(&mut buff, reduce_op)
+        }
+
+        /// [`Comm::reduce`], enqueued at once.
+        pub fn reduce<'s: 'g, 'r: 'g, T: NcclType>(
+            &mut self,
+            sendbuff: CudaView<'s, T>,
+            recvbuff: Option<CudaViewMut<'r, T>>,
+            reduce_op: &ReduceOp,
+            root: i32,
+        ) -> Result<NcclStatus, NcclError> {
+            let mut recvbuff = recvbuff;
+            self.comm.reduce(&sendbuff, recvbuff.as_mut(), reduce_op, root)
+        }
+
+        /// [`Comm::reduce_in_place`], enqueued at once.
+        pub fn reduce_in_place<'s: 'g, T: NcclType>(
+            &mut self,
+            mut recvbuff: CudaViewMut<'s, T>,
+            reduce_op: &ReduceOp,
+            root: i32,
+        ) -> Result<NcclStatus, NcclError> {
+            self.comm.reduce_in_place(&mut recvbuff, reduce_op, root)
+        }
+
+        /// [`Comm::reduce_scatter`], enqueued at once.
+        pub fn reduce_scatter<'s: 'g, 'r: 'g, T: NcclType>(
+            &mut self,
+            sendbuff: CudaView<'s, T>,
+            mut recvbuff: CudaViewMut<'r, T>,
+            reduce_op: &ReduceOp,
+        ) -> Result<NcclStatus, NcclError> {
+            self.comm.reduce_scatter(&sendbuff, &mut recvbuff, reduce_op)
+        }
+
+        /// Ends the group: enqueues its sends and receives together on the
+        /// communicator's stream (their buffers are then ordered after them).
+        pub fn end(mut self) -> Result<(), NcclError> {
+            self.finish()
+        }
+
+        fn finish(&mut self) -> Result<(), NcclError> {
+            if std::mem::replace(&mut self.ended, true) || self.pending.is_empty() {
+                return Ok(());
+            }
+            let pending = &mut self.pending;
+            self.comm
+                .call(|c| {
+                    let mut group = c.group();
+                    for p in pending.iter_mut() {
+                        p.add(&mut group)?;
+                    }
+                    group.end()
+                })
+                .map(|_| ())
+        }
+    }
+
+    impl Drop for Group<'_> {
+        /// Ends the group ([`Group::end`]); an error is logged, never a panic
+        /// (the communicator has recorded it: [`Comm::async_error`]).
+        fn drop(&mut self) {
+            if let Err(e) = self.finish() {
+                log::warn!("cuda-peer: compat::nccl group ended with an error: {e}");
             }
         }
     }

@@ -3,7 +3,6 @@
 //! device at a time.
 
 use cuda_peer::cudarc::driver::{CudaContext, CudaStream};
-use cuda_peer::Comm;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// `n` streams over the devices present, round robin.
@@ -12,8 +11,8 @@ pub fn streams(ctxs: &[Arc<CudaContext>], n: usize) -> Vec<Arc<CudaStream>> {
 }
 
 /// Runs `f(rank, comm)` on one thread per rank, all at once, and returns
-/// what each gave.
-pub fn each<R: Send>(comms: &[Comm], f: impl Fn(usize, &Comm) -> R + Sync) -> Vec<R> {
+/// what each gave (`cuda_peer::Comm`s, or the compat module's).
+pub fn each<C: Sync, R: Send>(comms: &[C], f: impl Fn(usize, &C) -> R + Sync) -> Vec<R> {
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
