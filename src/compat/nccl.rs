@@ -753,10 +753,9 @@ pub mod safe {
 
     /// A peer's rank from cudarc's `i32`, in range.
     fn peer_of(comm: &Comm, peer: i32) -> Result<usize, NcclError> {
-        match usize::try_from(peer) {
-            Ok(p) if p < comm.world_size() => Ok(p),
-            _ => Err(NcclError(Error::InvalidArgument(format!("peer rank {peer} of {} ranks", comm.world_size())))),
-        }
+        let p = peer_rank(peer)?;
+        crate::traits::check_peer("group", p, comm.world_size())?;
+        Ok(p)
     }
 
     impl<'g> Group<'g> {
