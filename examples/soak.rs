@@ -39,8 +39,8 @@
 //! magnitudes in [1, 2); for prod magnitudes in [1.25, 2) of random signs;
 //! min, max and the data movements in [-1, 1)), and float reductions are
 //! compared element by element with the f64 reduction of that element's
-//! inputs, within the bound of the tests (`tests/common/num.rs`,
-//! `float_bound`; this file keeps a copy, below): a rank left out or an
+//! inputs, within the bound of the tests (`tests/common/bound.rs`,
+//! `float_bound`, included here by path): a rank left out or an
 //! average divided by `n - 1` lies outside it. Integers and data movements
 //! stay exact, and every rank's all-reduce result must be bitwise the
 //! same. Sizes are drawn by bytes per rank, log-uniform up to `--max-bytes`
@@ -207,78 +207,11 @@ float_val!(f64, |v: f64| v, |v: f64| v, |s: f64, n: usize| s / n as f64, f64::to
 float_val!(f16, |v: f16| v.to_f64(), f16::from_f64, |s: f16, n: usize| f16::from_f32(s.to_f32() / n as f32), f16::to_bits, 11);
 float_val!(bf16, |v: bf16| v.to_f64(), bf16::from_f64, |s: bf16, n: usize| bf16::from_f32(s.to_f32() / n as f32), bf16::to_bits, 8);
 
-// The float comparison of the back-to-back mode: a copy of
-// `tests/common/num.rs` (`reference`, `step_roundoff`, `worst_partials`,
-// `exact_in`, `float_bound`; an example cannot use the tests' modules).
-// docs/testing.md explains the bound; change both copies together.
-
-/// The exact result of `op` over one element's inputs `xs`, in f64.
-fn reference(op: ReduceOp, xs: &[f64]) -> f64 {
-    match op {
-        ReduceOp::Sum => xs.iter().sum(),
-        ReduceOp::Prod => xs.iter().product(),
-        ReduceOp::Min => xs.iter().copied().fold(f64::INFINITY, f64::min),
-        ReduceOp::Max => xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-        ReduceOp::Avg => xs.iter().sum::<f64>() / xs.len() as f64,
-    }
-}
-
-/// The relative error of one binary step in a float type of `bits`
-/// significand bits (16-bit types are computed in f32, then rounded).
-fn step_roundoff(bits: u32) -> f64 {
-    let u = 2f64.powi(-(bits as i32));
-    if bits < 24 {
-        u + 2f64.powi(-24)
-    } else {
-        u
-    }
-}
-
-/// `sum_{k=2..n}` of the sum of the `k` largest `|x|`: the magnitudes of a
-/// sum's partial results in the worst order.
-fn worst_partials(xs: &[f64]) -> f64 {
-    let mut a: Vec<f64> = xs.iter().map(|x| x.abs()).collect();
-    a.sort_unstable_by(|x, y| y.total_cmp(x));
-    let (mut top, mut partials) = (0.0, 0.0);
-    for (k, v) in a.iter().enumerate() {
-        top += v;
-        if k >= 1 {
-            partials += top;
-        }
-    }
-    partials
-}
-
-/// Whether every partial result of `op` over `xs` is exact in `bits` bits.
-fn exact_in(op: ReduceOp, xs: &[f64], bits: u32) -> bool {
-    let limit = 2f64.powi(bits as i32);
-    let integers = xs.iter().all(|x| x.fract() == 0.0);
-    match op {
-        ReduceOp::Sum => integers && xs.iter().map(|x| x.abs()).sum::<f64>() <= limit,
-        ReduceOp::Prod => integers && xs.iter().map(|x| x.abs()).product::<f64>() <= limit,
-        ReduceOp::Min | ReduceOp::Max => true,
-        ReduceOp::Avg => false,
-    }
-}
-
-/// The largest error of `op` over `xs` computed in a float type of `bits`
-/// significand bits, against [`reference`] (docs/testing.md).
-fn float_bound(op: ReduceOp, xs: &[f64], bits: u32) -> f64 {
-    let n = xs.len();
-    if (n <= 1 && op != ReduceOp::Avg) || exact_in(op, xs, bits) {
-        return 0.0;
-    }
-    let u = step_roundoff(bits) + 2f64.powi(-53);
-    let widen = 1.0 + 2.0 * (n as f64 + 1.0) * u;
-    let abs: f64 = xs.iter().map(|x| x.abs()).sum();
-    match op {
-        ReduceOp::Sum => u * worst_partials(xs) * widen,
-        ReduceOp::Avg if n == 1 => 0.0,
-        ReduceOp::Avg => (u * worst_partials(xs) + (2.0 * u + 2f64.powi(-22)) * abs) * widen / n as f64,
-        ReduceOp::Prod => (n as f64 - 1.0) * u * reference(ReduceOp::Prod, xs).abs() * widen,
-        ReduceOp::Min | ReduceOp::Max => 0.0,
-    }
-}
+// The float comparison of the back-to-back mode: the tests' own bound
+// (docs/testing.md), one file for both.
+#[path = "../tests/common/bound.rs"]
+mod bound;
+use bound::{float_bound, reference};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Kind {
     AllReduceInPlace,

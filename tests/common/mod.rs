@@ -13,6 +13,7 @@ use cuda_peer::cudarc::driver::CudaContext;
 use rand::Rng;
 use std::sync::Arc;
 
+pub mod bound;
 pub mod graph;
 pub mod num;
 pub mod procs;
