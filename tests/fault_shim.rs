@@ -171,6 +171,22 @@ fn under(test: &str, accept: impl Fn(&str) -> bool) -> Option<(Shim, Vec<Arc<Cud
     Some((shim, ctxs))
 }
 
+/// [`under`] a mode `PREFIX<ordinal>` (the device it lies about) whose
+/// device the test has: the shim, the contexts and the ordinal, which must
+/// be below `limit` where the test's groups use only that many devices;
+/// `None` after saying why the test skips.
+fn under_device(test: &str, prefix: &str, limit: Option<usize>) -> Option<(Shim, Vec<Arc<CudaContext>>, usize)> {
+    let (shim, ctxs) = under(test, |m| m.starts_with(prefix))?;
+    let device: usize = shim.mode[prefix.len()..].parse().unwrap_or_else(|e| panic!("{}: {prefix}<ordinal> expected: {e}", shim.mode));
+    if let Some(limit) = limit {
+        assert!(device < limit, "{}: the groups here are on devices 0 and 1", shim.mode);
+    }
+    if !common::has_gpus(test, &format!("{} (device {device})", shim.mode), ctxs.len(), device + 1) {
+        return None;
+    }
+    Some((shim, ctxs, device))
+}
+
 /// Checks that cuda-peer-sys's loader and cudarc's both call the shim's
 /// overrides (one library, one handle), not the real driver's entry points.
 fn same_entry_points(test: &str, shim: &Shim) {
@@ -804,11 +820,7 @@ fn judge_fused_fault(fault: FusedFault, distinct: bool, case: Case, o: &Outcome,
 #[test]
 fn dropped_sm_stores_leave_the_ring_or_a_typed_error() {
     const T: &str = "dropped_sm_stores_leave_the_ring_or_a_typed_error";
-    let Some((shim, ctxs)) = under(T, |m| m.starts_with("drop-sm-stores=")) else { return };
-    let dropped: usize = shim.mode["drop-sm-stores=".len()..].parse().expect("drop-sm-stores=<ordinal>");
-    if !common::has_gpus(T, &format!("{} (device {dropped})", shim.mode), ctxs.len(), dropped + 1) {
-        return;
-    }
+    let Some((shim, ctxs, _)) = under_device(T, "drop-sm-stores=", None) else { return };
     bounded(T, move || {
         let distinct = ctxs.len() >= 2;
         if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, |c, o, f| judge_fused_fault(FusedFault::Dropped, distinct, c, o, f))
@@ -838,12 +850,7 @@ fn first_rank_on(ordinal: usize, devices: usize) -> usize {
 #[test]
 fn corrupt_fused_results_fail_the_creation_check() {
     const T: &str = "corrupt_fused_results_fail_the_creation_check";
-    let Some((shim, ctxs)) = under(T, |m| m.starts_with("corrupt-fused-results=")) else { return };
-    let device: usize = shim.mode["corrupt-fused-results=".len()..].parse().expect("corrupt-fused-results=<ordinal>");
-    assert!(device < 2, "{}: the groups here are on devices 0 and 1", shim.mode);
-    if !common::has_gpus(T, &format!("{} (device {device})", shim.mode), ctxs.len(), device + 1) {
-        return;
-    }
+    let Some((shim, ctxs, device)) = under_device(T, "corrupt-fused-results=", Some(2)) else { return };
     bounded(T, move || {
         let (distinct, rank) = (ctxs.len() >= 2, first_rank_on(device, ctxs.len()));
         let fault = FusedFault::Corrupted { rank };
@@ -862,12 +869,7 @@ fn corrupt_fused_results_fail_the_creation_check() {
 #[test]
 fn corrupt_fused_results_reach_an_unchecked_group() {
     const T: &str = "corrupt_fused_results_reach_an_unchecked_group";
-    let Some((shim, ctxs)) = under(T, |m| m.starts_with("corrupt-fused-results=")) else { return };
-    let device: usize = shim.mode["corrupt-fused-results=".len()..].parse().expect("corrupt-fused-results=<ordinal>");
-    assert!(device < 2, "{}: the groups here are on devices 0 and 1", shim.mode);
-    if !common::has_gpus(T, &format!("{} (device {device})", shim.mode), ctxs.len(), device + 1) {
-        return;
-    }
+    let Some((shim, ctxs, device)) = under_device(T, "corrupt-fused-results=", Some(2)) else { return };
     bounded(T, move || {
         let rank = first_rank_on(device, ctxs.len());
         let streams: Vec<Arc<CudaStream>> = (0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
@@ -889,12 +891,7 @@ fn corrupt_fused_results_reach_an_unchecked_group() {
 #[test]
 fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
     const T: &str = "failed_module_load_is_an_error_and_leaves_the_rest_working";
-    let Some((shim, ctxs)) = under(T, |m| m.starts_with("fail-module-load=")) else { return };
-    let bad: usize = shim.mode["fail-module-load=".len()..].parse().expect("fail-module-load=<ordinal>");
-    assert!(bad < 2, "fail-module-load={bad}: the groups here are on devices 0 and 1");
-    if !common::has_gpus(T, &format!("{} (device {bad})", shim.mode), ctxs.len(), bad + 1) {
-        return;
-    }
+    let Some((shim, ctxs, bad)) = under_device(T, "fail-module-load=", Some(2)) else { return };
     // Where there is one GPU, every group's ranks are on the bad device,
     // and there is no good device.
     let good =
