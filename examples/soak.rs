@@ -585,6 +585,54 @@ fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usiz
     }
 }
 
+/// `$body` with `$T` the element type named `$dtype` (one of [`DTYPES`]).
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            "f32" => {
+                type $T = f32;
+                $body
+            }
+            "f64" => {
+                type $T = f64;
+                $body
+            }
+            "f16" => {
+                type $T = f16;
+                $body
+            }
+            "bf16" => {
+                type $T = bf16;
+                $body
+            }
+            "i32" => {
+                type $T = i32;
+                $body
+            }
+            "i64" => {
+                type $T = i64;
+                $body
+            }
+            "u32" => {
+                type $T = u32;
+                $body
+            }
+            "u64" => {
+                type $T = u64;
+                $body
+            }
+            "i8" => {
+                type $T = i8;
+                $body
+            }
+            _ => {
+                type $T = u8;
+                $body
+            }
+        }
+    };
+}
+
 #[allow(clippy::too_many_arguments)]
 fn dispatch_prepare(
     s: &Soak,
@@ -596,44 +644,17 @@ fn dispatch_prepare(
     rng: &mut StdRng,
     tag: &str,
 ) -> Result<Box<dyn Pending>, String> {
-    match dtype {
-        "f32" => prepare_case::<f32>(s, kind, op, count, root, rng, tag),
-        "f64" => prepare_case::<f64>(s, kind, op, count, root, rng, tag),
-        "f16" => prepare_case::<f16>(s, kind, op, count, root, rng, tag),
-        "bf16" => prepare_case::<bf16>(s, kind, op, count, root, rng, tag),
-        "i32" => prepare_case::<i32>(s, kind, op, count, root, rng, tag),
-        "i64" => prepare_case::<i64>(s, kind, op, count, root, rng, tag),
-        "u32" => prepare_case::<u32>(s, kind, op, count, root, rng, tag),
-        "u64" => prepare_case::<u64>(s, kind, op, count, root, rng, tag),
-        "i8" => prepare_case::<i8>(s, kind, op, count, root, rng, tag),
-        _ => prepare_case::<u8>(s, kind, op, count, root, rng, tag),
-    }
+    with_dtype!(dtype, T => prepare_case::<T>(s, kind, op, count, root, rng, tag))
 }
 
 /// The byte size of an element of `dtype` (one of [`DTYPES`]).
 fn dtype_size(dtype: &str) -> usize {
-    match dtype {
-        "f64" | "i64" | "u64" => 8,
-        "f32" | "i32" | "u32" => 4,
-        "f16" | "bf16" => 2,
-        _ => 1,
-    }
+    with_dtype!(dtype, T => std::mem::size_of::<T>())
 }
 
 #[allow(clippy::too_many_arguments)]
 fn dispatch(s: &Soak, dtype: &str, kind: Kind, op: ReduceOp, count: usize, root: usize, graph: bool, rng: &mut StdRng, tally: &mut Tally, tag: &str) {
-    match dtype {
-        "f32" => run_case::<f32>(s, kind, op, count, root, graph, rng, tally, tag),
-        "f64" => run_case::<f64>(s, kind, op, count, root, graph, rng, tally, tag),
-        "f16" => run_case::<f16>(s, kind, op, count, root, graph, rng, tally, tag),
-        "bf16" => run_case::<bf16>(s, kind, op, count, root, graph, rng, tally, tag),
-        "i32" => run_case::<i32>(s, kind, op, count, root, graph, rng, tally, tag),
-        "i64" => run_case::<i64>(s, kind, op, count, root, graph, rng, tally, tag),
-        "u32" => run_case::<u32>(s, kind, op, count, root, graph, rng, tally, tag),
-        "u64" => run_case::<u64>(s, kind, op, count, root, graph, rng, tally, tag),
-        "i8" => run_case::<i8>(s, kind, op, count, root, graph, rng, tally, tag),
-        _ => run_case::<u8>(s, kind, op, count, root, graph, rng, tally, tag),
-    }
+    with_dtype!(dtype, T => run_case::<T>(s, kind, op, count, root, graph, rng, tally, tag))
 }
 
 /// Per device: (pool bytes in use, cuMemGetInfo free bytes), after
