@@ -827,11 +827,10 @@ pub mod safe {
         pub fn reduce<'s: 'g, 'r: 'g, T: NcclType>(
             &mut self,
             sendbuff: CudaView<'s, T>,
-            recvbuff: Option<CudaViewMut<'r, T>>,
+            mut recvbuff: Option<CudaViewMut<'r, T>>,
             reduce_op: &ReduceOp,
             root: i32,
         ) -> Result<NcclStatus, NcclError> {
-            let mut recvbuff = recvbuff;
             self.comm.reduce(&sendbuff, recvbuff.as_mut(), reduce_op, root)
         }
 
