@@ -588,43 +588,14 @@ fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usiz
 /// `$body` with `$T` the element type named `$dtype` (one of [`DTYPES`]).
 macro_rules! with_dtype {
     ($dtype:expr, $T:ident => $body:expr) => {
+        with_dtype!(@arms $dtype, $T, $body, "f32" f32, "f64" f64, "f16" f16, "bf16" bf16, "i32" i32, "i64" i64, "u32" u32, "u64" u64, "i8" i8)
+    };
+    (@arms $dtype:expr, $T:ident, $body:expr, $($name:literal $ty:ty),*) => {
         match $dtype {
-            "f32" => {
-                type $T = f32;
+            $($name => {
+                type $T = $ty;
                 $body
-            }
-            "f64" => {
-                type $T = f64;
-                $body
-            }
-            "f16" => {
-                type $T = f16;
-                $body
-            }
-            "bf16" => {
-                type $T = bf16;
-                $body
-            }
-            "i32" => {
-                type $T = i32;
-                $body
-            }
-            "i64" => {
-                type $T = i64;
-                $body
-            }
-            "u32" => {
-                type $T = u32;
-                $body
-            }
-            "u64" => {
-                type $T = u64;
-                $body
-            }
-            "i8" => {
-                type $T = i8;
-                $body
-            }
+            })*
             _ => {
                 type $T = u8;
                 $body
