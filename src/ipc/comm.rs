@@ -329,8 +329,10 @@ enum Memory {
     Device { own: Arc<DeviceRegion>, peers: Vec<Arc<DeviceRegion>> },
     /// In one host buffer the processes share, page-locked and mapped for
     /// each rank's device: rank k's region at `k * per_rank` (the staged
-    /// path).
-    Host { reg: RegisteredMemory, per_rank: usize },
+    /// path). Registered once per context: ranks that are threads of this
+    /// process on one device share one registration
+    /// ([`RegisteredMemory::shared_range`]).
+    Host { reg: Arc<RegisteredMemory>, per_rank: usize },
 }
 
 /// Where a new communicator enqueues its collectives.
@@ -672,7 +674,8 @@ impl Comm {
                     Some(h) => h,
                     None => from_rank0(HOST_TAG, host_bytes, "shared host buffer")?,
                 };
-                Memory::Host { reg: RegisteredMemory::register(&ctx, host)?, per_rank }
+                let len = host.len();
+                Memory::Host { reg: RegisteredMemory::shared_range(&ctx, Arc::new(host), 0, len)?, per_rank }
             } else {
                 got.sort_by_key(|g| g.from);
                 let mut peers = Vec::with_capacity(size - 1);
@@ -696,7 +699,7 @@ impl Comm {
             // The control block: the board's last page, mapped for this
             // device, so that every rank's kernels see one abort word.
             let board = Arc::new(board);
-            let ctl_page = RegisteredMemory::register_range(&ctx, board.clone(), board_len - CTL_PAGE, CTL_PAGE)?;
+            let ctl_page = RegisteredMemory::shared_range(&ctx, board.clone(), board_len - CTL_PAGE, CTL_PAGE)?;
             Ok((memory, CallBoard::new(board, size)?, ctl_page))
         })();
         drop(listener);
@@ -803,10 +806,10 @@ impl Comm {
                 red: FnTable::default(),
                 // SAFETY: the board's last page (`CTL_PAGE` >= `ctl_bytes(size)`,
                 // checked by `board_with_ctl`), page aligned, zeroed by rank 0
-                // at creation, registered for this device at `device_ptr`, and
-                // mapped as long as `ctl_page` (which the `Ctl` keeps); every
+                // at creation, registered for this device at `device_ptr` (once
+                // per context), and mapped as long as `ctl_page` (which the `Ctl` keeps); every
                 // rank's `Ctl` and kernels access it by whole words.
-                ctl: unsafe { Ctl::shared(ctl_page.host_ptr(), ctl_page.device_ptr(), size, opts.barrier_timeout, Arc::new(ctl_page)) }?,
+                ctl: unsafe { Ctl::shared(ctl_page.host_ptr(), ctl_page.device_ptr(), size, opts.barrier_timeout, ctl_page) }?,
                 _bar: bar,
                 _counters: counters,
                 _pair_counters: pair_counters,

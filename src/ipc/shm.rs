@@ -157,15 +157,39 @@ pub struct RegisteredMemory {
 }
 
 impl RegisteredMemory {
-    /// Registers all of `mem` for `ctx`'s device.
-    pub fn register(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, mem: SharedMemory) -> Result<RegisteredMemory> {
-        let len = mem.len();
-        Self::register_range(ctx, std::sync::Arc::new(mem), 0, len)
+    /// Bytes `offset..offset + len` of `mem` registered for `ctx`'s device,
+    /// once per context: where this process already holds that range of
+    /// the same memory (the same memfd, by device and inode) registered for
+    /// `ctx` (ranks that are threads of one process on one device, each
+    /// with its own mapping of rank 0's memory), that registration, so that
+    /// the device reaches the memory through one virtual address (accesses
+    /// through two are outside the guarantees of its memory model); else a
+    /// new one ([`Self::register_range`]), recorded while it lives.
+    pub(crate) fn shared_range(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        mem: std::sync::Arc<SharedMemory>,
+        offset: usize,
+        len: usize,
+    ) -> Result<std::sync::Arc<RegisteredMemory>> {
+        use std::sync::{Arc, Mutex, Weak};
+        type Key = (usize, u64, u64, usize, usize);
+        static HELD: Mutex<Vec<(Key, Weak<RegisteredMemory>)>> = Mutex::new(Vec::new());
+        let st = rustix::fs::fstat(mem.fd()).map_err(io_err("fstat (shared memory)"))?;
+        let key: Key = (ctx.cu_ctx() as usize, st.st_dev as u64, st.st_ino as u64, offset, len);
+        // Held while registering, so that two ranks registering at once make one registration.
+        let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+        held.retain(|e| e.1.strong_count() > 0);
+        if let Some(reg) = held.iter().filter(|e| e.0 == key).find_map(|e| e.1.upgrade()) {
+            return Ok(reg);
+        }
+        let reg = Arc::new(Self::register_range(ctx, mem, offset, len)?);
+        held.push((key, Arc::downgrade(&reg)));
+        Ok(reg)
     }
 
     /// Registers bytes `offset..offset + len` of `mem` (whole pages) for
     /// `ctx`'s device.
-    pub fn register_range(
+    fn register_range(
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
         mem: std::sync::Arc<SharedMemory>,
         offset: usize,
