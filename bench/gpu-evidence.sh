@@ -11,13 +11,16 @@
 #   bash bench/gpu-evidence.sh soak sanitizer mp oldnew   (OLD defaults to .gpu/old/cuda-peer-bench)
 #
 # Phases (about how long each takes on 2x H200):
-#   tests      every test binary, sharded (bench/gpu-tests-parallel.sh), ~3.5 min (sixteen_million_elements alone ~190-200 s)
+#   tests      every test binary, sharded (bench/gpu-tests-parallel.sh; SHARDS, default 4: leave
+#              CUDA_DEVICE_MAX_CONNECTIONS unset, the script sets it where needed, and 8 shards
+#              with 32 queues each ran out of memory creating contexts on one H200), ~3 min
 #   alone      raw and copy tests alone (their memory and timing checks), ~1 min
 #   fault      tests/fakecuda/run.sh: every lying-driver mode and the doctor under it, ~3-5 min
 #   edges      tests/edges.rs and the three-process abort test alone (their timing bounds), ~1 min
 #   soak       10,000 randomized collectives (examples/soak), ~2 min
 #   b2b        examples/soak --back-to-back: batches enqueued with no synchronisation, real floats, ~1-2 min
-#   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh), not yet timed (3-6 min guessed)
+#   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh; SANITIZER_RUNS picks
+#              runs, SANITIZER_PHASE bounds the phase, default 900 s)
 #   planted    tests/planted/run.sh: each planted defect must fail its tests (carry planted.txz from tests/planted/build.sh), ~2 min
 #   mp         cuda-peer-bench mp-allreduce under cuda-peer-run -n 2, ~3 min
 #   oldnew     bench/oldnew.sh $OLD against .gpu/bin/cuda-peer-bench, 8 rounds, ~1 min
@@ -42,13 +45,13 @@ phase() {  # name, seconds, command...
 line "gpu-evidence: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), $(date -u +%FT%TZ)"
 for p in "$@"; do
   case "$p" in
-    tests) ALONE="thousand_copy_cycles_return_device_memory a_timeout_between_processes_frees_the_peers_early" SHARDS=8 SHARD_TIMEOUT=260 phase tests 300 bash bench/gpu-tests-parallel.sh ;;
+    tests) ALONE="thousand_copy_cycles_return_device_memory a_timeout_between_processes_frees_the_peers_early" SHARDS=${SHARDS:-4} SHARD_TIMEOUT=260 phase tests 300 bash bench/gpu-tests-parallel.sh ;;
     alone) CUDA_PEER_REQUIRE_GPU=1 phase alone 200 bash -c 'for t in .gpu/tests/*-raw-test .gpu/tests/*-copy-test; do echo "== $t"; "$t" --test-threads=1 || exit 1; done' ;;
     edges) CUDA_PEER_REQUIRE_GPU=1 phase edges 200 bash -c 'for t in .gpu/tests/*-edges-test; do "$t" --test-threads=1 --nocapture || exit 1; done; for t in .gpu/tests/*-multiprocess-test; do "$t" --exact a_timeout_between_processes_frees_the_peers_early --nocapture || exit 1; done' ;;
     fault) FAKECUDA_TIMEOUT=70 phase fault 420 tests/fakecuda/run.sh ;;
     soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
     b2b) phase b2b 300 .gpu/examples/soak --back-to-back --iters 200 --batch 16 ;;
-    sanitizer) SANITIZER_TIMEOUT=150 phase sanitizer 900 tests/sanitizer.sh ;;
+    sanitizer) SANITIZER_TIMEOUT=150 phase sanitizer "${SANITIZER_PHASE:-900}" tests/sanitizer.sh ;;
     planted) phase planted 600 bash -c 'python3 -c "import tarfile; tarfile.open(\"planted.txz\").extractall(\".\")" && bash out/run.sh' ;;
     mp) phase mp 300 .gpu/bin/cuda-peer-run -n 2 -- .gpu/bin/cuda-peer-bench mp-allreduce --machine h200x2 --out "$OUT/mp" ;;
     oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:-.gpu/old/cuda-peer-bench}" .gpu/bin/cuda-peer-bench 8 ;;
