@@ -55,7 +55,8 @@
 //! warm-up included); the memory check stays.
 //!
 //! Memory: after a warm-up (every group and collective once at the largest
-//! count, 8-byte elements, so that group scratch reaches its size), and at
+//! count, 8-byte elements, a sum and an average, so that group scratch
+//! reaches its size), and at
 //! the end, each device's default pool is trimmed and its used bytes
 //! (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`), `cuMemGetInfo`'s free bytes and the
 //! process's resident set (pinned host memory is resident) are recorded;
@@ -849,15 +850,17 @@ fn main() {
     let mut tally = Tally::default();
 
     // Warm-up: every group and collective at the largest count with 8-byte
-    // elements (scratch reaches its size), eager and from a graph.
-    // Back to back: the largest count of 8-byte elements any call takes,
-    // eager only.
+    // elements (scratch reaches its size), eager and from a graph, as a sum
+    // and as an average (whose reduce-scatter and reduce divide into a
+    // scratch of their own). Back to back: the largest count of 8-byte
+    // elements any call takes, eager only.
     for s in &soaks {
         let n = s.streams.len();
         for kind in KINDS {
             let (count, graph) =
                 if args.back_to_back { (b2b_cap(n, 8, kind, args.max_bytes, args.max_count), false) } else { (max_count, args.graph_every > 0) };
             dispatch(s, "u64", kind, ReduceOp::Sum, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
+            dispatch(s, "f64", kind, ReduceOp::Avg, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
         }
     }
     let warm_failures = tally.failures.len();
