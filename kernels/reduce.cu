@@ -106,51 +106,47 @@ static __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
 }
 
 // ---------------------------------------------------------------------------
-// fp8 (OCP FP8) <-> f32. E4M3: bias 7, no infinities, NaN S.1111.111, largest
-// finite 448. E5M2: bias 15, the top byte of an IEEE f16 (infinities, NaNs),
-// largest finite 57344. To fp8: round to nearest even, saturating to the
-// largest finite value (infinities too: PTX's .satfinite); NaN stays NaN.
+// fp8 (OCP FP8): to f32 (exact), and from f16 bits. E4M3: bias 7, no
+// infinities, NaN S.1111.111, largest finite 448. E5M2: bias 15, the top
+// byte of an IEEE f16 (infinities, NaNs), largest finite 57344. From f16:
+// round to nearest even, saturating to the largest finite value
+// (infinities too: PTX's .satfinite); NaN stays NaN.
 // ---------------------------------------------------------------------------
 
+// E4M3's magnitude bits are an f16's shifted right by 7 with the exponent
+// rebiased by 8 (subnormals included): its value is that f16's times 2^8.
 static __device__ __forceinline__ float e4m3_to_f32(unsigned char v) {
-    const unsigned int sign = ((unsigned int)v & 0x80u) << 24;
-    const unsigned int e = ((unsigned int)v >> 3) & 0xfu, m = (unsigned int)v & 7u;
-    if (e == 0xfu && m == 7u) return __uint_as_float(sign | 0x7fc00000u);
-    if (e == 0u) return __uint_as_float(sign | __float_as_uint((float)m * 0.001953125f));  // m * 2^-9
-    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+    const unsigned int x = v;
+    const float f = f16_to_f32((unsigned short)(((x & 0x80u) << 8) | ((x & 0x7fu) << 7))) * 256.0f;
+    return (x & 0x7fu) == 0x7fu ? __uint_as_float(0x7fc00000u) : f;
 }
 
 static __device__ __forceinline__ float e5m2_to_f32(unsigned char v) {
     return f16_to_f32((unsigned short)((unsigned int)v << 8));
 }
 
-// The fp8 of f with M mantissa bits, exponent bias B, largest finite code
-// MAXC (magnitude bits) and NaN code NANC.
-template <int M, int B, unsigned int MAXC, unsigned int NANC>
-static __device__ __forceinline__ unsigned char f32_to_fp8(float f) {
-    const unsigned int u = __float_as_uint(f);
-    const unsigned int sign = (u >> 24) & 0x80u;
-    const unsigned int a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (unsigned char)(sign | NANC);
-    const int exp = (int)(a >> 23) - 127;
-    if (exp < 1 - B) {
-        // Below the smallest normal: multiples of 2^(1 - B - M), rounded to
-        // nearest even (the largest rounds up to the smallest normal's code).
-        const float q = __uint_as_float(a) * __uint_as_float((unsigned int)(127 + B - 1 + M) << 23);
-        return (unsigned char)(sign | __float2uint_rn(q));
+// The E5M2 of f16 bits h: E5M2 is f16's top byte, rounded at bit 8.
+static __device__ __forceinline__ unsigned char f16_to_e5m2(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h >> 8) & 0x80u, m = (unsigned int)h & 0x7fffu;
+    if (m > 0x7c00u) return (unsigned char)(sign | 0x7fu);
+    const unsigned int r = (m + 0x7fu + ((m >> 8) & 1u)) >> 8;
+    return (unsigned char)(sign | (r > 0x7bu ? 0x7bu : r));
+}
+
+// The E4M3 of f16 bits h: from an f16 exponent of 9 on (E4M3's normals),
+// the bits rebiased by 8 and rounded at bit 7; below, multiples of 2^-9
+// (E4M3's subnormals; the largest rounds up to the smallest normal's code).
+static __device__ __forceinline__ unsigned char f16_to_e4m3(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h >> 8) & 0x80u, m = (unsigned int)h & 0x7fffu;
+    if (m > 0x7c00u) return (unsigned char)(sign | 0x7fu);
+    unsigned int r;
+    if ((m >> 10) >= 9u) {
+        r = (m - 0x2000u + 0x3fu + ((m >> 7) & 1u)) >> 7;
+        r = r > 0x7eu ? 0x7eu : r;
+    } else {
+        r = __float2uint_rn(f16_to_f32((unsigned short)m) * 512.0f);
     }
-    const unsigned int r = a + ((1u << (22 - M)) - 1u) + ((a >> (23 - M)) & 1u);
-    const int re = (int)(r >> 23) - 127 + B;
-    const unsigned int code = ((unsigned int)re << M) | ((r >> (23 - M)) & ((1u << M) - 1u));
-    return (unsigned char)(sign | (re > (int)(MAXC >> M) || code > MAXC ? MAXC : code));
-}
-
-static __device__ __forceinline__ unsigned char f32_to_e4m3(float f) {
-    return f32_to_fp8<3, 7, 0x7eu, 0x7fu>(f);
-}
-
-static __device__ __forceinline__ unsigned char f32_to_e5m2(float f) {
-    return f32_to_fp8<2, 15, 0x7bu, 0x7fu>(f);
+    return (unsigned char)(sign | r);
 }
 
 // ---------------------------------------------------------------------------
@@ -231,11 +227,11 @@ CP_HALF_TRAITS(Ty_bf16, bf16_to_f32, f32_to_bf16)
 // 2.24+ does (the halves added with __hadd, then the saturating conversion);
 // min/max return one of the inputs bit-for-bit; the division of avg is f32,
 // then f16, then fp8.
-#define CP_FP8_TRAITS(NAME, TO_F32, FROM_F32)                                   \
+#define CP_FP8_TRAITS(NAME, TO_F32, FROM_F16)                                   \
     struct NAME {                                                               \
         typedef unsigned char T;                                                \
         static __device__ __forceinline__ T rnd(float f) {                      \
-            return FROM_F32(f16_to_f32(f32_to_f16(f)));                         \
+            return FROM_F16(f32_to_f16(f));                                     \
         }                                                                       \
         static __device__ __forceinline__ T sum(T a, T b) {                     \
             return rnd(TO_F32(a) + TO_F32(b));                                \
@@ -260,8 +256,8 @@ CP_HALF_TRAITS(Ty_bf16, bf16_to_f32, f32_to_bf16)
         }                                                                       \
     };
 
-CP_FP8_TRAITS(Ty_f8e4m3, e4m3_to_f32, f32_to_e4m3)
-CP_FP8_TRAITS(Ty_f8e5m2, e5m2_to_f32, f32_to_e5m2)
+CP_FP8_TRAITS(Ty_f8e4m3, e4m3_to_f32, f16_to_e4m3)
+CP_FP8_TRAITS(Ty_f8e5m2, e5m2_to_f32, f16_to_e5m2)
 CP_INT_TRAITS(Ty_i32, int, unsigned int)
 CP_INT_TRAITS(Ty_i64, long long, unsigned long long)
 CP_INT_TRAITS(Ty_u32, unsigned int, unsigned int)
