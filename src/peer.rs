@@ -103,6 +103,20 @@ fn default_pool(ctx: &CudaContext) -> Result<Option<sys::CUmemoryPool>> {
     Ok(Some(pool))
 }
 
+/// What `cuCtxEnablePeerAccess` from device `from` to `to` returning `r`
+/// means: whether this call enabled the access (`false`: it was already
+/// enabled), or the error.
+fn enabled(r: sys::CUresult, from: usize, to: usize) -> Result<bool> {
+    use sys::CUresult as R;
+    match r {
+        R::CUDA_SUCCESS => Ok(true),
+        R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(false),
+        R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => Err(Error::PeerUnsupported { from, to }),
+        R::CUDA_ERROR_TOO_MANY_PEERS => Err(Error::TooManyPeers { from, to }),
+        other => Err(Error::driver("cuCtxEnablePeerAccess", other.0)),
+    }
+}
+
 impl PeerAccess {
     /// Lets `ctx` access `peer`'s memory (device memory and its default
     /// pool) until the returned guard and every other guard for the same
@@ -137,14 +151,7 @@ impl PeerAccess {
         bind(ctx)?;
         // SAFETY: `ctx` is current; `peer` is a live context kept alive by its Arc.
         let r = unsafe { api.cuCtxEnablePeerAccess(raw_context(peer), 0) };
-        use sys::CUresult as R;
-        let owns_ctx_access = match r {
-            R::CUDA_SUCCESS => true,
-            R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => false,
-            R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => return Err(Error::PeerUnsupported { from, to }),
-            R::CUDA_ERROR_TOO_MANY_PEERS => return Err(Error::TooManyPeers { from, to }),
-            other => return Err(Error::driver("cuCtxEnablePeerAccess", other.0)),
-        };
+        let owns_ctx_access = enabled(r, from, to)?;
         let pool_restore = match default_pool(peer).and_then(|p| match p {
             Some(pool) => grant_pool(pool, from).map(|prev| prev.map(|f| (PoolHandle(pool), f))),
             None => Ok(None),
@@ -215,4 +222,22 @@ impl Drop for PeerAccess {
 /// [`crate::copy::Link`] for verified links).
 pub fn can_access_peer(from: usize, to: usize) -> Result<bool> {
     Ok(crate::topology::link_info(from, to)?.can_access_peer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sys::CUresult as R;
+
+    #[test]
+    fn the_drivers_answers_to_enabling_peer_access_are_typed() {
+        assert_eq!(enabled(R::CUDA_SUCCESS, 0, 1), Ok(true));
+        assert_eq!(enabled(R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, 0, 1), Ok(false));
+        assert_eq!(enabled(R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, 2, 3), Err(Error::PeerUnsupported { from: 2, to: 3 }));
+        assert_eq!(enabled(R::CUDA_ERROR_TOO_MANY_PEERS, 3, 7), Err(Error::TooManyPeers { from: 3, to: 7 }));
+        match enabled(R::CUDA_ERROR_INVALID_CONTEXT, 0, 1) {
+            Err(Error::Driver { op, code, .. }) => assert_eq!((op, code), ("cuCtxEnablePeerAccess", R::CUDA_ERROR_INVALID_CONTEXT.0)),
+            other => panic!("an other driver error: {other:?}"),
+        }
+    }
 }

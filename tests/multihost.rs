@@ -284,6 +284,48 @@ fn a_dead_host_fails_the_survivor_in_bounded_time() {
     all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, 1)), end);
 }
 
+/// A child of [`nccl_refuses_two_ranks_on_one_gpu_with_its_typed_error`]:
+/// both ranks open an NCCL communicator on the one device visible.
+fn one_gpu_child() {
+    let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
+    match NcclComm::new(&rv, 0, Duration::from_secs(30)) {
+        Err(Error::Nccl { op, code, message }) => {
+            assert_eq!(op, "ncclCommInitRank", "rank {}: the failing call", rank());
+            assert_eq!(code, 5, "rank {}: ncclInvalidUsage expected ({message})", rank());
+            assert!(!message.is_empty(), "rank {}: NCCL's description is empty", rank());
+            println!("rank {}: NCCL refused the duplicate GPU: {op}: {code} ({message})", rank());
+        }
+        Err(e) => panic!("rank {}: two ranks on one GPU: expected Error::Nccl from ncclCommInitRank, got {e:?}", rank()),
+        Ok(_) => panic!("rank {}: NCCL accepted two ranks on one GPU", rank()),
+    }
+}
+
+/// `Error::Nccl` as NCCL reports it: two ranks on one GPU (the device each
+/// child sees, `CUDA_VISIBLE_DEVICES=0`), which NCCL refuses at
+/// `ncclCommInitRank` with `ncclInvalidUsage` (5) on both, within the
+/// bounded initialisation. Needs one GPU and NCCL.
+#[test]
+fn nccl_refuses_two_ranks_on_one_gpu_with_its_typed_error() {
+    if child() {
+        return one_gpu_child();
+    }
+    let name = "nccl_refuses_two_ranks_on_one_gpu_with_its_typed_error";
+    if common::gpu_count(name, 1).is_none() {
+        return;
+    }
+    match nccl_version() {
+        Ok(v) => eprintln!("{name}: NCCL {v}"),
+        Err(e) if common::required() => panic!("{name}: CUDA_PEER_REQUIRE_GPU=1 but NCCL cannot be loaded: {e}"),
+        Err(e) => return common::skipped(name, format!("NCCL cannot be loaded: {e}")),
+    }
+    let env = |r: usize| {
+        let mut env = host_env(r, 1);
+        env.push(("CUDA_VISIBLE_DEVICES", "0".into()));
+        env
+    };
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(120), env), passes("NCCL refused the duplicate GPU"));
+}
+
 /// A `Comm` child: checks the engine it picked, then an all-reduce and
 /// an all-gather of fresh data against the CPU reference.
 fn world_child(want_nccl: bool) {
