@@ -3,7 +3,7 @@
 //! resolved kernel functions.
 
 use crate::error::{cudarc_err, Error, Result};
-use crate::kernels::{self, Kernel, Module, FN_SLOTS};
+use crate::kernels::{self, Kernel, Module, FN_SLOTS, MODULE_COUNT};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -13,7 +13,7 @@ type ModuleCache = Lazy<Mutex<HashMap<usize, Arc<CudaModule>>>>;
 
 /// The kernel modules (`kernels::modules()`, by index), loaded once per
 /// context for the life of the process.
-static MODULE_CACHES: [ModuleCache; 11] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; 11];
+static MODULE_CACHES: [ModuleCache; MODULE_COUNT] = [const { Lazy::new(|| Mutex::new(HashMap::new())) }; MODULE_COUNT];
 
 /// The environment variable that makes every module load from PTX (JIT)
 /// even where a cubin would serve: `CUDA_PEER_FORCE_PTX=1` (any value but

@@ -101,9 +101,14 @@ pub(crate) struct KernelModule {
 // tests `FROM_SOURCE` and `PTX_TARGET`.
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
+/// How many kernel modules there are: the reduction module and a mesh
+/// module per element type (the length of `src/kernels/list.rs`'s list:
+/// [`modules`]'s type checks it).
+pub(crate) const MODULE_COUNT: usize = 1 + DType::ALL.len();
+
 /// Every embedded module, in the order of [`Module::index`]: the reduction
 /// module first, then the mesh modules in the order of `DType::ALL`.
-pub(crate) fn modules() -> &'static [KernelModule; 13] {
+pub(crate) fn modules() -> &'static [KernelModule; MODULE_COUNT] {
     &MODULES
 }
 
@@ -151,8 +156,8 @@ impl Module {
 
     /// Every module: the reduction module, then the mesh modules in the
     /// order of `DType::ALL`.
-    pub(crate) fn all() -> [Module; 13] {
-        let mut all = [Module::Reduce; 13];
+    pub(crate) fn all() -> [Module; MODULE_COUNT] {
+        let mut all = [Module::Reduce; MODULE_COUNT];
         for (i, d) in DType::ALL.into_iter().enumerate() {
             all[i + 1] = Module::Mesh(d);
         }
