@@ -12,7 +12,6 @@
 #![allow(dead_code)]
 
 use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -63,13 +62,6 @@ pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> 
             for (k, v) in extra(r) {
                 cmd.env(k, v);
             }
-            // compute-sanitizer (`--target-processes all`) follows a child
-            // through the exec functions; glibc's posix_spawn, which
-            // `Command` uses where it can, execs without them, and the
-            // tool traced no child (tests/sanitizer.sh's `mp` runs). A
-            // pre-exec hook makes `Command` fork and exec.
-            // SAFETY: the hook does nothing, which is async-signal-safe.
-            unsafe { cmd.pre_exec(|| Ok(())) };
             let mut child = cmd.spawn().expect("spawn a child");
             let out = drain(child.stdout.take().expect("a child's stdout"));
             let err = drain(child.stderr.take().expect("a child's stderr"));
