@@ -8,7 +8,8 @@
 //! averages lie within `common::num`'s per-element bound. The parent checks
 //! that every child ran its test and printed its result line
 //! (`common::procs`). Skipped (a `SKIPPED <name>` line) with fewer than
-//! two GPUs (NCCL takes one device per rank); a missing GPU or NCCL library
+//! two GPUs (NCCL takes one device per rank), but for NCCL's refusal of two
+//! ranks on one GPU, which needs one; a missing GPU or NCCL library
 //! fails the test only under `CUDA_PEER_REQUIRE_GPU=1`.
 #![cfg(target_os = "linux")]
 
