@@ -47,9 +47,10 @@ fn host_env(r: usize, seed: u64) -> Vec<(&'static str, String)> {
     hosts_env(r, 1, seed)
 }
 
-/// Two GPUs and an NCCL library, or `false` after saying why the test skips.
-fn ready(test: &str) -> bool {
-    if common::gpu_count(test, 2).is_none() {
+/// `gpus` GPUs and an NCCL library, or `false` after saying why the test
+/// skips.
+fn ready(test: &str, gpus: usize) -> bool {
+    if common::gpu_count(test, gpus).is_none() {
         return false;
     }
     match nccl_version() {
@@ -215,7 +216,7 @@ fn two_simulated_hosts_run_every_collective_on_nccl() {
         return every_collective_child();
     }
     let name = "two_simulated_hosts_run_every_collective_on_nccl";
-    if !ready(name) {
+    if !ready(name, 2) {
         return;
     }
     let seed: u64 = rand::random::<u32>() as u64;
@@ -278,7 +279,7 @@ fn a_dead_host_fails_the_survivor_in_bounded_time() {
         return dead_peer_child();
     }
     let name = "a_dead_host_fails_the_survivor_in_bounded_time";
-    if !ready(name) {
+    if !ready(name, 2) {
         return;
     }
     let end = |r: usize| if r == 1 { End::Exits("rank 1: leaving with the communicator open".into()) } else { End::Passes("rank 0: ".into()) };
@@ -311,13 +312,8 @@ fn nccl_refuses_two_ranks_on_one_gpu_with_its_typed_error() {
         return one_gpu_child();
     }
     let name = "nccl_refuses_two_ranks_on_one_gpu_with_its_typed_error";
-    if common::gpu_count(name, 1).is_none() {
+    if !ready(name, 1) {
         return;
-    }
-    match nccl_version() {
-        Ok(v) => eprintln!("{name}: NCCL {v}"),
-        Err(e) if common::required() => panic!("{name}: CUDA_PEER_REQUIRE_GPU=1 but NCCL cannot be loaded: {e}"),
-        Err(e) => return common::skipped(name, format!("NCCL cannot be loaded: {e}")),
     }
     let env = |r: usize| {
         let mut env = host_env(r, 1);
@@ -356,7 +352,7 @@ fn world_comm_picks_nccl_across_hosts_and_cuda_peer_within_one() {
         return world_child(std::env::var_os("CUDA_PEER_HOST_ID").is_some());
     }
     let name = "world_comm_picks_nccl_across_hosts_and_cuda_peer_within_one";
-    if !ready(name) {
+    if !ready(name, 2) {
         return;
     }
     let seed: u64 = rand::random::<u32>() as u64;
@@ -378,7 +374,7 @@ fn two_simulated_hosts_of_two_ranks_run_every_collective_in_two_tiers() {
         return;
     }
     let name = "two_simulated_hosts_of_two_ranks_run_every_collective_in_two_tiers";
-    if !ready(name) {
+    if !ready(name, 2) {
         return;
     }
     let seed: u64 = rand::random::<u32>() as u64;
