@@ -222,6 +222,13 @@ enum Kind {
     Broadcast,
     Reduce,
 }
+impl Kind {
+    /// Whether it reduces (takes an op): all but all-gather and broadcast.
+    fn reduces(self) -> bool {
+        !matches!(self, Kind::AllGather | Kind::Broadcast)
+    }
+}
+
 const KINDS: [Kind; 6] = [Kind::AllReduceInPlace, Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce];
 const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 const DTYPES: [&str; 10] = ["f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8"];
@@ -860,7 +867,9 @@ fn main() {
             let (count, graph) =
                 if args.back_to_back { (b2b_cap(n, 8, kind, args.max_bytes, args.max_count), false) } else { (max_count, args.graph_every > 0) };
             dispatch(s, "u64", kind, ReduceOp::Sum, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
-            dispatch(s, "f64", kind, ReduceOp::Avg, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
+            if kind.reduces() {
+                dispatch(s, "f64", kind, ReduceOp::Avg, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
+            }
         }
     }
     let warm_failures = tally.failures.len();
