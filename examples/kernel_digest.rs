@@ -87,6 +87,8 @@ fn digest_of(dtype: DType, group: &Group, streams: &[Arc<CudaStream>], op: Reduc
         DType::U64 => digest::<u64>(group, streams, op, count, seed),
         DType::I8 => digest::<i8>(group, streams, op, count, seed),
         DType::U8 => digest::<u8>(group, streams, op, count, seed),
+        DType::F8E4M3 => digest::<cuda_peer::float8::F8E4M3>(group, streams, op, count, seed),
+        DType::F8E5M2 => digest::<cuda_peer::float8::F8E5M2>(group, streams, op, count, seed),
     }
 }
 

@@ -36,6 +36,7 @@ use clap::{Parser, ValueEnum};
 use cuda_peer::comm::Engine;
 use cuda_peer::cudarc::driver::sys::CUevent_flags;
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
+use cuda_peer::float8::{F8E4M3, F8E5M2};
 use cuda_peer::{driver, Algorithm, Comm, CommOptions, DType, Element, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::Rng;
@@ -131,6 +132,8 @@ num! {
     u64: |v| v as u64, |x| x as f64;
     i8: |v| v as i8, |x| x as f64;
     u8: |v| v as u8, |x| x as f64;
+    F8E4M3: F8E4M3::from_f64, |x: F8E4M3| x.to_f64();
+    F8E5M2: F8E5M2::from_f64, |x: F8E5M2| x.to_f64();
 }
 
 /// `$body` with `$t` the element type of `$dtype`.
@@ -175,6 +178,14 @@ macro_rules! by_dtype {
             }
             DType::U8 => {
                 type $t = u8;
+                $body
+            }
+            DType::F8E4M3 => {
+                type $t = F8E4M3;
+                $body
+            }
+            DType::F8E5M2 => {
+                type $t = F8E5M2;
                 $body
             }
         }
@@ -223,11 +234,15 @@ fn draw(rng: &mut impl Rng, dtype: DType, op: ReduceOp, ranks: usize) -> f64 {
 /// reduction of `inputs` by more than the type's rounding allows.
 fn count_wrong<T: Num>(op: ReduceOp, inputs: &[Vec<T>], got: &[T]) -> usize {
     let n = inputs.len();
-    let eps = match T::DTYPE {
-        DType::F16 => 1e-3,
-        DType::BF16 => 8e-3,
-        DType::F32 => 1.2e-7,
-        _ => 2.3e-16,
+    // Each step's relative rounding, and for fp8 the absolute one below
+    // its smallest normal (half its smallest subnormal).
+    let (eps, tiny) = match T::DTYPE {
+        DType::F16 => (1e-3, 0.0),
+        DType::BF16 => (8e-3, 0.0),
+        DType::F32 => (1.2e-7, 0.0),
+        DType::F8E4M3 => (0.0635, 2f64.powi(-10)),
+        DType::F8E5M2 => (0.126, 2f64.powi(-17)),
+        _ => (2.3e-16, 0.0),
     };
     let mut wrong = 0;
     for (i, g) in got.iter().enumerate() {
@@ -242,7 +257,7 @@ fn count_wrong<T: Num>(op: ReduceOp, inputs: &[Vec<T>], got: &[T]) -> usize {
             ReduceOp::Min => (xs.fold(f64::INFINITY, f64::min), 0.0),
             ReduceOp::Max => (xs.fold(f64::NEG_INFINITY, f64::max), 0.0),
         };
-        let tol = if T::DTYPE.is_float() { 2.0 * eps * (n as f64 + 1.0) * scale } else { 0.0 };
+        let tol = if T::DTYPE.is_float() { 2.0 * (n as f64 + 1.0) * (eps * scale + tiny) } else { 0.0 };
         if (g.to_f64() - want).abs() > tol {
             wrong += 1;
         }

@@ -63,7 +63,7 @@ NVCC_PKG="nvidia-cuda-nvcc-cu12"
 NVCC_VERSION="${CUDA_PEER_NVCC_VERSION:-12.9.86}"
 SRC="$ROOT/kernels/reduce.cu"
 MODULES="reduce:CP_BUILD_REDUCE"
-for ty in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8; do MODULES="$MODULES mesh_$ty:CP_MESH_TY_$ty"; done
+for ty in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8 f8e4m3 f8e5m2; do MODULES="$MODULES mesh_$ty:CP_MESH_TY_$ty"; done
 # Cubins embedded: one per major architecture, lowest minor; a cubin for
 # sm_XY runs on every sm_XZ with Z >= Y, so sm_80 serves sm_86/87/89,
 # sm_70 serves sm_72/75, sm_100 serves sm_103 and sm_120 serves sm_121.

@@ -15,7 +15,8 @@
 //     global loads and stores are used.
 //   * Pointers must be aligned to their element size.  n may be 0.
 //
-// KERNELS (OP in sum, prod, min, max; TY in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8)
+// KERNELS (OP in sum, prod, min, max; TY in f32 f64 f16 bf16 i32 i64 u32 u64 i8 u8
+//          f8e4m3 f8e5m2)
 //   cp_reduce2_OP_TY(T* dst, const T* a, const T* b, unsigned long long n)
 //       dst[i] = a[i] OP b[i] for i < n.  dst may be == a or == b (exactly);
 //       no other overlap is allowed.
@@ -31,6 +32,9 @@
 //   * f16/bf16 are stored as unsigned short; each binary op converts both
 //     operands to float, computes in float, and rounds back once (round to
 //     nearest even).  min/max return one of the inputs bit-for-bit.
+//   * f8e4m3/f8e5m2 are stored as unsigned char; each binary op computes in
+//     float, rounds to f16, then to fp8 (nearest even, saturating to the
+//     largest finite value), as NCCL does on sm_90.
 //
 // VECTORIZATION
 //   When dst and every source share the same address modulo 16, a scalar head
@@ -99,6 +103,50 @@ static __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     }
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
+}
+
+// ---------------------------------------------------------------------------
+// fp8 (OCP FP8): to f32 (exact), and from f16 bits. E4M3: bias 7, no
+// infinities, NaN S.1111.111, largest finite 448. E5M2: bias 15, the top
+// byte of an IEEE f16 (infinities, NaNs), largest finite 57344. From f16:
+// round to nearest even, saturating to the largest finite value
+// (infinities too: PTX's .satfinite); NaN stays NaN.
+// ---------------------------------------------------------------------------
+
+// E4M3's magnitude bits are an f16's shifted right by 7 with the exponent
+// rebiased by 8 (subnormals included): its value is that f16's times 2^8.
+static __device__ __forceinline__ float e4m3_to_f32(unsigned char v) {
+    const unsigned int x = v;
+    const float f = f16_to_f32((unsigned short)(((x & 0x80u) << 8) | ((x & 0x7fu) << 7))) * 256.0f;
+    return (x & 0x7fu) == 0x7fu ? __uint_as_float(0x7fc00000u) : f;
+}
+
+static __device__ __forceinline__ float e5m2_to_f32(unsigned char v) {
+    return f16_to_f32((unsigned short)((unsigned int)v << 8));
+}
+
+// The E5M2 of f16 bits h: E5M2 is f16's top byte, rounded at bit 8.
+static __device__ __forceinline__ unsigned char f16_to_e5m2(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h >> 8) & 0x80u, m = (unsigned int)h & 0x7fffu;
+    if (m > 0x7c00u) return (unsigned char)(sign | 0x7fu);
+    const unsigned int r = (m + 0x7fu + ((m >> 8) & 1u)) >> 8;
+    return (unsigned char)(sign | (r > 0x7bu ? 0x7bu : r));
+}
+
+// The E4M3 of f16 bits h: from an f16 exponent of 9 on (E4M3's normals),
+// the bits rebiased by 8 and rounded at bit 7; below, multiples of 2^-9
+// (E4M3's subnormals; the largest rounds up to the smallest normal's code).
+static __device__ __forceinline__ unsigned char f16_to_e4m3(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h >> 8) & 0x80u, m = (unsigned int)h & 0x7fffu;
+    if (m > 0x7c00u) return (unsigned char)(sign | 0x7fu);
+    unsigned int r;
+    if ((m >> 10) >= 9u) {
+        r = (m - 0x2000u + 0x3fu + ((m >> 7) & 1u)) >> 7;
+        r = r > 0x7eu ? 0x7eu : r;
+    } else {
+        r = __float2uint_rn(f16_to_f32((unsigned short)m) * 512.0f);
+    }
+    return (unsigned char)(sign | r);
 }
 
 // ---------------------------------------------------------------------------
@@ -174,6 +222,42 @@ CP_FLOAT_TRAITS(Ty_f32, float)
 CP_FLOAT_TRAITS(Ty_f64, double)
 CP_HALF_TRAITS(Ty_f16, f16_to_f32, f32_to_f16)
 CP_HALF_TRAITS(Ty_bf16, bf16_to_f32, f32_to_bf16)
+// fp8 types stored as unsigned char: each binary op computes in f32 (exact
+// for two fp8 values), rounds to f16, then to fp8 (saturating), as NCCL
+// 2.24+ does (the halves added with __hadd, then the saturating conversion);
+// min/max return one of the inputs bit-for-bit; the division of avg is f32,
+// then f16, then fp8.
+#define CP_FP8_TRAITS(NAME, TO_F32, FROM_F16)                                   \
+    struct NAME {                                                               \
+        typedef unsigned char T;                                                \
+        static __device__ __forceinline__ T rnd(float f) {                      \
+            return FROM_F16(f32_to_f16(f));                                     \
+        }                                                                       \
+        static __device__ __forceinline__ T sum(T a, T b) {                     \
+            return rnd(TO_F32(a) + TO_F32(b));                                \
+        }                                                                       \
+        static __device__ __forceinline__ T prod(T a, T b) {                    \
+            return rnd(TO_F32(a) * TO_F32(b));                                \
+        }                                                                       \
+        static __device__ __forceinline__ T min(T a, T b) {                     \
+            float fa = TO_F32(a), fb = TO_F32(b);                               \
+            if (fa != fa) return a;                                             \
+            if (fb != fb) return b;                                             \
+            return (fb < fa) ? b : a;                                           \
+        }                                                                       \
+        static __device__ __forceinline__ T max(T a, T b) {                     \
+            float fa = TO_F32(a), fb = TO_F32(b);                               \
+            if (fa != fa) return a;                                             \
+            if (fb != fb) return b;                                             \
+            return (fb > fa) ? b : a;                                           \
+        }                                                                       \
+        static __device__ __forceinline__ T div(T x, double d) {                \
+            return rnd(TO_F32(x) / (float)d);                                 \
+        }                                                                       \
+    };
+
+CP_FP8_TRAITS(Ty_f8e4m3, e4m3_to_f32, f16_to_e4m3)
+CP_FP8_TRAITS(Ty_f8e5m2, e5m2_to_f32, f16_to_e5m2)
 CP_INT_TRAITS(Ty_i32, int, unsigned int)
 CP_INT_TRAITS(Ty_i64, long long, unsigned long long)
 CP_INT_TRAITS(Ty_u32, unsigned int, unsigned int)
@@ -197,7 +281,7 @@ CP_OP_ADAPTOR(max)
 #if defined(CP_MESH_TY_f32) || defined(CP_MESH_TY_f64) || defined(CP_MESH_TY_f16) ||   \
     defined(CP_MESH_TY_bf16) || defined(CP_MESH_TY_i32) || defined(CP_MESH_TY_i64) ||  \
     defined(CP_MESH_TY_u32) || defined(CP_MESH_TY_u64) || defined(CP_MESH_TY_i8) ||    \
-    defined(CP_MESH_TY_u8)
+    defined(CP_MESH_TY_u8) || defined(CP_MESH_TY_f8e4m3) || defined(CP_MESH_TY_f8e5m2)
 #define CP_BUILD_MESH
 #endif
 
@@ -332,11 +416,15 @@ CP_ALL_OPS(u32)
 CP_ALL_OPS(u64)
 CP_ALL_OPS(i8)
 CP_ALL_OPS(u8)
+CP_ALL_OPS(f8e4m3)
+CP_ALL_OPS(f8e5m2)
 
 CP_SCALE_DIV_KERNEL(f32)
 CP_SCALE_DIV_KERNEL(f64)
 CP_SCALE_DIV_KERNEL(f16)
 CP_SCALE_DIV_KERNEL(bf16)
+CP_SCALE_DIV_KERNEL(f8e4m3)
+CP_SCALE_DIV_KERNEL(f8e5m2)
 
 // cp_copy(dst, src, n): n bytes from src to dst (distinct), with the SMs:
 // 16-byte vectors where both are 16-byte aligned, bytes otherwise. For
@@ -1135,5 +1223,11 @@ CP_MESH_ALL_OPS(i8)
 #endif
 #ifdef CP_MESH_TY_u8
 CP_MESH_ALL_OPS(u8)
+#endif
+#ifdef CP_MESH_TY_f8e4m3
+CP_MESH_ALL_OPS(f8e4m3)
+#endif
+#ifdef CP_MESH_TY_f8e5m2
+CP_MESH_ALL_OPS(f8e5m2)
 #endif
 #endif  // CP_BUILD_MESH

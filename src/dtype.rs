@@ -26,12 +26,28 @@ pub enum DType {
     I8,
     /// `u8`
     U8,
+    /// `float8::F8E4M3` (OCP FP8 E4M3: no infinities, largest finite 448)
+    F8E4M3,
+    /// `float8::F8E5M2` (OCP FP8 E5M2: the top byte of an IEEE f16)
+    F8E5M2,
 }
 
 impl DType {
     /// Every supported type.
-    pub const ALL: [DType; 10] =
-        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U32, DType::U64, DType::I8, DType::U8];
+    pub const ALL: [DType; 12] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::U32,
+        DType::U64,
+        DType::I8,
+        DType::U8,
+        DType::F8E4M3,
+        DType::F8E5M2,
+    ];
 
     /// Short name, as used in kernel names and on the command line (`f32`, `bf16`, ...).
     pub const fn name(self) -> &'static str {
@@ -46,6 +62,8 @@ impl DType {
             DType::U64 => "u64",
             DType::I8 => "i8",
             DType::U8 => "u8",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
@@ -55,13 +73,13 @@ impl DType {
             DType::F64 | DType::I64 | DType::U64 => 8,
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::I8 | DType::U8 => 1,
+            DType::I8 | DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
         }
     }
 
     /// Whether it is a floating-point type.
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2)
     }
 }
 
@@ -89,13 +107,12 @@ pub enum ReduceOp {
     Min,
     /// Maximum. For floats, NaN in any input gives NaN.
     Max,
-    /// Mean over the ranks, for floating-point types only. An all-reduce
+    /// Mean over the ranks, for floating-point types only. Every reduction
     /// sums each rank's input divided by the number of ranks (as NCCL's
     /// pre-multiplied average does), so that a mean the type can hold never
     /// overflows in a partial sum (two ranks of 40,000 in f16, say); every
     /// rank gets the same bits, while another algorithm (another summation
-    /// order) may round the last bit differently. Reduce-scatter and reduce
-    /// divide the sum. On integer types it is refused with
+    /// order) may round the last bit differently. On integer types it is refused with
     /// [`crate::Error::UnsupportedOp`] (integer division would silently
     /// truncate; sum and divide yourself if that is what you want).
     Avg,
@@ -143,8 +160,7 @@ mod sealed {
     /// [`super::Element`].
     pub trait Sealed {
         /// The type's index in the call descriptors the ranks compare: its
-        /// [`super::DType`]'s index in `DType::ALL`, or past it for the
-        /// types only moved (fp8).
+        /// [`super::DType`]'s index in `DType::ALL`.
         const INDEX: u8;
         /// Its name in errors.
         const NAME: &'static str;
@@ -153,16 +169,8 @@ mod sealed {
 
 /// The name of the movable type of descriptor index `index`.
 pub(crate) fn movable_name(index: u8) -> &'static str {
-    match index {
-        i if (i as usize) < DType::ALL.len() => DType::ALL[i as usize].name(),
-        F8E4M3_INDEX => "f8e4m3",
-        F8E5M2_INDEX => "f8e5m2",
-        _ => "?",
-    }
+    DType::ALL.get(usize::from(index)).map_or("?", |d| d.name())
 }
-
-const F8E4M3_INDEX: u8 = DType::ALL.len() as u8;
-const F8E5M2_INDEX: u8 = DType::ALL.len() as u8 + 1;
 
 /// The descriptor index of `T` (see [`movable_name`]).
 pub(crate) fn movable_index<T: Movable>() -> u8 {
@@ -170,27 +178,27 @@ pub(crate) fn movable_index<T: Movable>() -> u8 {
 }
 
 /// Rust element types the data-moving calls take (send, receive,
-/// all-gather, all-to-all, broadcast): every [`Element`], and the fp8
-/// types of the `float8` crate, [`float8::F8E4M3`] and [`float8::F8E5M2`]
-/// (moved bit for bit; there are no reductions on them, so a reduction of
-/// fp8 does not compile rather than computing something else).
+/// all-gather, all-to-all, broadcast), moved bit for bit: every
+/// [`Element`].
 ///
 /// Sealed, like [`Element`]: the sizes the calls compute are
 /// `size_of::<T>()`.
 pub trait Movable: sealed::Sealed + DeviceRepr + bytemuck::Pod + Send + Sync + 'static {}
 
-impl sealed::Sealed for float8::F8E4M3 {
-    const INDEX: u8 = F8E4M3_INDEX;
-    const NAME: &'static str = "f8e4m3";
-}
-impl Movable for float8::F8E4M3 {}
-impl sealed::Sealed for float8::F8E5M2 {
-    const INDEX: u8 = F8E5M2_INDEX;
-    const NAME: &'static str = "f8e5m2";
-}
-impl Movable for float8::F8E5M2 {}
-
-/// Rust element types usable in collectives: the ten types of [`DType`].
+/// Rust element types usable in collectives: the twelve types of [`DType`],
+/// among them the fp8 types of the `float8` crate, [`float8::F8E4M3`] and
+/// [`float8::F8E5M2`].
+///
+/// fp8 reductions round as NCCL's (2.24 and later, on sm_90): each
+/// pairwise step is computed in f32 (exact for two fp8 values), rounded to
+/// f16 (to nearest even), then to fp8 (to nearest even, saturating to the
+/// largest finite value: 448 for E4M3, 57344 for E5M2; NaN stays NaN); min
+/// and max return one of the inputs, as for every float type. A sum of
+/// many ranks rounds at every step, in the algorithm's order (see
+/// [`ReduceOp`]). [`ReduceOp::Avg`] divides each input by the rank count
+/// (f32, then rounded through f16 to fp8) before the sum; NCCL multiplies
+/// by a rounded reciprocal, so where the count is not a power of two the
+/// last bit may differ.
 ///
 /// The trait is sealed: every size the collectives compute comes from
 /// [`Element::DTYPE`], so a type whose `DTYPE` did not match its layout
@@ -236,7 +244,20 @@ macro_rules! element {
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }
-element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i32 => I32, i64 => I64, u32 => U32, u64 => U64, i8 => I8, u8 => U8);
+element!(
+    f32 => F32,
+    f64 => F64,
+    f16 => F16,
+    bf16 => BF16,
+    i32 => I32,
+    i64 => I64,
+    u32 => U32,
+    u64 => U64,
+    i8 => I8,
+    u8 => U8,
+    float8::F8E4M3 => F8E4M3,
+    float8::F8E5M2 => F8E5M2,
+);
 
 #[cfg(test)]
 mod tests {
@@ -282,6 +303,8 @@ mod tests {
         layout_matches::<u64>();
         layout_matches::<i8>();
         layout_matches::<u8>();
+        layout_matches::<float8::F8E4M3>();
+        layout_matches::<float8::F8E5M2>();
         assert!("f8".parse::<DType>().is_err());
     }
 

@@ -496,6 +496,40 @@ fn threads_every_collective_type_and_op_on_the_staged_path() {
     suite("threads_every_collective_type_and_op_on_the_staged_path", PathPolicy::StagedOnly);
 }
 
+/// Every pair of values of `T` (an fp8 type) through a two-rank
+/// all-reduce of every op on `comms`, in place ([`common::fp8`]).
+fn fp8_pairs<T: Num>(comms: &[Comm], tag: &str, from_bits: fn(u8) -> T) {
+    let ins = common::fp8::pairs(from_bits);
+    for op in ReduceOp::ALL {
+        let outs = each(comms, |r, c| {
+            let s = c.stream();
+            let mut buf = s.clone_htod(&ins[r]).unwrap();
+            c.all_reduce_in_place(&mut buf, op).unwrap_or_else(|e| panic!("{tag} {} {op}: rank {r}: {e}", T::DTYPE));
+            s.clone_dtoh(&buf).unwrap()
+        });
+        let wrong = common::fp8::wrong(op, &ins, &outs[0]);
+        assert!(wrong.is_empty(), "{tag} {} {op}: {} of 65536 pairs wrong, e.g. {:?}", T::DTYPE, wrong.len(), &wrong[..wrong.len().min(8)]);
+        let differ = outs[0].iter().zip(&outs[1]).filter(|(a, b)| a.to_f64().to_bits() != b.to_f64().to_bits()).count();
+        assert_eq!(differ, 0, "{tag} {} {op}: the ranks' results differ", T::DTYPE);
+    }
+}
+
+/// fp8 reductions on the per-rank engine round as NCCL's: every pair of
+/// values of both fp8 types, every op, two thread ranks on the P2P path
+/// (the one-shot) and on the staged path (the one-shot through host
+/// memory).
+#[test]
+fn threads_fp8_reductions_round_as_nccl_does_on_every_pair() {
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus("threads_fp8_reductions_round_as_nccl_does_on_every_pair", 1) else { return };
+    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+        let comms = Comm::from_devices_with(streams(&ctxs, 2), &CommOptions::default().path(policy)).expect("from_devices_with");
+        let tag = format!("{:?}", comms[0].engine());
+        fp8_pairs(&comms, &tag, cuda_peer::float8::F8E4M3::from_bits);
+        fp8_pairs(&comms, &tag, cuda_peer::float8::F8E5M2::from_bits);
+    }
+}
+
 // ---- ranks meeting through an Id ----
 
 /// Creates `n` ranks with `Comm::from_rank` (`opts: None`) or

@@ -62,6 +62,8 @@ pub(crate) fn nccl_dtype(dtype: DType) -> i32 {
         DType::U64 => sys::dtype::UINT64,
         DType::I8 => sys::dtype::INT8,
         DType::U8 => sys::dtype::UINT8,
+        DType::F8E4M3 => sys::dtype::FLOAT8E4M3,
+        DType::F8E5M2 => sys::dtype::FLOAT8E5M2,
     }
 }
 
@@ -76,18 +78,17 @@ pub(crate) fn nccl_op(op: ReduceOp) -> i32 {
     }
 }
 
-/// How NCCL moves `count` elements of `T`: as its element type where it has
-/// one, as `count * size_of::<T>()` bytes (`ncclUint8`) where it has none
-/// (the fp8 types, only moved).
+/// How NCCL moves `count` elements of `T` (no reduction): as its element
+/// type, but the fp8 types as `count` bytes (`ncclUint8`), which NCCL
+/// before 2.24 moves too.
 pub(crate) fn movable_wire<T: Movable>(count: usize) -> (i32, usize) {
     match movable_dtype::<T>() {
-        Some(d) => (nccl_dtype(d), count),
-        None => (sys::dtype::UINT8, count * std::mem::size_of::<T>()),
+        Some(d) if !matches!(d, DType::F8E4M3 | DType::F8E5M2) => (nccl_dtype(d), count),
+        _ => (sys::dtype::UINT8, count * std::mem::size_of::<T>()),
     }
 }
 
-/// `T`'s [`DType`], where it has one (every [`Element`]; not the fp8
-/// types).
+/// `T`'s [`DType`].
 pub(crate) fn movable_dtype<T: Movable>() -> Option<DType> {
     DType::ALL.get(usize::from(crate::dtype::movable_index::<T>())).copied()
 }
@@ -714,6 +715,7 @@ mod tests {
         assert_eq!(uniq.len(), DType::ALL.len(), "two types map to one NCCL type: {dts:?}");
         assert_eq!(nccl_dtype(DType::BF16), 9);
         assert_eq!(nccl_dtype(DType::F16), 6);
+        assert_eq!((nccl_dtype(DType::F8E4M3), nccl_dtype(DType::F8E5M2)), (10, 11));
         let ops: Vec<i32> = ReduceOp::ALL.iter().map(|&o| nccl_op(o)).collect();
         assert_eq!(ops, vec![0, 1, 3, 2, 4]);
     }
@@ -726,7 +728,7 @@ mod tests {
         assert_eq!(movable_wire::<float8::F8E4M3>(5), (sys::dtype::UINT8, 5));
         assert_eq!(movable_wire::<float8::F8E5M2>(0), (sys::dtype::UINT8, 0));
         assert_eq!(movable_dtype::<i64>(), Some(DType::I64));
-        assert_eq!(movable_dtype::<float8::F8E4M3>(), None);
+        assert_eq!(movable_dtype::<float8::F8E4M3>(), Some(DType::F8E4M3));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 /// Every kernel module, in the order of `Module::index` (the reduction module,
 /// then the mesh modules in the order of `DType::ALL`): its file name and the
 /// define that selects it in `kernels/reduce.cu`.
-pub(crate) const MODULES: [(&str, &str); 11] = [
+pub(crate) const MODULES: [(&str, &str); 13] = [
     ("reduce", "CP_BUILD_REDUCE"),
     ("mesh_f32", "CP_MESH_TY_f32"),
     ("mesh_f64", "CP_MESH_TY_f64"),
@@ -19,6 +19,8 @@ pub(crate) const MODULES: [(&str, &str); 11] = [
     ("mesh_u64", "CP_MESH_TY_u64"),
     ("mesh_i8", "CP_MESH_TY_i8"),
     ("mesh_u8", "CP_MESH_TY_u8"),
+    ("mesh_f8e4m3", "CP_MESH_TY_f8e4m3"),
+    ("mesh_f8e5m2", "CP_MESH_TY_f8e5m2"),
 ];
 
 /// Architectures of the committed cubins (`src/kernels/cubin/ARCH/`), ascending:

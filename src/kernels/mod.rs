@@ -43,8 +43,8 @@
 //!
 //! What the modules hold (their sizes: docs/architecture.md):
 //!
-//! * `reduce`: `cp_reduce2_{op}_{ty}` for 4 ops x 10 types and
-//!   `cp_scale_div_{ty}` for 4 float types.
+//! * `reduce`: `cp_reduce2_{op}_{ty}` for 4 ops x 12 types and
+//!   `cp_scale_div_{ty}` for the 6 float types (fp8 included).
 //! * `mesh_{ty}`: `cp_meshar_{op}_{ty}` and `cp_oneshot_{op}_{ty}` for the 4
 //!   ops. Most of it is the mesh kernel, whose
 //!   rank loop is unrolled for 8 ranks times 4 vectors in flight per thread
@@ -129,6 +129,8 @@ pub(crate) fn dtype_index(dtype: DType) -> usize {
         DType::U64 => 7,
         DType::I8 => 8,
         DType::U8 => 9,
+        DType::F8E4M3 => 10,
+        DType::F8E5M2 => 11,
     }
 }
 
@@ -437,7 +439,7 @@ mod tests {
             let expected: BTreeSet<String> = every_kernel().into_iter().filter(|k| k.module().index() == i).map(|k| k.name()).collect();
             assert_eq!(found, expected, "{}", m.name);
         }
-        assert_eq!(every_kernel().iter().filter(|k| k.module() == Module::Reduce).count(), 4 * 10 + 4 + 2);
+        assert_eq!(every_kernel().iter().filter(|k| k.module() == Module::Reduce).count(), 4 * 12 + 6 + 2);
     }
 
     #[test]

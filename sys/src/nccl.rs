@@ -70,6 +70,10 @@ pub mod dtype {
     pub const FLOAT64: c_int = 8;
     /// `ncclBfloat16`
     pub const BFLOAT16: c_int = 9;
+    /// `ncclFloat8e4m3` (NCCL 2.24 on; reductions need sm_90)
+    pub const FLOAT8E4M3: c_int = 10;
+    /// `ncclFloat8e5m2` (NCCL 2.24 on; reductions need sm_90)
+    pub const FLOAT8E5M2: c_int = 11;
 }
 
 /// `ncclRedOp_t` values.

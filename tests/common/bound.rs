@@ -20,14 +20,17 @@ pub fn reference(op: ReduceOp, xs: &[f64]) -> f64 {
 
 /// The relative error of one binary step of the kernels in a float type
 /// of `bits` significand bits: its unit roundoff `2^-bits` (round to
-/// nearest), plus f32's where a 16-bit type is computed in f32 first.
+/// nearest), plus f32's where a 16-bit or 8-bit type is computed in f32
+/// first, plus f16's where an fp8 type is rounded through f16.
 pub fn step_roundoff(bits: u32) -> f64 {
-    let u = 2f64.powi(-(bits as i32));
+    let mut u = 2f64.powi(-(bits as i32));
     if bits < 24 {
-        u + 2f64.powi(-24)
-    } else {
-        u
+        u += 2f64.powi(-24);
     }
+    if bits < 11 {
+        u += 2f64.powi(-11);
+    }
+    u
 }
 
 /// The sum, over the `n - 1` partial results of a sum of `xs` taken in the

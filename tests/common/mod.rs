@@ -14,6 +14,7 @@ use rand::Rng;
 use std::sync::Arc;
 
 pub mod bound;
+pub mod fp8;
 pub mod graph;
 pub mod num;
 pub mod procs;

@@ -8,6 +8,7 @@
 //! from that element's inputs.
 #![allow(dead_code)]
 
+use cuda_peer::float8::{F8E4M3, F8E5M2};
 use cuda_peer::{Element, ReduceOp};
 use half::{bf16, f16};
 
@@ -19,11 +20,13 @@ pub trait Num: Element + Copy + std::fmt::Debug + PartialEq + Send + Sync {
     /// This value as `f64`.
     fn to_f64(self) -> f64;
     /// Significand bits of a float type, its implicit bit included (24 for
-    /// f32, 53 for f64, 11 for f16, 8 for bf16); `None` for integers.
+    /// f32, 53 for f64, 11 for f16, 8 for bf16, 4 for E4M3, 3 for E5M2);
+    /// `None` for integers.
     const BITS: Option<u32>;
     /// `op`'s binary step as the kernels compute it: integers wrap, f32 and
-    /// f64 natively, f16 and bf16 in f32 rounded back to nearest
-    /// (`kernels/reduce.cu`). `Avg` sums.
+    /// f64 natively, f16 and bf16 in f32 rounded back to nearest, fp8 in
+    /// f32 rounded to f16 and then to fp8 (`kernels/reduce.cu`). `Avg`
+    /// sums.
     fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
     /// `x / n` as the kernels turn a sum into an average: f32, f16 and
     /// bf16 in f32 (rounded back), f64 in f64. Integers truncate (they have
@@ -50,7 +53,7 @@ macro_rules! int_num {
 int_num!(i32, i64, u32, u64, i8, u8);
 
 macro_rules! float_num {
-    ($t:ty, $bits:expr, $from:expr, $to:expr, $via:ty, $back:expr, $div:expr) => {
+    ($t:ty, $bits:expr, $from:expr, $to:expr, $via:ty, $up:expr, $back:expr, $div:expr) => {
         impl Num for $t {
             fn from_f64(x: f64) -> Self {
                 ($from)(x)
@@ -60,7 +63,7 @@ macro_rules! float_num {
             }
             const BITS: Option<u32> = Some($bits);
             fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
-                let (x, y): ($via, $via) = (<$via>::from(a), <$via>::from(b));
+                let (x, y): ($via, $via) = (($up)(a), ($up)(b));
                 ($back)(match op {
                     ReduceOp::Sum | ReduceOp::Avg => x + y,
                     ReduceOp::Prod => x * y,
@@ -87,10 +90,27 @@ macro_rules! float_num {
         }
     };
 }
-float_num!(f32, 24, |x: f64| x as f32, |x: f32| x as f64, f32, |v: f32| v, |x: f32, n: usize| x / n as f32);
-float_num!(f64, 53, |x: f64| x, |x: f64| x, f64, |v: f64| v, |x: f64, n: usize| x / n as f64);
-float_num!(f16, 11, f16::from_f64, f16::to_f64, f32, f16::from_f32, |x: f16, n: usize| f16::from_f32(x.to_f32() / n as f32));
-float_num!(bf16, 8, bf16::from_f64, bf16::to_f64, f32, bf16::from_f32, |x: bf16, n: usize| bf16::from_f32(x.to_f32() / n as f32));
+float_num!(f32, 24, |x: f64| x as f32, |x: f32| x as f64, f32, |x: f32| x, |v: f32| v, |x: f32, n: usize| x / n as f32);
+float_num!(f64, 53, |x: f64| x, |x: f64| x, f64, |x: f64| x, |v: f64| v, |x: f64, n: usize| x / n as f64);
+float_num!(f16, 11, f16::from_f64, f16::to_f64, f32, f32::from, f16::from_f32, |x: f16, n: usize| f16::from_f32(x.to_f32() / n as f32));
+float_num!(bf16, 8, bf16::from_f64, bf16::to_f64, f32, f32::from, bf16::from_f32, |x: bf16, n: usize| bf16::from_f32(x.to_f32() / n as f32));
+float_num!(F8E4M3, 4, F8E4M3::from_f64, |x: F8E4M3| x.to_f64(), f32, |x: F8E4M3| x.to_f32(), e4m3_of, |x: F8E4M3, n: usize| e4m3_of(
+    x.to_f32() / n as f32
+));
+float_num!(F8E5M2, 3, F8E5M2::from_f64, |x: F8E5M2| x.to_f64(), f32, |x: F8E5M2| x.to_f32(), e5m2_of, |x: F8E5M2, n: usize| e5m2_of(
+    x.to_f32() / n as f32
+));
+
+/// An fp8 step's result as the kernels round it (as NCCL does): the f32
+/// value rounded to f16, then to fp8 (nearest even, saturating).
+fn e4m3_of(v: f32) -> F8E4M3 {
+    F8E4M3::from_f64(f16::from_f32(v).to_f64())
+}
+
+/// [`e4m3_of`] for E5M2.
+fn e5m2_of(v: f32) -> F8E5M2 {
+    F8E5M2::from_f64(f16::from_f32(v).to_f64())
+}
 
 pub use super::bound::{float_bound, reference};
 
