@@ -18,6 +18,28 @@ use std::time::{Duration, Instant};
 /// Set in a child: the test it runs.
 pub const CHILD: &str = "CUDA_PEER_MP_CHILD";
 
+/// A command every child runs under, its words separated by whitespace
+/// (`compute-sanitizer --tool memcheck --log-file x.%p.log`, say): the
+/// child's own command line follows it. Unset or empty: the children run
+/// as themselves. `tests/sanitizer.sh` sets it, so that each child is a
+/// process the tool starts and traces itself.
+pub const WRAPPER: &str = "CUDA_PEER_TEST_CHILD_WRAPPER";
+
+/// The command that runs `exe` as a child: `exe` itself, or under the
+/// [`WRAPPER`]'s command.
+fn child_command(exe: &std::path::Path) -> Command {
+    let wrapper = std::env::var(WRAPPER).unwrap_or_default();
+    let mut words = wrapper.split_whitespace();
+    match words.next() {
+        Some(program) => {
+            let mut cmd = Command::new(program);
+            cmd.args(words).arg(exe);
+            cmd
+        }
+        None => Command::new(exe),
+    }
+}
+
 /// Whether this process is a child (then the test body is the child's).
 pub fn child() -> bool {
     std::env::var_os(CHILD).is_some()
@@ -47,7 +69,7 @@ pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> 
     let secret = format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>());
     let mut children: Vec<_> = (0..n)
         .map(|r| {
-            let mut cmd = Command::new(&exe);
+            let mut cmd = child_command(&exe);
             cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
                 .env(CHILD, test)
                 .env("RANK", r.to_string())
