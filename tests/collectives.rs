@@ -795,10 +795,12 @@ fn interleaved_sizes_and_algorithms() {
 /// accepts a right reduction in every order the kernels may take, and
 /// rejects, on every element, a rank dropped and an average divided by
 /// `n - 1`, for every float type and 2 to 8 ranks, on the inputs
-/// `random_inputs` draws.
+/// `random_inputs` draws; for fp8 (whose bound is wider than a dropped
+/// rank: its steps are checked exactly by
+/// `fp8_reductions_round_as_nccl_does_on_every_pair`) only the first.
 #[test]
 fn the_float_comparison_rejects_a_dropped_rank_and_avg_by_n_minus_1() {
-    fn for_type<T: TestElem>(rng: &mut StdRng) {
+    fn for_type<T: TestElem>(rng: &mut StdRng, defects_rejected: bool) {
         let count = 1000;
         for n in 2..=MAX_RANKS {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod] {
@@ -812,6 +814,9 @@ fn the_float_comparison_rejects_a_dropped_rank_and_avg_by_n_minus_1() {
                     if let Some((wrong, first)) = check_range(op, &inputs, 0, &got) {
                         panic!("{}: {wrong} of {count} rejected, first at {first}: {:?} from {:?}", what(name), got[first], column(first));
                     }
+                }
+                if !defects_rejected {
+                    continue;
                 }
                 let defects = num::planted_defects(op, &column(0), 0).len();
                 assert!(defects >= 1);
@@ -827,10 +832,12 @@ fn the_float_comparison_rejects_a_dropped_rank_and_avg_by_n_minus_1() {
         }
     }
     let mut rng = StdRng::seed_from_u64(0x5eed_0f10);
-    for_type::<f32>(&mut rng);
-    for_type::<f64>(&mut rng);
-    for_type::<f16>(&mut rng);
-    for_type::<bf16>(&mut rng);
+    for_type::<f32>(&mut rng, true);
+    for_type::<f64>(&mut rng, true);
+    for_type::<f16>(&mut rng, true);
+    for_type::<bf16>(&mut rng, true);
+    for_type::<F8E4M3>(&mut rng, false);
+    for_type::<F8E5M2>(&mut rng, false);
 }
 
 /// The back-to-back chains (`common::chain`, as the GPU tests above run

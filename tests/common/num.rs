@@ -94,10 +94,10 @@ float_num!(f32, 24, |x: f64| x as f32, |x: f32| x as f64, f32, |x: f32| x, |v: f
 float_num!(f64, 53, |x: f64| x, |x: f64| x, f64, |x: f64| x, |v: f64| v, |x: f64, n: usize| x / n as f64);
 float_num!(f16, 11, f16::from_f64, f16::to_f64, f32, f32::from, f16::from_f32, |x: f16, n: usize| f16::from_f32(x.to_f32() / n as f32));
 float_num!(bf16, 8, bf16::from_f64, bf16::to_f64, f32, f32::from, bf16::from_f32, |x: bf16, n: usize| bf16::from_f32(x.to_f32() / n as f32));
-float_num!(F8E4M3, 4, F8E4M3::from_f64, |x: F8E4M3| x.to_f64(), f32, |x: F8E4M3| x.to_f32(), e4m3_of, |x: F8E4M3, n: usize| e4m3_of(
+float_num!(F8E4M3, 4, F8E4M3::from_f64, |x: F8E4M3| F8E4M3::to_f64(&x), f32, |x: F8E4M3| x.to_f32(), e4m3_of, |x: F8E4M3, n: usize| e4m3_of(
     x.to_f32() / n as f32
 ));
-float_num!(F8E5M2, 3, F8E5M2::from_f64, |x: F8E5M2| x.to_f64(), f32, |x: F8E5M2| x.to_f32(), e5m2_of, |x: F8E5M2, n: usize| e5m2_of(
+float_num!(F8E5M2, 3, F8E5M2::from_f64, |x: F8E5M2| F8E5M2::to_f64(&x), f32, |x: F8E5M2| x.to_f32(), e5m2_of, |x: F8E5M2, n: usize| e5m2_of(
     x.to_f32() / n as f32
 ));
 
