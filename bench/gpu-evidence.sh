@@ -50,7 +50,7 @@ for p in "$@"; do
     edges) CUDA_PEER_REQUIRE_GPU=1 phase edges 200 bash -c 'for t in .gpu/tests/*-edges-test; do "$t" --test-threads=1 --nocapture || exit 1; done; for t in .gpu/tests/*-multiprocess-test; do "$t" --exact a_timeout_between_processes_frees_the_peers_early --nocapture || exit 1; done' ;;
     fault) FAKECUDA_TIMEOUT=70 phase fault 420 tests/fakecuda/run.sh ;;
     soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
-    b2b) phase b2b 300 .gpu/examples/soak --back-to-back --iters "${B2B_ITERS:-200}" --batch 16 ;;
+    b2b) phase b2b 300 .gpu/examples/soak --back-to-back --iters "${B2B_ITERS:-120}" --batch 16 ;;
     sanitizer) SANITIZER_TIMEOUT=150 phase sanitizer "${SANITIZER_PHASE:-900}" tests/sanitizer.sh ;;
     planted) phase planted 600 bash -c 'python3 -c "import tarfile; tarfile.open(\"planted.txz\").extractall(\".\")" && bash out/run.sh' ;;
     mp) phase mp 300 .gpu/bin/cuda-peer-run -n 2 -- .gpu/bin/cuda-peer-bench mp-allreduce --machine h200x2 --out "$OUT/mp" ;;

@@ -27,8 +27,9 @@
 //! `Error::Capture`, is a failure: the warm-up and the eager run before
 //! each capture leave nothing to allocate). Results are exact: integers wrap as the
 //! GPU's do; floats are small integers, so every partial sum and product
-//! is exact in any order (bf16 included), and avg is that exact sum divided
-//! once (in f32 for f32/f16/bf16, as the kernel does).
+//! is exact in any order (bf16 included); avg's inputs are the rank count
+//! times small integers, so that each input divided by the count (as the
+//! kernels divide before they sum) and every partial sum are exact too.
 //!
 //! `--back-to-back`: each iteration takes the next group (all in turn),
 //! uploads the inputs of `--batch` random collectives, each on buffers of
@@ -127,8 +128,8 @@ trait Val: Element + Copy + std::fmt::Debug {
     fn gen_real(rng: &mut StdRng, op: ReduceOp, negative: bool) -> Self;
     /// `a op b` (sum for avg).
     fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
-    /// The average of `n` values whose sum is `sum` (floats only).
-    fn avg(sum: Self, n: usize) -> Self;
+    /// `x` divided by `n`, in the kernels' arithmetic (floats only).
+    fn avg(x: Self, n: usize) -> Self;
     fn same(a: Self, b: Self) -> bool;
     fn poison() -> Self;
     fn to_f64(self) -> f64;
@@ -297,6 +298,11 @@ impl<T: Val> Case<T> {
         let inputs: Vec<Vec<T>> = if self.real {
             let negative: Vec<bool> = (0..len).map(|_| rng.random()).collect();
             (0..n).map(|_| negative.iter().map(|&neg| T::gen_real(rng, self.op, neg)).collect()).collect()
+        } else if self.op == ReduceOp::Avg {
+            // n times a small integer: each input divided by n (as the
+            // kernels divide before they sum) is that integer, exactly.
+            let times_n = |v: T| (1..n).fold(v, |a, _| T::combine(ReduceOp::Sum, a, v));
+            (0..n).map(|_| (0..len).map(|_| times_n(T::gen(rng, self.op))).collect()).collect()
         } else {
             (0..n).map(|_| (0..len).map(|_| T::gen(rng, self.op)).collect()).collect()
         };
@@ -304,11 +310,10 @@ impl<T: Val> Case<T> {
         let reduce = |len: usize| -> Vec<T> {
             (0..len)
                 .map(|i| {
-                    let v = inputs[1..].iter().fold(inputs[0][i], |a, x| T::combine(self.op, a, x[i]));
                     if self.op == ReduceOp::Avg {
-                        T::avg(v, n)
+                        inputs[1..].iter().fold(T::avg(inputs[0][i], n), |a, x| T::combine(ReduceOp::Sum, a, T::avg(x[i], n)))
                     } else {
-                        v
+                        inputs[1..].iter().fold(inputs[0][i], |a, x| T::combine(self.op, a, x[i]))
                     }
                 })
                 .collect()

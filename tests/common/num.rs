@@ -64,25 +64,27 @@ macro_rules! float_num {
             const BITS: Option<u32> = Some($bits);
             fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
                 let (x, y): ($via, $via) = (($up)(a), ($up)(b));
-                ($back)(match op {
-                    ReduceOp::Sum | ReduceOp::Avg => x + y,
-                    ReduceOp::Prod => x * y,
-                    // No NaN among the inputs of the tests; ties keep the first.
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => ($back)(x + y),
+                    ReduceOp::Prod => ($back)(x * y),
+                    // One of the inputs, not rounded (fp8's rounding would
+                    // saturate an E5M2 infinity). No NaN among the inputs
+                    // here; ties keep the first.
                     ReduceOp::Min => {
                         if y < x {
-                            y
+                            b
                         } else {
-                            x
+                            a
                         }
                     }
                     ReduceOp::Max => {
                         if y > x {
-                            y
+                            b
                         } else {
-                            x
+                            a
                         }
                     }
-                })
+                }
             }
             fn divide(x: Self, n: usize) -> Self {
                 ($div)(x, n)
