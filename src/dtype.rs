@@ -189,11 +189,13 @@ pub trait Movable: sealed::Sealed + DeviceRepr + bytemuck::Pod + Send + Sync + '
 /// among them the fp8 types of the `float8` crate, [`float8::F8E4M3`] and
 /// [`float8::F8E5M2`].
 ///
-/// fp8 reductions round as NCCL's (2.24 and later, on sm_90): each
+/// fp8 sums and products round as NCCL's (2.24 and later, on sm_90): each
 /// pairwise step is computed in f32 (exact for two fp8 values), rounded to
 /// f16 (to nearest even), then to fp8 (to nearest even, saturating to the
 /// largest finite value: 448 for E4M3, 57344 for E5M2; NaN stays NaN); min
-/// and max return one of the inputs, as for every float type. A sum of
+/// and max return one of the inputs (NaN if either is NaN), as for every
+/// float type, where NCCL's ignore a NaN beside a number and saturate an
+/// E5M2 infinity to ±57344. A sum of
 /// many ranks rounds at every step, in the algorithm's order (see
 /// [`ReduceOp`]). [`ReduceOp::Avg`] divides each input by the rank count
 /// (f32, then rounded through f16 to fp8) before the sum; NCCL multiplies

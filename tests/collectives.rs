@@ -437,7 +437,8 @@ fn fp8_pairs<T: TestElem>(s: &Setup, tag: &str, from_bits: fn(u8) -> T) {
     }
 }
 
-/// fp8 reductions round as NCCL's: every pair of values of both fp8 types
+/// fp8 sums and products round as NCCL's, min and max return an input:
+/// every pair of values of both fp8 types
 /// through a two-rank all-reduce of every op, on every path set and
 /// algorithm the GPUs allow ([`fp8_pairs`]).
 #[test]

@@ -514,10 +514,10 @@ fn fp8_pairs<T: Num>(comms: &[Comm], tag: &str, from_bits: fn(u8) -> T) {
     }
 }
 
-/// fp8 reductions on the per-rank engine round as NCCL's: every pair of
-/// values of both fp8 types, every op, two thread ranks on the P2P path
-/// (the one-shot) and on the staged path (the one-shot through host
-/// memory).
+/// fp8 reductions on the per-rank engine (sums and products rounded as
+/// NCCL's, min and max an input): every pair of values of both fp8 types,
+/// every op, two thread ranks on the P2P path (the one-shot) and on the
+/// staged path (the one-shot through host memory).
 #[test]
 fn threads_fp8_reductions_round_as_nccl_does_on_every_pair() {
     let _gpu = exclusive();

@@ -1,7 +1,8 @@
 //! The exhaustive check of fp8 reductions: every pair of values of an fp8
 //! type as the inputs of a two-rank all-reduce, each result against the
-//! kernels' step as NCCL rounds it (`Num::combine`: f32, then f16, then
-//! fp8, saturating to the largest finite value).
+//! kernels' step (`Num::combine`: sums and products in f32, then f16, then
+//! fp8, saturating to the largest finite value, as NCCL rounds them; min
+//! and max one of the inputs).
 #![allow(dead_code)]
 
 use super::num::Num;
