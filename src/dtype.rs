@@ -103,9 +103,11 @@ pub enum ReduceOp {
     Sum,
     /// Product. Integers wrap on overflow.
     Prod,
-    /// Minimum. For floats, NaN in any input gives NaN.
+    /// Minimum. For floats, NaN in any input gives NaN (across hosts, where
+    /// NCCL reduces, NCCL's rule: a NaN beside a number is ignored).
     Min,
-    /// Maximum. For floats, NaN in any input gives NaN.
+    /// Maximum. For floats, NaN in any input gives NaN (across hosts, as
+    /// [`ReduceOp::Min`]).
     Max,
     /// Mean over the ranks, for floating-point types only. Every reduction
     /// sums each rank's input divided by the number of ranks (as NCCL's
