@@ -174,10 +174,12 @@ static __device__ __forceinline__ unsigned char f16_to_e4m3(unsigned short h) {
         }                                                                       \
     };
 
-// 16-bit float types stored as unsigned short, computed in float.
-#define CP_HALF_TRAITS(NAME, TO_F32, FROM_F32)                                  \
+// Float types narrower than f32 (f16 and bf16 stored as unsigned short, the
+// fp8 types as unsigned char), computed in float and rounded back once by
+// FROM_F32; min/max return one of the inputs bit-for-bit.
+#define CP_NARROW_FLOAT_TRAITS(NAME, ST, TO_F32, FROM_F32)                      \
     struct NAME {                                                               \
-        typedef unsigned short T;                                               \
+        typedef ST T;                                                           \
         static __device__ __forceinline__ T sum(T a, T b) {                     \
             return FROM_F32(TO_F32(a) + TO_F32(b));                             \
         }                                                                       \
@@ -201,6 +203,17 @@ static __device__ __forceinline__ unsigned char f16_to_e4m3(unsigned short h) {
         }                                                                       \
     };
 
+// An fp8 step's rounding: the f32 result (exact for a sum or product of two
+// fp8 values) rounded to f16, then to fp8 (saturating), as NCCL 2.24+ adds
+// and multiplies (in f16, then the saturating conversion).
+static __device__ __forceinline__ unsigned char f32_to_e4m3(float f) {
+    return f16_to_e4m3(f32_to_f16(f));
+}
+
+static __device__ __forceinline__ unsigned char f32_to_e5m2(float f) {
+    return f16_to_e5m2(f32_to_f16(f));
+}
+
 // Integer types.  U is an unsigned type at least as wide as CT and not
 // subject to integer promotion (unsigned int or unsigned long long), so sum
 // and prod wrap without UB; the final conversion back to CT truncates
@@ -220,44 +233,10 @@ static __device__ __forceinline__ unsigned char f16_to_e4m3(unsigned short h) {
 
 CP_FLOAT_TRAITS(Ty_f32, float)
 CP_FLOAT_TRAITS(Ty_f64, double)
-CP_HALF_TRAITS(Ty_f16, f16_to_f32, f32_to_f16)
-CP_HALF_TRAITS(Ty_bf16, bf16_to_f32, f32_to_bf16)
-// fp8 types stored as unsigned char: each binary op computes in f32 (exact
-// for two fp8 values), rounds to f16, then to fp8 (saturating), as NCCL
-// 2.24+ does (the halves added with __hadd, then the saturating conversion);
-// min/max return one of the inputs bit-for-bit; the division of avg is f32,
-// then f16, then fp8.
-#define CP_FP8_TRAITS(NAME, TO_F32, FROM_F16)                                   \
-    struct NAME {                                                               \
-        typedef unsigned char T;                                                \
-        static __device__ __forceinline__ T rnd(float f) {                      \
-            return FROM_F16(f32_to_f16(f));                                     \
-        }                                                                       \
-        static __device__ __forceinline__ T sum(T a, T b) {                     \
-            return rnd(TO_F32(a) + TO_F32(b));                                \
-        }                                                                       \
-        static __device__ __forceinline__ T prod(T a, T b) {                    \
-            return rnd(TO_F32(a) * TO_F32(b));                                \
-        }                                                                       \
-        static __device__ __forceinline__ T min(T a, T b) {                     \
-            float fa = TO_F32(a), fb = TO_F32(b);                               \
-            if (fa != fa) return a;                                             \
-            if (fb != fb) return b;                                             \
-            return (fb < fa) ? b : a;                                           \
-        }                                                                       \
-        static __device__ __forceinline__ T max(T a, T b) {                     \
-            float fa = TO_F32(a), fb = TO_F32(b);                               \
-            if (fa != fa) return a;                                             \
-            if (fb != fb) return b;                                             \
-            return (fb > fa) ? b : a;                                           \
-        }                                                                       \
-        static __device__ __forceinline__ T div(T x, double d) {                \
-            return rnd(TO_F32(x) / (float)d);                                 \
-        }                                                                       \
-    };
-
-CP_FP8_TRAITS(Ty_f8e4m3, e4m3_to_f32, f16_to_e4m3)
-CP_FP8_TRAITS(Ty_f8e5m2, e5m2_to_f32, f16_to_e5m2)
+CP_NARROW_FLOAT_TRAITS(Ty_f16, unsigned short, f16_to_f32, f32_to_f16)
+CP_NARROW_FLOAT_TRAITS(Ty_bf16, unsigned short, bf16_to_f32, f32_to_bf16)
+CP_NARROW_FLOAT_TRAITS(Ty_f8e4m3, unsigned char, e4m3_to_f32, f32_to_e4m3)
+CP_NARROW_FLOAT_TRAITS(Ty_f8e5m2, unsigned char, e5m2_to_f32, f32_to_e5m2)
 CP_INT_TRAITS(Ty_i32, int, unsigned int)
 CP_INT_TRAITS(Ty_i64, long long, unsigned long long)
 CP_INT_TRAITS(Ty_u32, unsigned int, unsigned int)
