@@ -132,8 +132,8 @@ num! {
     u64: |v| v as u64, |x| x as f64;
     i8: |v| v as i8, |x| x as f64;
     u8: |v| v as u8, |x| x as f64;
-    F8E4M3: F8E4M3::from_f64, |x: F8E4M3| x.to_f64();
-    F8E5M2: F8E5M2::from_f64, |x: F8E5M2| x.to_f64();
+    F8E4M3: F8E4M3::from_f64, |x: F8E4M3| F8E4M3::to_f64(&x);
+    F8E5M2: F8E5M2::from_f64, |x: F8E5M2| F8E5M2::to_f64(&x);
 }
 
 /// `$body` with `$t` the element type of `$dtype`.
