@@ -10,7 +10,7 @@
 //! result, and the time printed is the slowest rank's.
 //!
 //!     cargo run --release --example ring_allreduce -- [--ranks N] [--bytes B]
-//!         [--dtype f32|f64|f16|bf16|i32|i64|u32|u64|i8|u8] [--op sum|prod|min|max|avg]
+//!         [--dtype f32|f64|f16|bf16|i32|i64|u32|u64|i8|u8|f8e4m3|f8e5m2] [--op sum|prod|min|max|avg]
 //!         [--path auto|p2p|staged] [--iters N] [--api comm|group|both]
 //!         [--algorithm auto|ring|mesh|oneshot] [--timings] [--lazy-kernels] [--first-call]
 //!
@@ -63,7 +63,7 @@ struct Args {
     /// Bytes per rank: a multiple of the element type's size.
     #[arg(long, default_value_t = 64 << 20)]
     bytes: usize,
-    /// Element type: f32, f64, f16, bf16, i32, i64, u32, u64, i8 or u8.
+    /// Element type: f32, f64, f16, bf16, i32, i64, u32, u64, i8, u8, f8e4m3 or f8e5m2.
     #[arg(long, default_value = "f32")]
     dtype: DType,
     /// Reduction: sum, prod, min, max or avg (avg: floating-point types only).
