@@ -197,9 +197,8 @@ pub trait Movable: sealed::Sealed + DeviceRepr + bytemuck::Pod + Send + Sync + '
 /// largest finite value: 448 for E4M3, 57344 for E5M2; NaN stays NaN); min
 /// and max return one of the inputs (NaN if either is NaN), as for every
 /// float type, where NCCL's ignore a NaN beside a number and saturate an
-/// E5M2 infinity to ±57344. A sum of
-/// many ranks rounds at every step, in the algorithm's order (see
-/// [`ReduceOp`]). [`ReduceOp::Avg`] divides each input by the rank count
+/// E5M2 infinity to ±57344. A sum of many ranks rounds at every step, in
+/// the algorithm's order (see [`ReduceOp`]). [`ReduceOp::Avg`] divides each input by the rank count
 /// (f32, then rounded through f16 to fp8) before the sum; NCCL multiplies
 /// by a rounded reciprocal, so where the count is not a power of two the
 /// last bit may differ.
