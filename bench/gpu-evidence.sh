@@ -19,6 +19,7 @@
 #   edges      tests/edges.rs and the three-process abort test alone (their timing bounds), ~1 min
 #   soak       10,000 randomized collectives (examples/soak), ~2 min
 #   b2b        examples/soak --back-to-back: batches enqueued with no synchronisation, real floats, ~1-2 min
+#              (one H200, ranks sharing it: ~3.5 min for the default 120 batches)
 #   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh; SANITIZER_RUNS picks
 #              runs, SANITIZER_PHASE bounds the phase, default 900 s)
 #   planted    tests/planted/run.sh: each planted defect must fail its tests (carry planted.txz from tests/planted/build.sh), ~2 min
