@@ -161,11 +161,9 @@ mod sealed {
     /// Only this crate's element types implement [`super::Movable`] and
     /// [`super::Element`].
     pub trait Sealed {
-        /// The type's index in the call descriptors the ranks compare: its
-        /// [`super::DType`]'s index in `DType::ALL`.
-        const INDEX: u8;
-        /// Its name in errors.
-        const NAME: &'static str;
+        /// The type's [`super::DType`] (its index in `DType::ALL` is the
+        /// type's index in the call descriptors the ranks compare).
+        const SEALED_DTYPE: super::DType;
     }
 }
 
@@ -176,7 +174,13 @@ pub(crate) fn movable_name(index: u8) -> &'static str {
 
 /// The descriptor index of `T` (see [`movable_name`]).
 pub(crate) fn movable_index<T: Movable>() -> u8 {
-    <T as sealed::Sealed>::INDEX
+    movable_dtype::<T>() as u8
+}
+
+/// `T`'s [`DType`]: every [`Movable`] is an [`Element`], but a bound of
+/// `Movable` alone cannot name [`Element::DTYPE`].
+pub(crate) fn movable_dtype<T: Movable>() -> DType {
+    <T as sealed::Sealed>::SEALED_DTYPE
 }
 
 /// Rust element types the data-moving calls take (send, receive,
@@ -240,8 +244,7 @@ pub trait Element: Movable {
 macro_rules! element {
     ($($t:ty => $d:ident),* $(,)?) => {$(
         impl sealed::Sealed for $t {
-            const INDEX: u8 = DType::$d as u8;
-            const NAME: &'static str = DType::$d.name();
+            const SEALED_DTYPE: DType = DType::$d;
         }
         impl Movable for $t {}
         impl Element for $t { const DTYPE: DType = DType::$d; }

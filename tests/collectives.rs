@@ -432,8 +432,7 @@ fn fp8_pairs<T: TestElem>(s: &Setup, tag: &str, from_bits: fn(u8) -> T) {
         s.group.all_reduce_in_place(&mut bufs, op).unwrap_or_else(|e| panic!("{tag} {} {op}: {e}", T::DTYPE));
         let outs = download(s, &bufs);
         assert_ranks_identical(&format!("{tag} {} {op} pairs", T::DTYPE), &outs);
-        let wrong = common::fp8::wrong(op, &ins, &outs[0]);
-        assert!(wrong.is_empty(), "{tag} {} {op}: {} of 65536 pairs wrong, e.g. {:?}", T::DTYPE, wrong.len(), &wrong[..wrong.len().min(8)]);
+        common::fp8::assert_right(&format!("{tag} {} {op}", T::DTYPE), op, &ins, &outs[0]);
     }
 }
 
@@ -449,6 +448,52 @@ fn fp8_reductions_round_as_nccl_does_on_every_pair() {
         fp8_pairs::<F8E4M3>(s, tag, F8E4M3::from_bits);
         fp8_pairs::<F8E5M2>(s, tag, F8E5M2::from_bits);
     });
+}
+
+/// The pair check of [`fp8_pairs`] can fail: for both fp8 types and every
+/// op it takes the model's own results (NaN where an input is NaN), and
+/// rejects a rank dropped (rank 0's inputs returned), another op's results,
+/// and exactly the elements changed to a neighbouring code. No GPU needed.
+#[test]
+fn the_fp8_pair_check_rejects_a_dropped_rank_another_op_and_a_changed_code() {
+    fn model<T: Num>(op: ReduceOp, ins: &[Vec<T>; 2], nan: T) -> Vec<T> {
+        let step = |x: T, y: T| match op {
+            _ if x.to_f64().is_nan() || y.to_f64().is_nan() => nan,
+            ReduceOp::Avg => T::combine(ReduceOp::Sum, T::divide(x, 2), T::divide(y, 2)),
+            _ => T::combine(op, x, y),
+        };
+        ins[0].iter().zip(&ins[1]).map(|(&x, &y)| step(x, y)).collect()
+    }
+    fn run<T: Num>(from_bits: fn(u8) -> T, to_bits: fn(&T) -> u8) {
+        let ins = common::fp8::pairs(from_bits);
+        let nan = from_bits(0x7f);
+        let mut rng = StdRng::seed_from_u64(0xf8);
+        for op in ReduceOp::ALL {
+            let what = |d: &str| format!("{} {op}: {d}", T::DTYPE);
+            let right = model(op, &ins, nan);
+            assert_eq!(common::fp8::wrong(op, &ins, &right), Vec::<String>::new(), "{}", what("the model's results"));
+            let dropped = common::fp8::wrong(op, &ins, &ins[0]).len();
+            assert!(dropped > 1000, "{}", what(&format!("a dropped rank: only {dropped} pairs rejected")));
+            let other = if op == ReduceOp::Max { ReduceOp::Min } else { ReduceOp::Max };
+            let swapped = common::fp8::wrong(op, &ins, &model(other, &ins, nan)).len();
+            assert!(swapped > 1000, "{}", what(&format!("{other}'s results: only {swapped} pairs rejected")));
+            let mut changed = right.clone();
+            let mut n = 0;
+            for _ in 0..200 {
+                let i = rng.random_range(0..changed.len());
+                let near = from_bits(to_bits(&right[i]) ^ 1);
+                if right[i].to_f64().is_nan() || near.to_f64().is_nan() || to_bits(&changed[i]) != to_bits(&right[i]) {
+                    continue;
+                }
+                changed[i] = near;
+                n += 1;
+            }
+            assert!(n > 100, "{}", what("too few codes changed"));
+            assert_eq!(common::fp8::wrong(op, &ins, &changed).len(), n, "{}", what("codes changed by one bit"));
+        }
+    }
+    run::<F8E4M3>(F8E4M3::from_bits, F8E4M3::to_bits);
+    run::<F8E5M2>(F8E5M2::from_bits, F8E5M2::to_bits);
 }
 
 /// The all-reduce average of one 16-bit float type near the top of its

@@ -40,7 +40,7 @@
 
 use super::bootstrap::{Bootstrap, Exchange};
 use crate::args;
-use crate::dtype::{DType, Element, Movable, ReduceOp};
+use crate::dtype::{movable_dtype, DType, Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::sync::{wait_bounded, Orderer};
 use crate::traits::{Collectives, PointToPoint, Transfer};
@@ -83,14 +83,9 @@ pub(crate) fn nccl_op(op: ReduceOp) -> i32 {
 /// before 2.24 moves too.
 pub(crate) fn movable_wire<T: Movable>(count: usize) -> (i32, usize) {
     match movable_dtype::<T>() {
-        Some(d) if !matches!(d, DType::F8E4M3 | DType::F8E5M2) => (nccl_dtype(d), count),
-        _ => (sys::dtype::UINT8, count * std::mem::size_of::<T>()),
+        DType::F8E4M3 | DType::F8E5M2 => (sys::dtype::UINT8, count * std::mem::size_of::<T>()),
+        d => (nccl_dtype(d), count),
     }
-}
-
-/// `T`'s [`DType`].
-pub(crate) fn movable_dtype<T: Movable>() -> Option<DType> {
-    DType::ALL.get(usize::from(crate::dtype::movable_index::<T>())).copied()
 }
 
 /// The `ncclReduce` calls of an uneven reduce-scatter: `(root, offset,
@@ -727,8 +722,8 @@ mod tests {
         assert_eq!(movable_wire::<u8>(7), (sys::dtype::UINT8, 7));
         assert_eq!(movable_wire::<float8::F8E4M3>(5), (sys::dtype::UINT8, 5));
         assert_eq!(movable_wire::<float8::F8E5M2>(0), (sys::dtype::UINT8, 0));
-        assert_eq!(movable_dtype::<i64>(), Some(DType::I64));
-        assert_eq!(movable_dtype::<float8::F8E4M3>(), Some(DType::F8E4M3));
+        assert_eq!(movable_dtype::<i64>(), DType::I64);
+        assert_eq!(movable_dtype::<float8::F8E4M3>(), DType::F8E4M3);
     }
 
     #[test]

@@ -49,3 +49,10 @@ pub fn wrong<T: Num>(op: ReduceOp, ins: &[Vec<T>; 2], got: &[T]) -> Vec<String> 
     }
     wrong
 }
+
+/// Fails `what` (its name for the call: engine, type and op) where
+/// [`wrong`] finds any pair wrong, naming a few.
+pub fn assert_right<T: Num>(what: &str, op: ReduceOp, ins: &[Vec<T>; 2], got: &[T]) {
+    let wrong = wrong(op, ins, got);
+    assert!(wrong.is_empty(), "{what}: {} of 65536 pairs wrong, e.g. {:?}", wrong.len(), &wrong[..wrong.len().min(8)]);
+}
