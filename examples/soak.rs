@@ -16,7 +16,7 @@
 //! the devices: that group is left out with a `SKIPPED soak group ...` line
 //! (as are the forced groups on one GPU), and the summary lists it.
 //!
-//! Each iteration picks a group, an element type (all ten), a collective
+//! Each iteration picks a group, an element type (all twelve), a collective
 //! (all-reduce in place and out of place, reduce-scatter, all-gather,
 //! broadcast, reduce), a reduction (sum, prod, min, max; avg on floats), an
 //! odd element count (log-uniform, 1 to 2^18 + 1) and a root, fills fresh
@@ -27,15 +27,17 @@
 //! `Error::Capture`, is a failure: the warm-up and the eager run before
 //! each capture leave nothing to allocate). Results are exact: integers wrap as the
 //! GPU's do; floats are small integers, so every partial sum and product
-//! is exact in any order (bf16 included); avg's inputs are the rank count
-//! times small integers, so that each input divided by the count (as the
+//! is exact in any order (bf16 included; for the fp8 types, sums of -1, 0
+//! and 1 and products of powers of two up to 256); avg's inputs are the
+//! rank count times small integers, so that each input divided by the count (as the
 //! kernels divide before they sum) and every partial sum are exact too.
 //!
 //! `--back-to-back`: each iteration takes the next group (all in turn),
 //! uploads the inputs of `--batch` random collectives, each on buffers of
 //! its own, then enqueues the calls with nothing synchronised between them
 //! (no stream, event or group synchronisation, no read-back), then
-//! synchronises once and checks them all. Float inputs
+//! synchronises once and checks them all. Float inputs but fp8 (whose
+//! results stay exact, as above)
 //! are real values (for sum and avg, per element one random sign and
 //! magnitudes in [1, 2); for prod magnitudes in [1.25, 2) of random signs;
 //! min, max and the data movements in [-1, 1)), and float reductions are
@@ -72,6 +74,7 @@ mod common;
 use clap::Parser;
 use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
+use cuda_peer::float8::{F8E4M3, F8E5M2};
 use cuda_peer::{driver, Algorithm, Element, Error, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -118,7 +121,7 @@ struct Args {
 /// one with its bound).
 trait Val: Element + Copy + std::fmt::Debug {
     /// Significand bits of a float type, its implicit bit included; `None`
-    /// for integers.
+    /// for the types compared exactly in both modes (integers, fp8).
     const BITS: Option<u32>;
     fn gen(rng: &mut StdRng, op: ReduceOp) -> Self;
     /// An input of the back-to-back mode: integers as [`Val::gen`]; floats
@@ -209,6 +212,50 @@ float_val!(f64, |v: f64| v, |v: f64| v, |s: f64, n: usize| s / n as f64, f64::to
 float_val!(f16, |v: f16| v.to_f64(), f16::from_f64, |s: f16, n: usize| f16::from_f32(s.to_f32() / n as f32), f16::to_bits, 11);
 float_val!(bf16, |v: bf16| v.to_f64(), bf16::from_f64, |s: bf16, n: usize| bf16::from_f32(s.to_f32() / n as f32), bf16::to_bits, 8);
 
+// The fp8 types, compared exactly in both modes (`BITS` is `None`): their
+// inputs are integers whose every partial sum (at most 8 ranks: within +-8)
+// and product (powers of two up to 256) both fp8 types hold, so the
+// kernels' f32 -> f16 -> fp8 rounding never rounds.
+macro_rules! fp8_val {
+    ($($t:ty),*) => {$(
+        impl Val for $t {
+            const BITS: Option<u32> = None;
+            fn gen(rng: &mut StdRng, op: ReduceOp) -> Self {
+                <$t>::from_f64(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => f64::from(rng.random_range(-1i32..=1)),
+                    ReduceOp::Prod => [-2.0, -1.0, 1.0, 2.0][rng.random_range(0..4usize)],
+                    ReduceOp::Min | ReduceOp::Max => f64::from(rng.random_range(-100i32..=100)),
+                })
+            }
+            fn gen_real(rng: &mut StdRng, op: ReduceOp, _: bool) -> Self {
+                Self::gen(rng, op)
+            }
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                let (a, b) = (<$t>::to_f64(&a), <$t>::to_f64(&b));
+                <$t>::from_f64(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Prod => a * b,
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                })
+            }
+            fn avg(x: Self, n: usize) -> Self {
+                <$t>::from_f64(<$t>::to_f64(&x) / n as f64)
+            }
+            fn same(a: Self, b: Self) -> bool {
+                a.to_bits() == b.to_bits()
+            }
+            fn poison() -> Self {
+                <$t>::from_f64(f64::NAN)
+            }
+            fn to_f64(self) -> f64 {
+                <$t>::to_f64(&self)
+            }
+        }
+    )*};
+}
+fp8_val!(F8E4M3, F8E5M2);
+
 // The float comparison of the back-to-back mode: the tests' own bound
 // (docs/testing.md), one file for both.
 #[path = "../tests/common/bound.rs"]
@@ -232,7 +279,7 @@ impl Kind {
 
 const KINDS: [Kind; 6] = [Kind::AllReduceInPlace, Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce];
 const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
-const DTYPES: [&str; 10] = ["f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8"];
+const DTYPES: [&str; 12] = ["f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8", "f8e4m3", "f8e5m2"];
 
 struct Soak {
     group: Group,
@@ -295,7 +342,9 @@ impl<T: Val> Case<T> {
     fn fill(&mut self, s: &Soak, rng: &mut StdRng) -> Result<Expect<T>, String> {
         let n = s.streams.len();
         let len = self.in_len(n);
-        let inputs: Vec<Vec<T>> = if self.real {
+        // Real values where the type is compared within the bound.
+        let near = self.real && T::BITS.is_some();
+        let inputs: Vec<Vec<T>> = if near {
             let negative: Vec<bool> = (0..len).map(|_| rng.random()).collect();
             (0..n).map(|_| negative.iter().map(|&neg| T::gen_real(rng, self.op, neg)).collect()).collect()
         } else if self.op == ReduceOp::Avg {
@@ -306,7 +355,6 @@ impl<T: Val> Case<T> {
         } else {
             (0..n).map(|_| (0..len).map(|_| T::gen(rng, self.op)).collect()).collect()
         };
-        let near = self.real && T::BITS.is_some();
         let reduce = |len: usize| -> Vec<T> {
             (0..len)
                 .map(|i| {
@@ -601,7 +649,7 @@ fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usiz
 /// `$body` with `$T` the element type named `$dtype` (one of [`DTYPES`]).
 macro_rules! with_dtype {
     ($dtype:expr, $T:ident => $body:expr) => {
-        with_dtype!(@arms $dtype, $T, $body, "f32" f32, "f64" f64, "f16" f16, "bf16" bf16, "i32" i32, "i64" i64, "u32" u32, "u64" u64, "i8" i8)
+        with_dtype!(@arms $dtype, $T, $body, "f32" f32, "f64" f64, "f16" f16, "bf16" bf16, "i32" i32, "i64" i64, "u32" u32, "u64" u64, "i8" i8, "f8e4m3" F8E4M3, "f8e5m2" F8E5M2)
     };
     (@arms $dtype:expr, $T:ident, $body:expr, $($name:literal $ty:ty),*) => {
         match $dtype {
@@ -749,7 +797,7 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> (Vec<Soak>, Vec<String
 fn pick(rng: &mut StdRng) -> (&'static str, Kind, ReduceOp) {
     let dtype = DTYPES[rng.random_range(0..DTYPES.len())];
     let kind = KINDS[rng.random_range(0..KINDS.len())];
-    let float = matches!(dtype, "f32" | "f64" | "f16" | "bf16");
+    let float = matches!(dtype, "f32" | "f64" | "f16" | "bf16" | "f8e4m3" | "f8e5m2");
     let op = loop {
         let op = OPS[rng.random_range(0..OPS.len())];
         if op != ReduceOp::Avg || float {
