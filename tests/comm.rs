@@ -496,6 +496,127 @@ fn threads_every_collective_type_and_op_on_the_staged_path() {
     suite("threads_every_collective_type_and_op_on_the_staged_path", PathPolicy::StagedOnly);
 }
 
+// ---- the two-shot all-reduce ----
+
+/// Every rank's all-reduce of `op` over `ins` on `comms`, out of place
+/// (into poisoned outputs; the send buffers checked unchanged) or in place.
+fn all_reduced<T: Elem>(comms: &[Comm], what: &str, ins: &[Vec<T>], op: ReduceOp, in_place: bool) -> Vec<Vec<T>> {
+    each(comms, |r, c| {
+        let s = c.stream();
+        let mut send = s.clone_htod(&ins[r]).unwrap();
+        let out = if in_place {
+            c.all_reduce_in_place(&mut send, op).unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+            s.clone_dtoh(&send).unwrap()
+        } else {
+            let mut recv = poisoned::<T>(s, ins[r].len());
+            c.all_reduce(&send, &mut recv, op).unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+            assert_bits(&format!("{what}: rank {r}'s send buffer"), &s.clone_dtoh(&send).unwrap(), &ins[r]);
+            s.clone_dtoh(&recv).unwrap()
+        };
+        out
+    })
+}
+
+/// The all-reduce of `op` on `T` at `count` elements, in place and out of
+/// place, on `two` (communicators that take the two-shot) against the CPU,
+/// and bitwise what `one` (the one-shot) gives for the same inputs, on
+/// every rank.
+fn two_shot_matches<T: Elem>(two: &[Comm], one: &[Comm], tag: &str, op: ReduceOp, count: usize) {
+    for in_place in [false, true] {
+        let what = format!("{tag}: {} {op:?} all_reduce{} of {count}", T::DTYPE.name(), if in_place { "_in_place" } else { "" });
+        let ins = draw::<T>(two.len(), count);
+        let got = all_reduced(two, &what, &ins, op, in_place);
+        assert_reduced(&what, op, &ins, 0, &got[0]);
+        let want = all_reduced(one, &format!("{what} (the one-shot)"), &ins, op, in_place);
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_bits(&format!("{what}: rank {r} against the one-shot"), g, w);
+        }
+    }
+}
+
+/// The two-shot all-reduce (`AllReduceAlgorithm::TwoShot`) on 2, 3 and 4
+/// thread ranks, on the P2P and the staged path, with the suite's small
+/// staging buffer: u32 and i32 sums, maxima and minima, f32 and bf16 sums
+/// and averages, at 0, 1, n - 1 (a rank with an empty part), 1001 and
+/// [`CROSS`] elements (many chunks), in place and out of place: against the
+/// CPU, and bit for bit the one-shot's result on the same inputs. Then
+/// `Auto` past its one-shot limit on 3 ranks over P2P (600,001 f32, 2.4 MB
+/// per rank), bit for bit the one-shot's too.
+#[test]
+fn threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot() {
+    use cuda_peer::AllReduceAlgorithm::{OneShot, TwoShot};
+    let test = "threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot";
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus(test, 1) else { return };
+    let make = |n: usize, opts: CommOptions| Comm::from_devices_with(streams(&ctxs, n), &opts).unwrap_or_else(|e| panic!("n={n} {opts:?}: {e}"));
+    for n in [2, 3, 4] {
+        for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+            let opts = CommOptions::default().buffer_bytes(BUFFER_BYTES).path(policy);
+            let (two, one) = (make(n, opts.clone().all_reduce(TwoShot)), make(n, opts.all_reduce(OneShot)));
+            let tag = format!("n={n} {:?} two-shot", two[0].engine());
+            for count in [0, 1, n - 1, 1001, CROSS] {
+                for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                    two_shot_matches::<u32>(&two, &one, &tag, op, count);
+                    two_shot_matches::<i32>(&two, &one, &tag, op, count);
+                }
+                for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                    two_shot_matches::<f32>(&two, &one, &tag, op, count);
+                    two_shot_matches::<bf16>(&two, &one, &tag, op, count);
+                }
+            }
+        }
+    }
+    let path = expected_path(test, 3, ctxs.len(), PathPolicy::Auto);
+    let (auto, one) = (make(3, CommOptions::default()), make(3, CommOptions::default().all_reduce(OneShot)));
+    assert_eq!(CommOptions::default().all_reduce, cuda_peer::AllReduceAlgorithm::Auto);
+    let tag = format!("n=3 {path:?} Auto past the one-shot's limit");
+    two_shot_matches::<f32>(&auto, &one, &tag, ReduceOp::Sum, 600_001);
+    two_shot_matches::<bf16>(&auto, &one, &tag, ReduceOp::Avg, 1_200_001);
+}
+
+/// Ranks that would take different all-reduce algorithms for one call
+/// (one forced to the two-shot, the others on the one-shot) get
+/// `Error::Mismatch` on every rank before anything is enqueued, and the
+/// communicator works on: an all-reduce every rank takes alike is right.
+#[test]
+fn ranks_that_would_take_different_all_reduce_algorithms_are_a_mismatch() {
+    use cuda_peer::AllReduceAlgorithm::{OneShot, TwoShot};
+    let test = "ranks_that_would_take_different_all_reduce_algorithms_are_a_mismatch";
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus(test, 1) else { return };
+    let n = 3;
+    let comms: Vec<Comm> =
+        from_rank_threads(&ctxs, n, |r| Some(CommOptions::default().share_devices(true).all_reduce(if r == 1 { TwoShot } else { OneShot })))
+            .into_iter()
+            .enumerate()
+            .map(|(r, (c, _))| c.unwrap_or_else(|e| panic!("rank {r}: from_rank_with: {e}")))
+            .collect();
+    let ins = draw::<u32>(n, 1001);
+    let outs = each(&comms, |r, c| {
+        let mut buf = c.stream().clone_htod(&ins[r]).unwrap();
+        c.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+    });
+    for (r, o) in outs.iter().enumerate() {
+        match o {
+            Err(Error::Mismatch { ours, theirs, .. }) => {
+                assert!(ours.contains("two-shot") != theirs.contains("two-shot"), "rank {r}: {ours} / {theirs}")
+            }
+            other => panic!("rank {r}: {other:?}, not a mismatch"),
+        }
+    }
+    // The communicators work on: a broadcast (no all-reduce is taken alike
+    // by a rank forced to the two-shot and ranks forced to the one-shot).
+    let got = each(&comms, |r, c| {
+        let s = c.stream();
+        let mut buf = s.clone_htod(&ins[r]).unwrap();
+        c.broadcast_in_place(&mut buf, 2).expect("broadcast_in_place after the mismatch");
+        s.clone_dtoh(&buf).unwrap()
+    });
+    for (r, g) in got.iter().enumerate() {
+        assert_bits(&format!("rank {r}: the broadcast after the mismatch"), g, &ins[2]);
+    }
+}
+
 /// Every pair of values of `T` (an fp8 type) through a two-rank
 /// all-reduce of every op on `comms`, in place ([`common::fp8`]).
 fn fp8_pairs<T: Num>(comms: &[Comm], tag: &str, from_bits: fn(u8) -> T) {
@@ -536,7 +657,11 @@ fn threads_fp8_reductions_round_as_nccl_does_on_every_pair() {
 /// (round robin over `ctxs`): rank 0's thread makes the `Id` and sends its
 /// bytes to the others through channels. Returns each rank's outcome and
 /// its stream.
-fn from_rank_threads(ctxs: &[Arc<CudaContext>], n: usize, opts: Option<&CommOptions>) -> Vec<(cuda_peer::Result<Comm>, Arc<CudaStream>)> {
+fn from_rank_threads(
+    ctxs: &[Arc<CudaContext>],
+    n: usize,
+    opts: impl Fn(usize) -> Option<CommOptions> + Sync,
+) -> Vec<(cuda_peer::Result<Comm>, Arc<CudaStream>)> {
     let streams = streams(ctxs, n);
     let (txs, rxs): (Vec<_>, Vec<_>) = (1..n).map(|_| std::sync::mpsc::channel::<Vec<u8>>()).unzip();
     let mut rxs: Vec<Option<std::sync::mpsc::Receiver<Vec<u8>>>> = std::iter::once(None).chain(rxs.into_iter().map(Some)).collect();
@@ -547,7 +672,7 @@ fn from_rank_threads(ctxs: &[Arc<CudaContext>], n: usize, opts: Option<&CommOpti
             .enumerate()
             .map(|(r, stream)| {
                 let (rx, txs) = (rxs[r].take(), if r == 0 { txs.take() } else { None });
-                let stream = stream.clone();
+                let (stream, opts) = (stream.clone(), &opts);
                 s.spawn(move || {
                     let id = match (txs, rx) {
                         (Some(txs), _) => {
@@ -563,8 +688,8 @@ fn from_rank_threads(ctxs: &[Arc<CudaContext>], n: usize, opts: Option<&CommOpti
                         }
                         (None, None) => unreachable!("every rank has a channel"),
                     };
-                    match opts {
-                        Some(o) => Comm::from_rank_with(stream, r, n, id, o),
+                    match opts(r) {
+                        Some(o) => Comm::from_rank_with(stream, r, n, id, &o),
                         None => Comm::from_rank(stream, r, n, id),
                     }
                 })
@@ -590,9 +715,9 @@ fn threads_meet_through_an_id_sent_over_a_channel() {
     for n in [2, 3, 4] {
         let own = has_gpus(test, &format!("n={n}: Comm::from_rank with one device per rank (the defaults; with share_devices instead)"), g, n);
         let made = if own {
-            from_rank_threads(&ctxs, n, None)
+            from_rank_threads(&ctxs, n, |_| None)
         } else {
-            for (r, (c, _)) in from_rank_threads(&ctxs, n, None).into_iter().enumerate() {
+            for (r, (c, _)) in from_rank_threads(&ctxs, n, |_| None).into_iter().enumerate() {
                 match c {
                     Err(Error::Unsupported(m)) if m.contains("same device") => {}
                     other => {
@@ -600,7 +725,7 @@ fn threads_meet_through_an_id_sent_over_a_channel() {
                     }
                 }
             }
-            from_rank_threads(&ctxs, n, Some(&CommOptions::default().share_devices(true)))
+            from_rank_threads(&ctxs, n, |_| Some(CommOptions::default().share_devices(true)))
         };
         let (comms, streams): (Vec<Comm>, Vec<Arc<CudaStream>>) =
             made.into_iter().enumerate().map(|(r, (c, s))| (c.unwrap_or_else(|e| panic!("n={n}: rank {r}: from_rank: {e}")), s)).unzip();

@@ -17,7 +17,7 @@ use common::num::{self, Num};
 use common::procs::{self, all_succeeded, child, passes, rank, spawn, End};
 
 use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
-use cuda_peer::ipc::{comm::seeded, Bootstrap, Comm, CommOptions};
+use cuda_peer::ipc::{comm::seeded, AllReduceAlgorithm, Bootstrap, Comm, CommOptions};
 use cuda_peer::{Collectives, Error, Path, PathPolicy, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -29,16 +29,21 @@ const SHARE: &str = "CUDA_PEER_MP_SHARE";
 /// Set in a child: the staged path (shared host memory), forced.
 const STAGED: &str = "CUDA_PEER_MP_STAGED";
 
+/// Set in a child: every all-reduce takes the two-shot
+/// (`AllReduceAlgorithm::TwoShot`).
+const TWO_SHOT: &str = "CUDA_PEER_MP_TWO_SHOT";
+
 /// Whether the parent asked this child's ranks to share the GPUs.
 fn shared() -> bool {
     std::env::var_os(SHARE).is_some()
 }
 
-/// The children's options: `share_devices` and the staged path where the
-/// parent asked.
+/// The children's options: `share_devices`, the staged path and the
+/// two-shot where the parent asked.
 fn child_opts() -> CommOptions {
     let path = if std::env::var_os(STAGED).is_some() { PathPolicy::StagedOnly } else { PathPolicy::Auto };
-    CommOptions::default().timeout(Duration::from_secs(30)).share_devices(shared()).path(path)
+    let algorithm = if std::env::var_os(TWO_SHOT).is_some() { AllReduceAlgorithm::TwoShot } else { AllReduceAlgorithm::Auto };
+    CommOptions::default().timeout(Duration::from_secs(30)).share_devices(shared()).path(path).all_reduce(algorithm)
 }
 
 /// The communicator of a child, on the path the parent asked for.
@@ -595,6 +600,19 @@ fn two_processes_staged_all_reduce_every_type_and_op() {
         return all_reduce_child();
     }
     processes("two_processes_staged_all_reduce_every_type_and_op", 2, Duration::from_secs(300), staged(), ALL_REDUCE_LINE);
+}
+
+/// Every type and op through the two-shot between three processes, on
+/// the P2P path and the staged one (sizes on every lane of the one-shot
+/// and past it: the two-shot's chunks).
+#[test]
+fn three_processes_two_shot_all_reduce_every_type_and_op() {
+    if child() {
+        return all_reduce_child();
+    }
+    let test = "three_processes_two_shot_all_reduce_every_type_and_op";
+    processes(test, 3, Duration::from_secs(400), vec![(TWO_SHOT, "1".into())], ALL_REDUCE_LINE);
+    processes(test, 3, Duration::from_secs(400), [staged(), vec![(TWO_SHOT, "1".into())]].concat(), ALL_REDUCE_LINE);
 }
 
 #[test]

@@ -5,7 +5,10 @@
 //! imports and maps.
 //!
 //! * all-reduce: the one-shot of `crate::algorithms::oneshot`; each rank's kernel
-//!   pushes its input into its peers' regions (SM stores over P2P);
+//!   pushes its input into its peers' regions (SM stores over P2P); with
+//!   more than two ranks and long messages, the two-shot: the
+//!   reduce-scatter below into this rank's part of the output, then the
+//!   all-gather of the parts ([`AllReduceAlgorithm`]);
 //! * all-gather, broadcast, reduce-scatter, reduce: in chunks of half the
 //!   staging buffer ([`CommOptions::buffer_bytes`]), alternating halves:
 //!   each rank copies what its peers need into its own buffer, the ranks
@@ -17,7 +20,7 @@
 //!   each call, so that no rank overwrites a buffer a peer still reads.
 //!
 //! Before any of that, each call publishes a descriptor (collective,
-//! element type, op, count, root) in host memory the processes share
+//! element type, op, count, root; an all-reduce's algorithm) in host memory the processes share
 //! (shared host memory) and compares it with every peer's: ranks that make
 //! different calls get [`Error::Mismatch`] on every rank, before anything
 //! is enqueued; a rank that does not make the call within the barrier
@@ -179,6 +182,39 @@ pub struct CommOptions {
     /// ends cleanly, the context stays usable, and the communicator reports
     /// [`Error::PeerTimeout`] from then on. See [`crate::failure`].
     pub barrier_timeout: Duration,
+    /// How the all-reduce runs (see [`AllReduceAlgorithm`]). Every rank
+    /// must pass the same: with [`Self::check_calls`], ranks whose calls
+    /// would take different algorithms get [`Error::Mismatch`].
+    pub all_reduce: AllReduceAlgorithm,
+}
+
+/// The all-reduce algorithms of a [`Comm`] ([`CommOptions::all_reduce`]).
+/// Both give the same bits: every element is the reduction of the ranks'
+/// inputs in rank order (an average: of each input divided by the rank
+/// count first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum AllReduceAlgorithm {
+    /// By size: the one-shot, except with more than two ranks once each
+    /// rank would store more than 4 MiB into its peers over P2P (the
+    /// message's bytes times the ranks less one), 16 MiB through host
+    /// memory: then the two-shot. These are the limits the single-process
+    /// [`crate::Group`] puts on its own one-shot (measured there on two
+    /// H200s, docs/measurements.md); for the two-shot they are not yet
+    /// measured on more than two GPUs. With two ranks both move the same
+    /// bytes, and the one-shot has one barrier.
+    #[default]
+    Auto,
+    /// Always the one-shot: every rank stores its input into every peer's
+    /// slots and reduces all of them (one barrier per round; each rank
+    /// sends its whole message to each peer).
+    OneShot,
+    /// Always the two-shot: a reduce-scatter into this rank's part of the
+    /// output, then an all-gather of the parts, both through the ranks'
+    /// staging buffers ([`CommOptions::buffer_bytes`]). Each rank sends
+    /// about twice its message in all, however many ranks, at the cost of
+    /// two barriers per chunk.
+    TwoShot,
 }
 
 impl Default for CommOptions {
@@ -191,6 +227,7 @@ impl Default for CommOptions {
             share_devices: false,
             path: PathPolicy::Auto,
             barrier_timeout: crate::failure::DEFAULT_BARRIER_TIMEOUT,
+            all_reduce: AllReduceAlgorithm::Auto,
         }
     }
 }
@@ -237,6 +274,12 @@ impl CommOptions {
         self.path = path;
         self
     }
+
+    /// Sets [`Self::all_reduce`].
+    pub fn all_reduce(mut self, all_reduce: AllReduceAlgorithm) -> Self {
+        self.all_reduce = all_reduce;
+        self
+    }
 }
 
 /// One lane of the one-shot, as this rank launches it.
@@ -270,6 +313,7 @@ pub struct Comm {
     call_number: std::sync::atomic::AtomicU32,
     check_calls: bool,
     barrier_timeout: Duration,
+    all_reduce: AllReduceAlgorithm,
     /// The per-call descriptors of every rank (host memory shared with the
     /// peers).
     board: CallBoard,
@@ -790,6 +834,7 @@ impl Comm {
             call_number: std::sync::atomic::AtomicU32::new(0),
             check_calls: opts.check_calls,
             barrier_timeout: opts.barrier_timeout,
+            all_reduce: opts.all_reduce,
             board,
             data,
             half,
@@ -949,11 +994,11 @@ impl Comm {
     /// stream (`src` and `dst`: `count` elements, the same or disjoint),
     /// for the collectives built on this one ([`super::tiered`]).
     pub(crate) fn all_reduce_ptrs<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
-        let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
+        let _call = self.enter(self.all_reduce_desc::<T>(op, count))?;
         if count == 0 {
             return Ok(());
         }
-        self.launch::<T>(op, src, dst, count)
+        self.all_reduce_body::<T>(op, src, dst, count)
     }
 
     /// Takes the call lock and, with [`CommOptions::check_calls`], checks

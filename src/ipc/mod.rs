@@ -52,7 +52,7 @@ pub mod vmm;
 mod wire;
 
 pub use bootstrap::{Bootstrap, Exchange, Rendezvous};
-pub use comm::{Comm, CommOptions};
+pub use comm::{AllReduceAlgorithm, Comm, CommOptions};
 pub use host::{host_identity, spans_hosts, HOST_ID_ENV};
 pub use id::Id;
 pub use nccl::NcclComm;

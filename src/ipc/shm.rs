@@ -257,7 +257,8 @@ pub(crate) struct CallDesc {
     /// The count, as each collective's docs define it.
     pub count: u64,
     /// A digest of the per-rank counts of the collectives with uneven
-    /// parts (`counts_digest` of the traits module), else 0.
+    /// parts (`counts_digest` of the traits module); for an all-reduce, 1
+    /// where it runs as the two-shot; else 0.
     pub extra: u64,
 }
 
@@ -314,8 +315,10 @@ impl std::fmt::Display for CallDesc {
         if self.root != u32::MAX {
             write!(f, ", root {}", self.root)?;
         }
-        if self.extra != 0 {
-            write!(f, ", counts {:016x}", self.extra)?;
+        match (self.kind, self.extra) {
+            (_, 0) => {}
+            (Kind::AllReduce, _) => write!(f, ", two-shot")?,
+            (_, e) => write!(f, ", counts {e:016x}")?,
         }
         write!(f, ")")
     }

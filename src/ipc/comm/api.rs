@@ -39,28 +39,28 @@ impl Collectives for Comm {
         self.held.ctl.check()
     }
 
-    /// The one-shot over every rank's slots (see the module docs of
-    /// [`super`]).
+    /// The one-shot over every rank's slots, or the two-shot (see
+    /// [`super::AllReduceAlgorithm`] and the module docs of [`super`]).
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         let count = args::all_reduce(&self.ctx, send, recv, op)?;
-        let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
+        let _call = self.enter(self.all_reduce_desc::<T>(op, count))?;
         if count == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        let launched = self.launch::<T>(op, src, dst, count);
+        let launched = self.all_reduce_body::<T>(op, src, dst, count);
         launched.and(read.finish()).and(write.finish())
     }
 
     fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
         let count = args::all_reduce_in_place(&self.ctx, buf, op)?;
-        let _call = self.enter(desc::<T>(Kind::AllReduce, Some(op), count, None))?;
+        let _call = self.enter(self.all_reduce_desc::<T>(op, count))?;
         if count == 0 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
-        let launched = self.launch::<T>(op, ptr, ptr, count);
+        let launched = self.all_reduce_body::<T>(op, ptr, ptr, count);
         launched.and(held.finish())
     }
 
@@ -84,7 +84,7 @@ impl Collectives for Comm {
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        let r = self.reduce_scatter_body::<T>(op, src, dst, &equal_parts(c, n));
+        let r = self.reduce_scatter_body::<T>(op, src, dst, &equal_parts(c, n), false);
         r.and(read.finish()).and(write.finish())
     }
 
@@ -197,7 +197,7 @@ impl Collectives for Comm {
         let parts: Vec<(usize, usize)> = offsets.iter().zip(counts).map(|(&o, &c)| (o, c)).collect();
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
-        let r = self.reduce_scatter_body::<T>(op, src, dst, &parts);
+        let r = self.reduce_scatter_body::<T>(op, src, dst, &parts, false);
         r.and(read.finish()).and(write.finish())
     }
 }

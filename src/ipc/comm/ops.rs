@@ -3,16 +3,67 @@
 //! reduce, through the ranks' staging buffers (see the module docs of
 //! [`super`]).
 
-use super::{desc, Comm, Kind};
-use crate::algorithms::prescales;
+use super::{desc, AllReduceAlgorithm, Comm, Kind};
+use crate::algorithms::{prescales, HOST_ONESHOT_AUTO_MAX_BYTES, ONESHOT_AUTO_MAX_BYTES};
 use crate::driver::{api, bind};
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
+use crate::ipc::shm::CallDesc;
 use crate::kernels;
 use crate::kernels::load::function;
 use crate::kernels::{Kernel, KernelOp};
 
+/// Whether an all-reduce of `bytes` per rank on `n` ranks runs as the
+/// two-shot under `algorithm` (see [`AllReduceAlgorithm::Auto`]), `staged`
+/// where the slots are in host memory.
+fn two_shot(algorithm: AllReduceAlgorithm, n: usize, bytes: usize, staged: bool) -> bool {
+    match algorithm {
+        AllReduceAlgorithm::OneShot => false,
+        AllReduceAlgorithm::TwoShot => n > 1,
+        AllReduceAlgorithm::Auto => {
+            let max = if staged { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
+            n > 2 && bytes.saturating_mul(n - 1) > max
+        }
+    }
+}
+
+/// `c` elements in `ranks` parts as even as can be, the first `c % ranks`
+/// one longer, in rank order: (offset, count).
+fn split(c: usize, ranks: usize) -> Vec<(usize, usize)> {
+    let (each, more) = (c / ranks, c % ranks);
+    (0..ranks).map(|j| (j * each + j.min(more), each + usize::from(j < more))).collect()
+}
+
 impl Comm {
+    /// Whether this communicator's all-reduce of `count` elements of `T`
+    /// runs as the two-shot.
+    fn takes_two_shot<T: Element>(&self, count: usize) -> bool {
+        two_shot(self.all_reduce, self.size, count.saturating_mul(T::DTYPE.size()), self.staged)
+    }
+
+    /// An all-reduce's descriptor, the two-shot marked in `extra`, so that
+    /// ranks whose calls would take different algorithms are a mismatch.
+    pub(super) fn all_reduce_desc<T: Element>(&self, op: ReduceOp, count: usize) -> CallDesc {
+        CallDesc { extra: u64::from(self.takes_two_shot::<T>(count)), ..desc::<T>(Kind::AllReduce, Some(op), count, None) }
+    }
+
+    /// The all-reduce's enqueue (`src` and `dst` ordered on this
+    /// communicator's stream, `count` elements, the same or disjoint): the
+    /// one-shot, or the two-shot: a reduce-scatter into this rank's part of
+    /// `dst`, then an all-gather of every rank's part.
+    pub(super) fn all_reduce_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
+        if !self.takes_two_shot::<T>(count) {
+            return self.launch::<T>(op, src, dst, count);
+        }
+        let esz = T::DTYPE.size();
+        let parts = split(count, self.size);
+        let mine = dst + (parts[self.rank].0 * esz) as u64;
+        // In place, the reduce-scatter reads this rank's own share from its
+        // staging slot: its part of `dst` is its input until overwritten.
+        self.reduce_scatter_body::<T>(op, src, mine, &parts, src == dst)?;
+        self.all_gather_body(mine, dst, &bytes_of(&parts, esz))
+    }
+
     /// The reduce-scatter on pointers already ordered on this
     /// communicator's stream (`src`: `size() * c` elements, `dst`: c), for
     /// the collectives built on this one ([`super::super::tiered`]).
@@ -21,13 +72,15 @@ impl Comm {
         if c == 0 {
             return Ok(());
         }
-        self.reduce_scatter_body::<T>(op, src, dst, &equal_parts(c, self.size))
+        self.reduce_scatter_body::<T>(op, src, dst, &equal_parts(c, self.size), false)
     }
 
     /// The reduce-scatter's enqueue: `dst` becomes part `rank()` of the
     /// reduction of every rank's `src`, whose part `j` is `parts[j]`
-    /// (offset, count) in elements.
-    pub(super) fn reduce_scatter_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, parts: &[(usize, usize)]) -> Result<()> {
+    /// (offset, count) in elements. With `own_staged`, this rank's own part
+    /// is read from its staging slot, copied there first (`dst` may then be
+    /// that part of `src`); else `dst` and `src` are disjoint.
+    pub(super) fn reduce_scatter_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, parts: &[(usize, usize)], own_staged: bool) -> Result<()> {
         let (n, esz) = (self.size, T::DTYPE.size());
         let me = self.rank;
         let (mine, c) = parts[me];
@@ -37,9 +90,11 @@ impl Comm {
         // share is divided in the staging slot it is sent from, this rank's
         // own in its own slot.
         let pre = prescales(op, T::DTYPE, n);
+        let own = pre || own_staged;
         self.guarded(|| {
             if n == 1 {
-                return self.copy(dst, src + (mine * esz) as u64, c * esz);
+                let from = src + (mine * esz) as u64;
+                return if from == dst { Ok(()) } else { self.copy(dst, from, c * esz) };
             }
             // Each chunk: this rank's share of part q at q * stride of its
             // staging half, for rank q to read.
@@ -48,7 +103,7 @@ impl Comm {
                 most,
                 stride / esz,
                 |o, len, h| {
-                    for q in (0..n).filter(|&q| q != me || pre) {
+                    for q in (0..n).filter(|&q| q != me || own) {
                         let (at, cq) = parts[q];
                         let len = len.min(cq.saturating_sub(o));
                         let slot = self.data[me] + h + (q * stride) as u64;
@@ -64,7 +119,7 @@ impl Comm {
                     if len == 0 {
                         return Ok(());
                     }
-                    let part = |k: usize| if k == me && !pre { src + ((mine + o) * esz) as u64 } else { self.data[k] + h + (me * stride) as u64 };
+                    let part = |k: usize| if k == me && !own { src + ((mine + o) * esz) as u64 } else { self.data[k] + h + (me * stride) as u64 };
                     self.fold::<T>(op, dst + (o * esz) as u64, part, len)
                 },
             )?;
@@ -88,12 +143,16 @@ impl Comm {
     }
 
     /// The all-gather's enqueue: part `j` of `dst` (`parts[j]`: offset and
-    /// length, in bytes) becomes rank `j`'s `src`.
+    /// length, in bytes) becomes rank `j`'s `src` (this rank's `src` may be
+    /// its own part of `dst`; else they are disjoint).
     pub(super) fn all_gather_body(&self, src: u64, dst: u64, parts: &[(usize, usize)]) -> Result<()> {
         let (n, me) = (self.size, self.rank);
         let most = parts.iter().map(|p| p.1).max().unwrap_or(0);
         self.guarded(|| {
-            self.copy(dst + parts[me].0 as u64, src, parts[me].1)?;
+            let own = dst + parts[me].0 as u64;
+            if own != src {
+                self.copy(own, src, parts[me].1)?;
+            }
             if n == 1 {
                 return Ok(());
             }
@@ -352,4 +411,44 @@ pub(super) fn equal_parts(c: usize, ranks: usize) -> Vec<(usize, usize)> {
 /// `parts` in bytes of elements of `esz` bytes.
 pub(super) fn bytes_of(parts: &[(usize, usize)], esz: usize) -> Vec<(usize, usize)> {
     parts.iter().map(|&(o, c)| (o * esz, c * esz)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_takes_the_two_shot_past_the_groups_one_shot_limits_with_more_than_two_ranks() {
+        use AllReduceAlgorithm::*;
+        let mib = 1usize << 20;
+        // Two ranks: the one-shot at every size, unless forced.
+        assert!(!two_shot(Auto, 2, 1 << 30, false) && !two_shot(Auto, 2, 1 << 30, true));
+        assert!(two_shot(TwoShot, 2, 4, false) && !two_shot(OneShot, 8, 1 << 30, false));
+        // P2P: each rank stores bytes * (n - 1) into its peers, at most 4 MiB.
+        assert!(!two_shot(Auto, 3, 2 * mib, false) && two_shot(Auto, 3, 2 * mib + 1, false));
+        assert!(!two_shot(Auto, 8, 4 * mib / 7, false) && two_shot(Auto, 8, 4 * mib / 7 + 1, false));
+        // Through host memory, at most 16 MiB.
+        assert!(!two_shot(Auto, 3, 8 * mib, true) && two_shot(Auto, 3, 8 * mib + 1, true));
+        // Bytes times ranks saturate rather than wrap.
+        assert!(two_shot(Auto, 8, usize::MAX, false));
+        // One rank has nothing to split.
+        assert!(!two_shot(TwoShot, 1, 1 << 30, false) && !two_shot(Auto, 1, 1 << 30, false));
+    }
+
+    #[test]
+    fn split_parts_are_contiguous_and_as_even_as_can_be() {
+        for ranks in 1..=8 {
+            for c in [0, 1, 2, 7, 8, 9, 1000, 1_048_579] {
+                let parts = split(c, ranks);
+                assert_eq!(parts.len(), ranks);
+                let mut at = 0;
+                for &(o, n) in &parts {
+                    assert_eq!(o, at, "c={c} ranks={ranks}: {parts:?}");
+                    assert!(n == c / ranks || n == c / ranks + 1, "c={c} ranks={ranks}: {parts:?}");
+                    at += n;
+                }
+                assert_eq!(at, c);
+            }
+        }
+    }
 }
