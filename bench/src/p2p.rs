@@ -9,11 +9,12 @@
 //! |---|---|
 //! | `sendrecv` | one group: a send of its buffer to rank r+1 and a receive from rank r-1 (mod n) |
 //! | `alltoall` | block j (of n equal blocks) of its send buffer to rank j, block j of its receive buffer from rank j |
+//! | `allreduce` | the sum of every rank's send buffer into its receive buffer (out of place) |
 //!
 //! | impl | how |
 //! |---|---|
-//! | `cuda-peer` | [`cuda_peer::Comm::from_devices`], one thread per rank: `comm.group()` with `send` and `recv`, then `end`; [`cuda_peer::Comm::all_to_all`] |
-//! | `nccl` | cudarc's NCCL, `Comm::from_devices` (`ncclCommInitAll`), one thread driving every rank: per call one `ncclGroupStart/End` with every rank's `ncclSend`/`ncclRecv` (alltoall: n of each per rank), in a child process with `NCCL_NVLS_ENABLE=0` |
+//! | `cuda-peer` | [`cuda_peer::Comm::from_devices`], one thread per rank: `comm.group()` with `send` and `recv`, then `end`; [`cuda_peer::Comm::all_to_all`]; [`cuda_peer::Comm::all_reduce`] (`--all-reduce one-shot` or `two-shot` forces its algorithm, and names the rows `cuda-peer-one-shot`, `cuda-peer-two-shot`) |
+//! | `nccl` | cudarc's NCCL, `Comm::from_devices` (`ncclCommInitAll`), one thread driving every rank: per call one `ncclGroupStart/End` with every rank's `ncclSend`/`ncclRecv` (alltoall: n of each per rank; allreduce: its `ncclAllReduce`), in a child process with `NCCL_NVLS_ENABLE=0` |
 //!
 //! Ranks: every GPU (at least 2), or `--ranks N`; rank r runs on GPU
 //! r mod (GPU count), each rank on a stream of its own, so more ranks than
@@ -30,7 +31,8 @@
 //! bytes / time, in GB/s (1e9 bytes per second); busbw = algbw x factor,
 //! the bandwidth each rank's links carry, comparable between rank counts:
 //! 1 for `sendrecv` (each rank's bytes cross one link once), (n-1)/n for
-//! `alltoall` (the block a rank keeps for itself crosses no link). `time_us`
+//! `alltoall` (the block a rank keeps for itself crosses no link), 2(n-1)/n
+//! for `allreduce` (nccl-tests' `all_reduce_perf`). `time_us`
 //! is the mean per call of back-to-back calls (so host enqueue cost shows
 //! where it is the bottleneck), measured with CUDA events on each rank's
 //! stream; the slowest rank's mean is the point's (nccl-tests times the
@@ -39,7 +41,8 @@
 //! way).
 //!
 //! Each point, for each implementation: fresh random inputs (integers in
-//! -127..=127, exact in bf16, each rank's element i a function of a fresh
+//! -127..=127, exact in bf16; for `allreduce`, small enough that every
+//! partial sum is exact: `BenchElem::input_range`, each rank's element i a function of a fresh
 //! seed, its rank and i), receive buffers poisoned with NaN, one call, every
 //! rank's receive buffer compared with the CPU reference (in full up to 64
 //! MiB per rank, else in windows: `sampled`); mismatches are `wrong` (over
@@ -67,7 +70,7 @@ use crate::nccl::{child_flags, err as nccl_err, nccl_shim, print_header, private
 use crate::output::Csv;
 use crate::plan::{geometric, iters_for, warmup_for, Progress};
 use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{driver, Comm};
+use cuda_peer::{driver, Comm, CommOptions, ReduceOp};
 use half::bf16;
 use rand::Rng;
 use std::ffi::OsString;
@@ -81,14 +84,23 @@ pub(crate) const CSV_HEADER: &str = "impl,op,dtype,ranks,bytes,time_us,algbw_gbs
 const PEER: &str = "cuda-peer";
 const NCCL: &str = "nccl";
 
-/// Input magnitude: every integer up to 256 is exact in bf16.
+/// Input magnitude of the moving calls: every integer up to 256 is exact in bf16.
 const RANGE: i64 = 127;
+
+/// The input magnitude of `op` on `T` over `n` ranks.
+fn range<T: BenchElem>(op: P2pOp, n: usize) -> i64 {
+    match op {
+        P2pOp::AllReduce => T::input_range(n),
+        P2pOp::SendRecv | P2pOp::AllToAll => RANGE,
+    }
+}
 
 /// busbw / algbw, as nccl-tests defines it for `n` ranks.
 pub(crate) fn bus_factor(op: P2pOp, n: usize) -> f64 {
     match op {
         P2pOp::SendRecv => 1.0,
         P2pOp::AllToAll => (n as f64 - 1.0) / n as f64,
+        P2pOp::AllReduce => 2.0 * (n as f64 - 1.0) / n as f64,
     }
 }
 
@@ -108,11 +120,11 @@ impl Shape {
     fn new(op: P2pOp, bytes: usize, esz: usize, n: usize) -> Option<Shape> {
         let elems = bytes / esz;
         let block = match op {
-            P2pOp::SendRecv => elems,
+            P2pOp::SendRecv | P2pOp::AllReduce => elems,
             P2pOp::AllToAll => elems / n,
         };
         let elems = match op {
-            P2pOp::SendRecv => elems,
+            P2pOp::SendRecv | P2pOp::AllReduce => elems,
             P2pOp::AllToAll => block * n,
         };
         (block > 0).then_some(Shape { elems, block, bytes: elems * esz })
@@ -147,6 +159,7 @@ fn expected(inputs: &Inputs, op: P2pOp, n: usize, block: usize, rank: usize, i: 
     match op {
         P2pOp::SendRecv => inputs.value((rank + n - 1) % n, i),
         P2pOp::AllToAll => inputs.value(i / block, rank * block + i % block),
+        P2pOp::AllReduce => (0..n).map(|k| inputs.value(k, i)).sum(),
     }
 }
 
@@ -253,20 +266,21 @@ fn read_rows(path: &Path) -> Res<Vec<CsvRow>> {
 fn print_ratios(rows: &[CsvRow]) {
     let key = |r: &CsvRow| (r.op.clone(), r.dtype.clone(), r.ranks, r.bytes);
     let nccl: std::collections::HashMap<_, &CsvRow> = rows.iter().filter(|r| r.imp == NCCL).map(|r| (key(r), r)).collect();
-    let both: Vec<(&CsvRow, &CsvRow)> = rows.iter().filter(|r| r.imp == PEER).filter_map(|r| nccl.get(&key(r)).map(|n| (r, *n))).collect();
+    let both: Vec<(&CsvRow, &CsvRow)> = rows.iter().filter(|r| r.imp.starts_with(PEER)).filter_map(|r| nccl.get(&key(r)).map(|n| (r, *n))).collect();
     println!("#");
     if both.is_empty() {
         println!("# ratios to NCCL: none (no point ran on both)");
         return;
     }
-    println!("# cuda-peer vs nccl: t_ratio = cuda-peer time / NCCL time (< 1: cuda-peer faster); bw_ratio = busbw ratio (> 1: cuda-peer faster)");
+    println!("# cuda-peer (its rows' name) vs nccl: t_ratio = cuda-peer time / NCCL time (< 1: cuda-peer faster); bw_ratio = busbw ratio (> 1: cuda-peer faster)");
     println!(
-        "#{:>8} {:>5} {:>5} {:>12} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8}",
-        "op", "dtype", "ranks", "bytes", "peer_us", "nccl_us", "t_ratio", "peer_bw", "nccl_bw", "bw_ratio"
+        "#{:>17} {:>9} {:>5} {:>5} {:>12} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8}",
+        "impl", "op", "dtype", "ranks", "bytes", "peer_us", "nccl_us", "t_ratio", "peer_bw", "nccl_bw", "bw_ratio"
     );
     for (p, n) in both {
         println!(
-            "{:>9} {:>5} {:>5} {:>12} {:>10.2} {:>10.2} {:>7.2} {:>8.2} {:>8.2} {:>8.2}",
+            "{:>18} {:>9} {:>5} {:>5} {:>12} {:>10.2} {:>10.2} {:>7.2} {:>8.2} {:>8.2} {:>8.2}",
+            p.imp,
             p.op,
             p.dtype,
             p.ranks,
@@ -367,15 +381,16 @@ fn parent(args: &P2pArgs, gpus: usize, n: usize) -> Res<()> {
         ctxs[0].name().unwrap_or_default(),
         driver::driver_version().unwrap_or(0)
     );
-    println!("# bytes: the per-rank buffer (alltoall: n blocks); algbw = bytes / time; busbw = algbw (sendrecv), algbw * (n-1)/n (alltoall)");
+    println!("# bytes: the per-rank buffer (alltoall: n blocks); algbw = bytes / time; busbw = algbw (sendrecv), algbw * (n-1)/n (alltoall), algbw * 2(n-1)/n (allreduce)");
     println!("# time_us: the slowest rank's mean per call (CUDA events on each rank's stream); #wrong: over every rank's receive buffer");
     let points = points(args, n);
     let nccl_runs = n <= gpus;
     let total = points.len() * if nccl_runs { 2 } else { 1 };
     let mut stopped = Vec::new();
+    let peer = args.all_reduce.imp();
     if let Err(e) = run_peer(args, &ctxs, n, &points, total) {
-        println!("# {PEER}: stopped: {e}");
-        stopped.push(PEER);
+        println!("# {peer}: stopped: {e}");
+        stopped.push(peer);
     }
     if nccl_runs {
         // Removed when dropped, after the child.
@@ -429,9 +444,14 @@ struct RankPoint {
 fn run_peer(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point], total: usize) -> Res<()> {
     let devices: Vec<usize> = (0..n).map(|r| r % ctxs.len()).collect();
     let streams = devices.iter().map(|&d| ctxs[d].new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let comms = Comm::from_devices(streams)?;
+    let comms = Comm::from_devices_with(streams, &CommOptions::default().all_reduce(args.all_reduce.algorithm()))?;
+    let peer = args.all_reduce.imp();
     println!("#");
-    println!("# {PEER}: {n} ranks on GPUs {devices:?}, a thread each (Comm::from_devices), engine {:?}", comms[0].engine());
+    println!(
+        "# {peer}: {n} ranks on GPUs {devices:?}, a thread each (Comm::from_devices), engine {:?}, all-reduce {:?}",
+        comms[0].engine(),
+        args.all_reduce.algorithm()
+    );
     print_table_header();
     let common = args.common();
     let seeds: Vec<u64> = points.iter().map(|_| rand::rng().random()).collect();
@@ -445,7 +465,7 @@ fn run_peer(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point
                 let mut progress = Progress { done: 0, total };
                 for (k, p) in points.iter().enumerate() {
                     if rank == 0 {
-                        progress.tick(format_args!("{PEER} {} {} {}", p.op.name(), p.dt.name(), p.shape.bytes));
+                        progress.tick(format_args!("{peer} {} {} {}", p.op.name(), p.dt.name(), p.shape.bytes));
                     }
                     let res = match p.dt {
                         Dt::F32 => peer_point::<f32>(comm, common, p, seeds[k]),
@@ -478,7 +498,7 @@ fn run_peer(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point
             while first_err.is_none() && next < points.len() && got[next].len() == n {
                 let ranks = &got[next];
                 let row = Row {
-                    imp: PEER,
+                    imp: peer,
                     point: points[next],
                     ranks: n,
                     time_us: ranks.iter().map(|r| r.time_us).fold(0.0, f64::max),
@@ -510,6 +530,7 @@ fn peer_call<T: BenchElem>(comm: &Comm, op: P2pOp, send: &CudaSlice<T>, recv: &m
             g.end()?;
         }
         P2pOp::AllToAll => comm.all_to_all(send, recv)?,
+        P2pOp::AllReduce => comm.all_reduce(send, recv, ReduceOp::Sum)?,
     }
     Ok(())
 }
@@ -519,7 +540,7 @@ fn peer_call<T: BenchElem>(comm: &Comm, op: P2pOp, send: &CudaSlice<T>, recv: &m
 fn peer_point<T: BenchElem>(comm: &Comm, common: &Common, p: &Point, seed: u64) -> Res<RankPoint> {
     let (rank, n) = (comm.rank(), comm.world_size());
     let stream = comm.stream().clone();
-    let inputs = Inputs { seed, range: RANGE };
+    let inputs = Inputs { seed, range: range::<T>(p.op, n) };
     let send = upload::<T>(&stream, &inputs, rank, p.shape.elems)?;
     let mut recv = poisoned::<T>(&stream, p.shape.elems)?;
     stream.synchronize()?;
@@ -582,6 +603,7 @@ fn nccl_enqueue<T: BenchElem>(comms: &[cudarc::nccl::Comm], op: P2pOp, block: us
                 comm.send(send, ((r + 1) % n) as i32).map_err(|e| nccl_err("ncclSend", e))?;
                 comm.recv(recv, ((r + n - 1) % n) as i32).map_err(|e| nccl_err("ncclRecv", e))?;
             }
+            P2pOp::AllReduce => comm.all_reduce(send, recv, &cudarc::nccl::ReduceOp::Sum).map(drop).map_err(|e| nccl_err("ncclAllReduce", e))?,
             P2pOp::AllToAll => {
                 for j in 0..n {
                     let blk = j * block..(j + 1) * block;
@@ -597,7 +619,7 @@ fn nccl_enqueue<T: BenchElem>(comms: &[cudarc::nccl::Comm], op: P2pOp, block: us
 /// One NCCL point over every rank: check, then time.
 fn nccl_point<T: BenchElem>(comms: &[cudarc::nccl::Comm], streams: &[Arc<CudaStream>], common: &Common, p: &Point) -> Res<Row> {
     let n = comms.len();
-    let inputs = Inputs::fresh(RANGE);
+    let inputs = Inputs::fresh(range::<T>(p.op, n));
     let sends = streams.iter().enumerate().map(|(r, s)| upload::<T>(s, &inputs, r, p.shape.elems)).collect::<Res<Vec<_>>>()?;
     let mut recvs = streams.iter().map(|s| poisoned::<T>(s, p.shape.elems)).collect::<Res<Vec<_>>>()?;
     sync_all(streams)?;
@@ -659,7 +681,11 @@ mod tests {
         ]);
         assert_eq!((a.ops.clone(), a.dtypes.clone(), a.ranks, a.quick, a.max_bytes), (vec![P2pOp::AllToAll], vec![Dt::Bf16], Some(4), true, 65536));
         assert_eq!(a.csv(), PathBuf::from("/tmp/x/h200-p2p.csv"));
-        assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--ops", "allreduce"]).is_err());
+        assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--ops", "allgather"]).is_err());
+        assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--all-reduce", "ring"]).is_err());
+        let a = parse(&["cuda-peer-bench", "p2p", "--ops", "allreduce", "--all-reduce", "two-shot"]);
+        assert_eq!((a.ops.clone(), a.all_reduce.imp()), (vec![P2pOp::AllReduce], "cuda-peer-two-shot"));
+        assert_eq!(a.all_reduce.algorithm(), cuda_peer::AllReduceAlgorithm::TwoShot);
         assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--ranks", "two"]).is_err());
     }
 
@@ -731,6 +757,8 @@ mod tests {
         assert_eq!(bus_factor(P2pOp::AllToAll, 2), 0.5);
         assert_eq!(bus_factor(P2pOp::AllToAll, 4), 0.75);
         assert_eq!(bus_factor(P2pOp::AllToAll, 8), 0.875);
+        assert_eq!(bus_factor(P2pOp::AllReduce, 2), 1.0);
+        assert_eq!(bus_factor(P2pOp::AllReduce, 4), 1.5);
         // 1 GB in 1000 us: 1000 GB/s.
         let shape = Shape { elems: 250_000_000, block: 62_500_000, bytes: 1_000_000_000 };
         let row = |op| Row { imp: PEER, point: Point { op, dt: Dt::F32, shape }, ranks: 4, time_us: 1000.0, wrong: 0, sampled: true };
@@ -754,6 +782,7 @@ mod tests {
                         // Block j of rank's receive buffer is block `rank` of rank j's send buffer.
                         let (j, k) = (i / block, i % block);
                         assert_eq!(expected(&inputs, P2pOp::AllToAll, n, block, rank, i), send(j, rank * block + k));
+                        assert_eq!(expected(&inputs, P2pOp::AllReduce, n, elems, rank, i), (0..n).map(|q| send(q, i)).sum::<i64>());
                     }
                 }
             }
