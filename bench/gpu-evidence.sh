@@ -27,6 +27,9 @@
 #   oldnew     bench/oldnew.sh $OLD against .gpu/bin/cuda-peer-bench, 8 rounds, ~1 min
 #   mpab       bench/mpab.sh $PREV against .gpu/bin/cuda-peer-bench, mp-allreduce, 3 rounds, ~1-2 min
 #   sweep      cuda-peer-bench all-reduce sweep against NCCL, 4 B-1 GiB (the README's table), ~2 min
+#   twoshot    cuda-peer-bench p2p --ops allreduce, the per-rank engine's one-shot and two-shot side by
+#              side on 3, 4 and 8 thread ranks over the GPUs there are (TWOSHOT_RANKS, TWOSHOT_MAX bytes,
+#              MACHINE names the CSVs: {MACHINE}-r{n}-{algorithm}-p2p.csv), f32, sizes x4
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT (the device sets it)}"
@@ -58,6 +61,9 @@ for p in "$@"; do
     oldnew) phase oldnew 300 bench/oldnew.sh "${OLD:-.gpu/old/cuda-peer-bench}" .gpu/bin/cuda-peer-bench 8 ;;
     mpab) phase mpab 300 bench/mpab.sh "${PREV:-.gpu/prev/cuda-peer-bench}" .gpu/bin/cuda-peer-bench "${MPAB_ROUNDS:-3}" ;;
     sweep) phase sweep 300 .gpu/bin/cuda-peer-bench --machine h200x2 --ops all_reduce --out "$OUT/sweep" ;;
+    twoshot) phase twoshot 420 bash -c 'for n in ${TWOSHOT_RANKS:-3 4 8}; do for a in one-shot two-shot; do
+               .gpu/bin/cuda-peer-bench p2p --ops allreduce --dtypes f32 --ranks "$n" --all-reduce "$a" --quick \
+                 --max-bytes "${TWOSHOT_MAX:-268435456}" --machine "${MACHINE:-h200x1}-r$n-$a" --out "$OUT" || exit 1; done; done' ;;
     *) line "unknown phase $p"; status=1 ;;
   esac
 done
