@@ -1026,7 +1026,8 @@ fn check_graph_rounds(tag: &str, rounds: &[Vec<GraphIn>], outs: &[Vec<GraphOut>]
 /// on its stream, all at once; every `Comm` is dropped; then each graph is
 /// replayed three times on fresh inputs copied into the captured buffers,
 /// outputs poisoned, every result exact. Each capture takes a keep-alive of
-/// its communicator, released once the graphs are gone.
+/// its communicator, released once the graphs are gone. Each with the
+/// all-reduce by size and forced to the two-shot.
 #[test]
 fn graphs_captured_on_every_rank_replay_after_every_comm_is_dropped() {
     let test = "graphs_captured_on_every_rank_replay_after_every_comm_is_dropped";
@@ -1041,13 +1042,14 @@ fn graphs_captured_on_every_rank_replay_after_every_comm_is_dropped() {
     }
     let g = ctxs.len();
     let count = 3001; // several chunks of the 4 KiB staging buffer
-    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+    let algorithms = [cuda_peer::AllReduceAlgorithm::Auto, cuda_peer::AllReduceAlgorithm::TwoShot];
+    for (policy, algorithm) in [PathPolicy::Auto, PathPolicy::StagedOnly].into_iter().flat_map(|p| algorithms.map(|a| (p, a))) {
         for n in [2, 3, 4] {
             let path = expected_path(test, n, g, policy);
-            let tag = format!("n={n} {path:?}");
+            let tag = format!("n={n} {path:?} {algorithm:?}");
             let root = n - 1;
             let streams = streams(&ctxs, n);
-            let opts = CommOptions::default().buffer_bytes(BUFFER_BYTES).path(policy);
+            let opts = CommOptions::default().buffer_bytes(BUFFER_BYTES).path(policy).all_reduce(algorithm);
             let comms = Comm::from_devices_with(streams.clone(), &opts).unwrap_or_else(|e| panic!("{tag}: from_devices_with: {e}"));
             assert_ranks(&tag, &comms, &streams, g, path);
             let rounds: Vec<Vec<GraphIn>> = (0..4)
