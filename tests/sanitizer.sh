@@ -32,6 +32,9 @@
 #   mp       tests/sanitize.rs: two processes, on the P2P and the staged path,
 #            the one-shot on every lane of each and the other collectives over
 #            several chunks (4 children in all)
+#   twoshot  (not run by default) the per-rank two-shot all-reduce,
+#            tests/comm.rs: 2 to 4 thread ranks, P2P and staged, against
+#            the one-shot
 #   mp-full  (not run by default) the multi-process tests' own cases,
 #            tests/multiprocess.rs: 2 processes every collective (P2P and
 #            staged) and 3 processes every all-reduce (7 children)
@@ -162,6 +165,7 @@ oneshot_args=("$sanitize" --test-threads=1 --exact oneshot_every_lane)
 mesh_args=("$sanitize" --test-threads=1 --exact mesh_above_4_mib)
 staged_comm_args=("$comm" --test-threads=1 --exact threads_every_collective_type_and_op_on_the_staged_path)
 staged_ring_args=("$sanitize" --test-threads=1 --exact staged_ring_rotation)
+twoshot_args=("$comm" --test-threads=1 --exact threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot)
 # A parent and two children per test.
 mp_args=("$sanitize" --test-threads=1 --exact two_processes_every_lane two_processes_staged_every_lane_and_chunk)
 mp_full_args=("$mp" --test-threads=1 --exact two_processes_every_collective_type_and_op two_processes_staged_every_collective_type_and_op three_processes_all_reduce_every_type_and_op)
@@ -185,6 +189,7 @@ for r in $runs; do
       need comm "$comm" && run "$tool" staged-comm 1 "${staged_comm_args[@]}"
       need sanitize "$sanitize" && run "$tool" staged-ring 1 "${staged_ring_args[@]}" ;;
     mp) need sanitize "$sanitize" && run "$tool" mp 4 "${mp_args[@]}" ;;
+    twoshot) need comm "$comm" && run "$tool" twoshot 1 "${twoshot_args[@]}" ;;
     mp-full) need multiprocess "$mp" && run "$tool" mp-full 7 "${mp_full_args[@]}" ;;
     *) echo "sanitizer.sh: unknown run $r" | tee -a "$out/summary.txt" >&2; status=1 ;;
   esac
