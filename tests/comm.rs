@@ -574,10 +574,13 @@ fn threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot() {
     two_shot_matches::<bf16>(&auto, &one, &tag, ReduceOp::Avg, 1_200_001);
 }
 
-/// Ranks that would take different all-reduce algorithms for one call
-/// (one forced to the two-shot, the others on the one-shot) get
+/// Ranks that would take different all-reduce algorithms (one forced to
+/// the two-shot, the others to the one-shot): with the verification at
+/// creation (the default), creating them fails on every rank, the error
+/// naming the two-shot; without it, the first all-reduce is
 /// `Error::Mismatch` on every rank before anything is enqueued, and the
-/// communicator works on: an all-reduce every rank takes alike is right.
+/// communicators work on (a broadcast, which no all-reduce setting
+/// changes, is right).
 #[test]
 fn ranks_that_would_take_different_all_reduce_algorithms_are_a_mismatch() {
     use cuda_peer::AllReduceAlgorithm::{OneShot, TwoShot};
@@ -585,12 +588,18 @@ fn ranks_that_would_take_different_all_reduce_algorithms_are_a_mismatch() {
     let _gpu = exclusive();
     let Some(ctxs) = gpus(test, 1) else { return };
     let n = 3;
-    let comms: Vec<Comm> =
-        from_rank_threads(&ctxs, n, |r| Some(CommOptions::default().share_devices(true).all_reduce(if r == 1 { TwoShot } else { OneShot })))
-            .into_iter()
-            .enumerate()
-            .map(|(r, (c, _))| c.unwrap_or_else(|e| panic!("rank {r}: from_rank_with: {e}")))
-            .collect();
+    let opts = |r: usize, verify: bool| CommOptions::default().share_devices(true).verify(verify).all_reduce(if r == 1 { TwoShot } else { OneShot });
+    for (r, (c, _)) in from_rank_threads(&ctxs, n, |r| Some(opts(r, true))).into_iter().enumerate() {
+        match c {
+            Err(e) => assert!(e.to_string().contains("two-shot"), "rank {r}: creation failed, but not naming the two-shot: {e}"),
+            Ok(_) => panic!("rank {r}: created, although the ranks' all-reduces differ"),
+        }
+    }
+    let comms: Vec<Comm> = from_rank_threads(&ctxs, n, |r| Some(opts(r, false)))
+        .into_iter()
+        .enumerate()
+        .map(|(r, (c, _))| c.unwrap_or_else(|e| panic!("rank {r}: from_rank_with, verify off: {e}")))
+        .collect();
     let ins = draw::<u32>(n, 1001);
     let outs = each(&comms, |r, c| {
         let mut buf = c.stream().clone_htod(&ins[r]).unwrap();
@@ -604,8 +613,6 @@ fn ranks_that_would_take_different_all_reduce_algorithms_are_a_mismatch() {
             other => panic!("rank {r}: {other:?}, not a mismatch"),
         }
     }
-    // The communicators work on: a broadcast (no all-reduce is taken alike
-    // by a rank forced to the two-shot and ranks forced to the one-shot).
     let got = each(&comms, |r, c| {
         let s = c.stream();
         let mut buf = s.clone_htod(&ins[r]).unwrap();
