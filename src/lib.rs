@@ -56,8 +56,8 @@
 //! - `graph`: what captured CUDA graphs keep alive.
 //!
 //! Two engines remain: the per-rank one (`ipc::Comm` within a host: the
-//! one-shot, or the two-shot with more than two ranks and long messages,
-//! memory each rank exports to its peers) and the
+//! one-shot, or the two-shot where asked, memory each rank exports to its
+//! peers) and the
 //! group's (ring, mesh and one-shot on the callers' buffers). The group is
 //! not yet rebuilt on the per-rank engine; they share the kernels and their
 //! launches, the one-shot's layout, `failure`, `graph`, `sync` and the

@@ -5,10 +5,10 @@
 //! imports and maps.
 //!
 //! * all-reduce: the one-shot of `crate::algorithms::oneshot`; each rank's kernel
-//!   pushes its input into its peers' regions (SM stores over P2P); with
-//!   more than two ranks and long messages, the two-shot: the
+//!   pushes its input into its peers' regions (SM stores over P2P); or,
+//!   where asked ([`AllReduceAlgorithm::TwoShot`]), the two-shot: the
 //!   reduce-scatter below into this rank's part of the output, then the
-//!   all-gather of the parts ([`AllReduceAlgorithm`]);
+//!   all-gather of the parts;
 //! * all-gather, broadcast, reduce-scatter, reduce: in chunks of half the
 //!   staging buffer ([`CommOptions::buffer_bytes`]), alternating halves:
 //!   each rank copies what its peers need into its own buffer, the ranks
@@ -195,14 +195,12 @@ pub struct CommOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum AllReduceAlgorithm {
-    /// By size: the one-shot, except with more than two ranks once each
-    /// rank would store more than 4 MiB into its peers over P2P (the
-    /// message's bytes times the ranks less one), 16 MiB through host
-    /// memory: then the two-shot. These are the limits the single-process
-    /// [`crate::Group`] puts on its own one-shot (measured there on two
-    /// H200s, docs/measurements.md); for the two-shot they are not yet
-    /// measured on more than two GPUs. With two ranks both move the same
-    /// bytes, and the one-shot has one barrier.
+    /// The library's choice: today the one-shot at every size. The
+    /// two-shot sends less with many ranks, but it has not yet been
+    /// measured where that counts (more than two GPUs were never lent);
+    /// with ranks sharing one H200 it was faster at some sizes and slower
+    /// at others (docs/multiprocess.md). `Auto` will pick it by size once a
+    /// machine with 4 or 8 GPUs has measured both.
     #[default]
     Auto,
     /// Always the one-shot: every rank stores its input into every peer's

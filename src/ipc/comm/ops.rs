@@ -4,7 +4,7 @@
 //! [`super`]).
 
 use super::{desc, AllReduceAlgorithm, Comm, Kind};
-use crate::algorithms::{prescales, HOST_ONESHOT_AUTO_MAX_BYTES, ONESHOT_AUTO_MAX_BYTES};
+use crate::algorithms::prescales;
 use crate::driver::{api, bind};
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
@@ -13,17 +13,12 @@ use crate::kernels;
 use crate::kernels::load::function;
 use crate::kernels::{Kernel, KernelOp};
 
-/// Whether an all-reduce of `bytes` per rank on `n` ranks runs as the
-/// two-shot under `algorithm` (see [`AllReduceAlgorithm::Auto`]), `staged`
-/// where the slots are in host memory.
-fn two_shot(algorithm: AllReduceAlgorithm, n: usize, bytes: usize, staged: bool) -> bool {
+/// Whether an all-reduce on `n` ranks runs as the two-shot under
+/// `algorithm` (see [`AllReduceAlgorithm::Auto`]: not yet by size).
+fn two_shot(algorithm: AllReduceAlgorithm, n: usize) -> bool {
     match algorithm {
-        AllReduceAlgorithm::OneShot => false,
+        AllReduceAlgorithm::OneShot | AllReduceAlgorithm::Auto => false,
         AllReduceAlgorithm::TwoShot => n > 1,
-        AllReduceAlgorithm::Auto => {
-            let max = if staged { HOST_ONESHOT_AUTO_MAX_BYTES } else { ONESHOT_AUTO_MAX_BYTES };
-            n > 2 && bytes.saturating_mul(n - 1) > max
-        }
     }
 }
 
@@ -35,16 +30,15 @@ fn split(c: usize, ranks: usize) -> Vec<(usize, usize)> {
 }
 
 impl Comm {
-    /// Whether this communicator's all-reduce of `count` elements of `T`
-    /// runs as the two-shot.
-    fn takes_two_shot<T: Element>(&self, count: usize) -> bool {
-        two_shot(self.all_reduce, self.size, count.saturating_mul(T::DTYPE.size()), self.staged)
+    /// Whether this communicator's all-reduces run as the two-shot.
+    fn takes_two_shot(&self) -> bool {
+        two_shot(self.all_reduce, self.size)
     }
 
     /// An all-reduce's descriptor, the two-shot marked in `extra`, so that
     /// ranks whose calls would take different algorithms are a mismatch.
     pub(super) fn all_reduce_desc<T: Element>(&self, op: ReduceOp, count: usize) -> CallDesc {
-        CallDesc { extra: u64::from(self.takes_two_shot::<T>(count)), ..desc::<T>(Kind::AllReduce, Some(op), count, None) }
+        CallDesc { extra: u64::from(self.takes_two_shot()), ..desc::<T>(Kind::AllReduce, Some(op), count, None) }
     }
 
     /// The all-reduce's enqueue (`src` and `dst` ordered on this
@@ -52,7 +46,7 @@ impl Comm {
     /// one-shot, or the two-shot: a reduce-scatter into this rank's part of
     /// `dst`, then an all-gather of every rank's part.
     pub(super) fn all_reduce_body<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
-        if !self.takes_two_shot::<T>(count) {
+        if !self.takes_two_shot() {
             return self.launch::<T>(op, src, dst, count);
         }
         let esz = T::DTYPE.size();
@@ -418,21 +412,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_takes_the_two_shot_past_the_groups_one_shot_limits_with_more_than_two_ranks() {
+    fn auto_keeps_the_one_shot_and_only_a_rank_count_above_one_splits() {
         use AllReduceAlgorithm::*;
-        let mib = 1usize << 20;
-        // Two ranks: the one-shot at every size, unless forced.
-        assert!(!two_shot(Auto, 2, 1 << 30, false) && !two_shot(Auto, 2, 1 << 30, true));
-        assert!(two_shot(TwoShot, 2, 4, false) && !two_shot(OneShot, 8, 1 << 30, false));
-        // P2P: each rank stores bytes * (n - 1) into its peers, at most 4 MiB.
-        assert!(!two_shot(Auto, 3, 2 * mib, false) && two_shot(Auto, 3, 2 * mib + 1, false));
-        assert!(!two_shot(Auto, 8, 4 * mib / 7, false) && two_shot(Auto, 8, 4 * mib / 7 + 1, false));
-        // Through host memory, at most 16 MiB.
-        assert!(!two_shot(Auto, 3, 8 * mib, true) && two_shot(Auto, 3, 8 * mib + 1, true));
-        // Bytes times ranks saturate rather than wrap.
-        assert!(two_shot(Auto, 8, usize::MAX, false));
-        // One rank has nothing to split.
-        assert!(!two_shot(TwoShot, 1, 1 << 30, false) && !two_shot(Auto, 1, 1 << 30, false));
+        for n in 1..=8 {
+            assert!(!two_shot(Auto, n) && !two_shot(OneShot, n));
+            assert_eq!(two_shot(TwoShot, n), n > 1);
+        }
     }
 
     #[test]
