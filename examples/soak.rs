@@ -161,6 +161,16 @@ macro_rules! int_val {
 }
 int_val!(i8, u8, i32, u32, i64, u64);
 
+/// `a op b` in f64 (sum for avg), for the float types' exact reference.
+fn combine_f64(op: ReduceOp, a: f64, b: f64) -> f64 {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => a + b,
+        ReduceOp::Prod => a * b,
+        ReduceOp::Min => a.min(b),
+        ReduceOp::Max => a.max(b),
+    }
+}
+
 macro_rules! float_val {
     ($t:ty, $to:expr, $from:expr, $avg:expr, $bits:expr, $sig:expr) => {
         impl Val for $t {
@@ -184,13 +194,7 @@ macro_rules! float_val {
                 })
             }
             fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
-                let (a, b): (f64, f64) = ($to(a), $to(b));
-                $from(match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a + b,
-                    ReduceOp::Prod => a * b,
-                    ReduceOp::Min => a.min(b),
-                    ReduceOp::Max => a.max(b),
-                })
+                $from(combine_f64(op, $to(a), $to(b)))
             }
             fn avg(sum: Self, n: usize) -> Self {
                 $avg(sum, n)
@@ -231,13 +235,7 @@ macro_rules! fp8_val {
                 Self::gen(rng, op)
             }
             fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
-                let (a, b) = (<$t>::to_f64(&a), <$t>::to_f64(&b));
-                <$t>::from_f64(match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a + b,
-                    ReduceOp::Prod => a * b,
-                    ReduceOp::Min => a.min(b),
-                    ReduceOp::Max => a.max(b),
-                })
+                <$t>::from_f64(combine_f64(op, <$t>::to_f64(&a), <$t>::to_f64(&b)))
             }
             fn avg(x: Self, n: usize) -> Self {
                 <$t>::from_f64(<$t>::to_f64(&x) / n as f64)
