@@ -87,8 +87,7 @@ impl Comm {
         let own = pre || own_staged;
         self.guarded(|| {
             if n == 1 {
-                let from = src + (mine * esz) as u64;
-                return if from == dst { Ok(()) } else { self.copy(dst, from, c * esz) };
+                return self.copy(dst, src + (mine * esz) as u64, c * esz);
             }
             // Each chunk: this rank's share of part q at q * stride of its
             // staging half, for rank q to read.
