@@ -457,12 +457,7 @@ fn fp8_reductions_round_as_nccl_does_on_every_pair() {
 #[test]
 fn the_fp8_pair_check_rejects_a_dropped_rank_another_op_and_a_changed_code() {
     fn model<T: Num>(op: ReduceOp, ins: &[Vec<T>; 2], nan: T) -> Vec<T> {
-        let step = |x: T, y: T| match op {
-            _ if x.to_f64().is_nan() || y.to_f64().is_nan() => nan,
-            ReduceOp::Avg => T::combine(ReduceOp::Sum, T::divide(x, 2), T::divide(y, 2)),
-            _ => T::combine(op, x, y),
-        };
-        ins[0].iter().zip(&ins[1]).map(|(&x, &y)| step(x, y)).collect()
+        ins[0].iter().zip(&ins[1]).map(|(&x, &y)| common::fp8::step(op, x, y).unwrap_or(nan)).collect()
     }
     fn run<T: Num>(from_bits: fn(u8) -> T, to_bits: fn(&T) -> u8) {
         let ins = common::fp8::pairs(from_bits);

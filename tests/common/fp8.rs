@@ -24,24 +24,31 @@ fn same<T: Num>(got: T, want: T) -> bool {
     (g.is_nan() && w.is_nan()) || (g == w && g.is_sign_negative() == w.is_sign_negative())
 }
 
+/// The model's all-reduce of `op` over the pair `(x, y)`: `None` where
+/// either is NaN (the result must then be NaN); else the step of `op` (avg:
+/// the sum of the halves, each input divided by the rank count first).
+pub fn step<T: Num>(op: ReduceOp, x: T, y: T) -> Option<T> {
+    let nan = |v: T| v.to_f64().is_nan();
+    if nan(x) || nan(y) {
+        return None;
+    }
+    Some(match op {
+        ReduceOp::Avg => T::combine(ReduceOp::Sum, T::divide(x, 2), T::divide(y, 2)),
+        _ => T::combine(op, x, y),
+    })
+}
+
 /// The pairs of [`pairs`] whose all-reduce of `op`, `got`, is wrong, as
-/// text: NaN where either input is NaN; else the step of `op` on the two
-/// (min and max in either order: they return one of the inputs, the first
-/// on a tie of +0 and -0); avg the sum of the halves (each input divided
-/// by the rank count first).
+/// text: not [`step`] (min and max in either order: they return one of
+/// the inputs, the first on a tie of +0 and -0), or not NaN where an input
+/// is NaN.
 pub fn wrong<T: Num>(op: ReduceOp, ins: &[Vec<T>; 2], got: &[T]) -> Vec<String> {
     let mut wrong = Vec::new();
     for (i, &g) in got.iter().enumerate() {
         let (x, y) = (ins[0][i], ins[1][i]);
-        let nan = |v: T| v.to_f64().is_nan();
-        let right = if nan(x) || nan(y) {
-            nan(g)
-        } else {
-            match op {
-                ReduceOp::Avg => same(g, T::combine(ReduceOp::Sum, T::divide(x, 2), T::divide(y, 2))),
-                ReduceOp::Min | ReduceOp::Max => same(g, T::combine(op, x, y)) || same(g, T::combine(op, y, x)),
-                _ => same(g, T::combine(op, x, y)),
-            }
+        let right = match step(op, x, y) {
+            None => g.to_f64().is_nan(),
+            Some(w) => same(g, w) || (matches!(op, ReduceOp::Min | ReduceOp::Max) && step(op, y, x).is_some_and(|w| same(g, w))),
         };
         if !right {
             wrong.push(format!("{x:?} {op} {y:?} = {g:?}"));
