@@ -162,8 +162,8 @@ pub(crate) struct P2pArgs {
     pub(crate) ops: Vec<P2pOp>,
     /// cuda-peer's all-reduce algorithm (`CommOptions::all_reduce`): `auto`,
     /// `one-shot` or `two-shot` (the CSV names the forced ones).
-    #[arg(long, default_value = "auto")]
-    pub(crate) all_reduce: AllReduceArg,
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<cuda_peer::AllReduceAlgorithm>())]
+    pub(crate) all_reduce: cuda_peer::AllReduceAlgorithm,
     /// Element types.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
     pub(crate) dtypes: Vec<Dt>,
@@ -218,40 +218,6 @@ pub(crate) enum P2pOp {
     /// All-reduce (sum, out of place).
     #[value(name = "allreduce")]
     AllReduce,
-}
-
-/// `p2p --all-reduce`: cuda-peer's all-reduce algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub(crate) enum AllReduceArg {
-    /// By size (`AllReduceAlgorithm::Auto`).
-    #[value(name = "auto")]
-    Auto,
-    /// Always the one-shot.
-    #[value(name = "one-shot")]
-    OneShot,
-    /// Always the two-shot.
-    #[value(name = "two-shot")]
-    TwoShot,
-}
-
-impl AllReduceArg {
-    /// The library's setting.
-    pub(crate) fn algorithm(self) -> cuda_peer::AllReduceAlgorithm {
-        match self {
-            AllReduceArg::Auto => cuda_peer::AllReduceAlgorithm::Auto,
-            AllReduceArg::OneShot => cuda_peer::AllReduceAlgorithm::OneShot,
-            AllReduceArg::TwoShot => cuda_peer::AllReduceAlgorithm::TwoShot,
-        }
-    }
-
-    /// cuda-peer's name in the table and the CSV.
-    pub(crate) fn imp(self) -> &'static str {
-        match self {
-            AllReduceArg::Auto => "cuda-peer",
-            AllReduceArg::OneShot => "cuda-peer-one-shot",
-            AllReduceArg::TwoShot => "cuda-peer-two-shot",
-        }
-    }
 }
 
 impl P2pOp {

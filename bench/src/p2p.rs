@@ -87,6 +87,16 @@ const NCCL: &str = "nccl";
 /// Input magnitude of the moving calls: every integer up to 256 is exact in bf16.
 const RANGE: i64 = 127;
 
+/// cuda-peer's name in the table and the CSV for its all-reduce algorithm
+/// (the forced ones named).
+fn peer_name(a: cuda_peer::AllReduceAlgorithm) -> &'static str {
+    match a.name() {
+        "one-shot" => "cuda-peer-one-shot",
+        "two-shot" => "cuda-peer-two-shot",
+        _ => PEER,
+    }
+}
+
 /// The input magnitude of `op` on `T` over `n` ranks.
 fn range<T: BenchElem>(op: P2pOp, n: usize) -> i64 {
     match op {
@@ -387,7 +397,7 @@ fn parent(args: &P2pArgs, gpus: usize, n: usize) -> Res<()> {
     let nccl_runs = n <= gpus;
     let total = points.len() * if nccl_runs { 2 } else { 1 };
     let mut stopped = Vec::new();
-    let peer = args.all_reduce.imp();
+    let peer = peer_name(args.all_reduce);
     if let Err(e) = run_peer(args, &ctxs, n, &points, total) {
         println!("# {peer}: stopped: {e}");
         stopped.push(peer);
@@ -444,13 +454,13 @@ struct RankPoint {
 fn run_peer(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point], total: usize) -> Res<()> {
     let devices: Vec<usize> = (0..n).map(|r| r % ctxs.len()).collect();
     let streams = devices.iter().map(|&d| ctxs[d].new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let comms = Comm::from_devices_with(streams, &CommOptions::default().all_reduce(args.all_reduce.algorithm()))?;
-    let peer = args.all_reduce.imp();
+    let comms = Comm::from_devices_with(streams, &CommOptions::default().all_reduce(args.all_reduce))?;
+    let peer = peer_name(args.all_reduce);
     println!("#");
     println!(
         "# {peer}: {n} ranks on GPUs {devices:?}, a thread each (Comm::from_devices), engine {:?}, all-reduce {:?}",
         comms[0].engine(),
-        args.all_reduce.algorithm()
+        args.all_reduce
     );
     print_table_header();
     let common = args.common();
@@ -684,8 +694,9 @@ mod tests {
         assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--ops", "allgather"]).is_err());
         assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--all-reduce", "ring"]).is_err());
         let a = parse(&["cuda-peer-bench", "p2p", "--ops", "allreduce", "--all-reduce", "two-shot"]);
-        assert_eq!((a.ops.clone(), a.all_reduce.imp()), (vec![P2pOp::AllReduce], "cuda-peer-two-shot"));
-        assert_eq!(a.all_reduce.algorithm(), cuda_peer::AllReduceAlgorithm::TwoShot);
+        assert_eq!((a.ops.clone(), peer_name(a.all_reduce)), (vec![P2pOp::AllReduce], "cuda-peer-two-shot"));
+        assert_eq!(a.all_reduce, cuda_peer::AllReduceAlgorithm::TwoShot);
+        assert_eq!(peer_name(parse(&["cuda-peer-bench", "p2p"]).all_reduce), PEER);
         assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--ranks", "two"]).is_err());
     }
 

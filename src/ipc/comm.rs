@@ -215,6 +215,29 @@ pub enum AllReduceAlgorithm {
     TwoShot,
 }
 
+impl AllReduceAlgorithm {
+    /// Its name: `auto`, `one-shot` or `two-shot` (what [`str::parse`] takes).
+    pub fn name(self) -> &'static str {
+        match self {
+            AllReduceAlgorithm::Auto => "auto",
+            AllReduceAlgorithm::OneShot => "one-shot",
+            AllReduceAlgorithm::TwoShot => "two-shot",
+        }
+    }
+}
+
+impl std::str::FromStr for AllReduceAlgorithm {
+    type Err = Error;
+    /// [`AllReduceAlgorithm::name`] back to the variant; anything else is
+    /// [`Error::InvalidArgument`].
+    fn from_str(s: &str) -> Result<Self> {
+        [AllReduceAlgorithm::Auto, AllReduceAlgorithm::OneShot, AllReduceAlgorithm::TwoShot]
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| Error::InvalidArgument(format!("all-reduce algorithm {s:?}: expected auto, one-shot or two-shot")))
+    }
+}
+
 impl Default for CommOptions {
     fn default() -> Self {
         CommOptions {
@@ -1255,6 +1278,14 @@ mod tests {
 
     fn malformed(r: Result<RankInfo>) -> bool {
         matches!(r, Err(Error::Bootstrap { .. }))
+    }
+
+    #[test]
+    fn all_reduce_algorithm_names_round_trip() {
+        for a in [AllReduceAlgorithm::Auto, AllReduceAlgorithm::OneShot, AllReduceAlgorithm::TwoShot] {
+            assert_eq!(a.name().parse::<AllReduceAlgorithm>().unwrap(), a);
+        }
+        assert!(matches!("ring".parse::<AllReduceAlgorithm>(), Err(Error::InvalidArgument(_))));
     }
 
     #[test]
