@@ -35,8 +35,8 @@
 #   twoshot  (not run by default) the per-rank two-shot all-reduce,
 #            tests/comm.rs: 2 to 4 thread ranks, P2P and staged, against
 #            the one-shot; twoshot-2, twoshot-3 and twoshot-4 take one rank
-#            count's test alone (racecheck does not finish all three in
-#            150 s on the H200)
+#            count's test alone (racecheck takes about 300 s for the
+#            2-rank one on an H200: raise SANITIZER_TIMEOUT)
 #   mp-full  (not run by default) the multi-process tests' own cases,
 #            tests/multiprocess.rs: 2 processes every collective (P2P and
 #            staged) and 3 processes every all-reduce (7 children)
