@@ -161,8 +161,9 @@ oneshot_args=("$sanitize" --test-threads=1 --exact oneshot_every_lane)
 mesh_args=("$sanitize" --test-threads=1 --exact mesh_above_4_mib)
 staged_comm_args=("$comm" --test-threads=1 --exact threads_every_collective_type_and_op_on_the_staged_path)
 staged_ring_args=("$sanitize" --test-threads=1 --exact staged_ring_rotation)
-twoshot_args=("$comm" --test-threads=1 --exact)
-for n in 2 3 4; do twoshot_args+=("threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_${n}_ranks"); done
+# twoshot_test N: the two-shot test on N ranks.
+twoshot_test() { echo "threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_$1_ranks"; }
+twoshot_args=("$comm" --test-threads=1 --exact "$(twoshot_test 2)" "$(twoshot_test 3)" "$(twoshot_test 4)")
 # A parent and two children per test.
 mp_args=("$sanitize" --test-threads=1 --exact two_processes_every_lane two_processes_staged_every_lane_and_chunk)
 mp_full_args=("$mp" --test-threads=1 --exact two_processes_every_collective_type_and_op two_processes_staged_every_collective_type_and_op three_processes_all_reduce_every_type_and_op)
@@ -187,7 +188,7 @@ for r in $runs; do
       need sanitize "$sanitize" && run "$tool" staged-ring 1 "${staged_ring_args[@]}" ;;
     mp) need sanitize "$sanitize" && run "$tool" mp 4 "${mp_args[@]}" ;;
     twoshot) need comm "$comm" && run "$tool" twoshot 1 "${twoshot_args[@]}" ;;
-    twoshot-[234]) need comm "$comm" && run "$tool" "${r#*:}" 1 "$comm" --test-threads=1 --exact "threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_${r##*-}_ranks" ;;
+    twoshot-[234]) need comm "$comm" && run "$tool" "${r#*:}" 1 "$comm" --test-threads=1 --exact "$(twoshot_test "${r##*-}")" ;;
     mp-full) need multiprocess "$mp" && run "$tool" mp-full 7 "${mp_full_args[@]}" ;;
     *) echo "sanitizer.sh: unknown run $r" | tee -a "$out/summary.txt" >&2; status=1 ;;
   esac
