@@ -539,10 +539,8 @@ fn two_shot_matches<T: Elem>(two: &[Comm], one: &[Comm], tag: &str, op: ReduceOp
 /// buffer: u32 and i32 sums, maxima and minima, f32 and bf16 sums and
 /// averages, at 0, 1, n - 1 (a rank with an empty part), 1001 and
 /// [`CROSS`] elements (many chunks), in place and out of place: against the
-/// CPU, and bit for bit the one-shot's result on the same inputs. On 3
-/// ranks, then with the default staging buffer, long messages (600,001 f32
-/// sums, 1,200,001 bf16 averages) the same way. One test per rank count,
-/// so that a sanitizer can take one.
+/// CPU, and bit for bit the one-shot's result on the same inputs. One test
+/// per rank count, so that a sanitizer can take one.
 fn two_shot_matches_the_cpu_and_the_one_shot(test: &str, n: usize) {
     use cuda_peer::AllReduceAlgorithm::{OneShot, TwoShot};
     let _gpu = exclusive();
@@ -563,13 +561,6 @@ fn two_shot_matches_the_cpu_and_the_one_shot(test: &str, n: usize) {
             }
         }
     }
-    if n == 3 {
-        let path = expected_path(test, 3, ctxs.len(), PathPolicy::Auto);
-        let (two, one) = (make(CommOptions::default().all_reduce(TwoShot)), make(CommOptions::default().all_reduce(OneShot)));
-        let tag = format!("n=3 {path:?} two-shot, the default staging buffer");
-        two_shot_matches::<f32>(&two, &one, &tag, ReduceOp::Sum, 600_001);
-        two_shot_matches::<bf16>(&two, &one, &tag, ReduceOp::Avg, 1_200_001);
-    }
 }
 
 /// [`two_shot_matches_the_cpu_and_the_one_shot`] on 2 ranks.
@@ -578,11 +569,28 @@ fn threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_2_ranks() {
     two_shot_matches_the_cpu_and_the_one_shot("threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_2_ranks", 2);
 }
 
-/// [`two_shot_matches_the_cpu_and_the_one_shot`] on 3 ranks, with the long
-/// messages.
+/// [`two_shot_matches_the_cpu_and_the_one_shot`] on 3 ranks.
 #[test]
 fn threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_3_ranks() {
     two_shot_matches_the_cpu_and_the_one_shot("threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_3_ranks", 3);
+}
+
+/// The two-shot on 3 thread ranks (`PathPolicy::Auto`) with the default
+/// staging buffer, on long messages (600,001 f32 sums, 1,200,001 bf16
+/// averages), in place and out of place: against the CPU, and bit for bit
+/// the one-shot's result on the same inputs.
+#[test]
+fn threads_two_shot_long_all_reduces_match_the_cpu_and_the_one_shot() {
+    use cuda_peer::AllReduceAlgorithm::{OneShot, TwoShot};
+    let test = "threads_two_shot_long_all_reduces_match_the_cpu_and_the_one_shot";
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus(test, 1) else { return };
+    let make = |opts: CommOptions| Comm::from_devices_with(streams(&ctxs, 3), &opts).unwrap_or_else(|e| panic!("{opts:?}: {e}"));
+    let path = expected_path(test, 3, ctxs.len(), PathPolicy::Auto);
+    let (two, one) = (make(CommOptions::default().all_reduce(TwoShot)), make(CommOptions::default().all_reduce(OneShot)));
+    let tag = format!("n=3 {path:?} two-shot, the default staging buffer");
+    two_shot_matches::<f32>(&two, &one, &tag, ReduceOp::Sum, 600_001);
+    two_shot_matches::<bf16>(&two, &one, &tag, ReduceOp::Avg, 1_200_001);
 }
 
 /// [`two_shot_matches_the_cpu_and_the_one_shot`] on 4 ranks.

@@ -35,8 +35,9 @@
 #   twoshot  (not run by default) the per-rank two-shot all-reduce,
 #            tests/comm.rs: 2 to 4 thread ranks, P2P and staged, against
 #            the one-shot; twoshot-2, twoshot-3 and twoshot-4 take one rank
-#            count's test alone (racecheck takes about 300 s for the
-#            2-rank one on an H200: raise SANITIZER_TIMEOUT)
+#            count's test alone, twoshot-long the long messages on 3 ranks
+#            (racecheck takes about 300 s for the 2-rank one on an H200:
+#            raise SANITIZER_TIMEOUT)
 #   mp-full  (not run by default) the multi-process tests' own cases,
 #            tests/multiprocess.rs: 2 processes every collective (P2P and
 #            staged) and 3 processes every all-reduce (7 children)
@@ -163,7 +164,8 @@ staged_comm_args=("$comm" --test-threads=1 --exact threads_every_collective_type
 staged_ring_args=("$sanitize" --test-threads=1 --exact staged_ring_rotation)
 # twoshot_test N: the two-shot test on N ranks.
 twoshot_test() { echo "threads_two_shot_all_reduces_match_the_cpu_and_the_one_shot_on_$1_ranks"; }
-twoshot_args=("$comm" --test-threads=1 --exact "$(twoshot_test 2)" "$(twoshot_test 3)" "$(twoshot_test 4)")
+twoshot_long=threads_two_shot_long_all_reduces_match_the_cpu_and_the_one_shot
+twoshot_args=("$comm" --test-threads=1 --exact "$(twoshot_test 2)" "$(twoshot_test 3)" "$(twoshot_test 4)" "$twoshot_long")
 # A parent and two children per test.
 mp_args=("$sanitize" --test-threads=1 --exact two_processes_every_lane two_processes_staged_every_lane_and_chunk)
 mp_full_args=("$mp" --test-threads=1 --exact two_processes_every_collective_type_and_op two_processes_staged_every_collective_type_and_op three_processes_all_reduce_every_type_and_op)
@@ -189,6 +191,7 @@ for r in $runs; do
     mp) need sanitize "$sanitize" && run "$tool" mp 4 "${mp_args[@]}" ;;
     twoshot) need comm "$comm" && run "$tool" twoshot 1 "${twoshot_args[@]}" ;;
     twoshot-[234]) need comm "$comm" && run "$tool" "${r#*:}" 1 "$comm" --test-threads=1 --exact "$(twoshot_test "${r##*-}")" ;;
+    twoshot-long) need comm "$comm" && run "$tool" twoshot-long 1 "$comm" --test-threads=1 --exact "$twoshot_long" ;;
     mp-full) need multiprocess "$mp" && run "$tool" mp-full 7 "${mp_full_args[@]}" ;;
     *) echo "sanitizer.sh: unknown run $r" | tee -a "$out/summary.txt" >&2; status=1 ;;
   esac
