@@ -30,6 +30,10 @@
 #   twoshot    cuda-peer-bench p2p --ops allreduce, the per-rank engine's one-shot and two-shot side by
 #              side on 3, 4 and 8 thread ranks over the GPUs there are (TWOSHOT_RANKS, TWOSHOT_MAX bytes,
 #              MACHINE names the CSVs: {MACHINE}-r{n}-{algorithm}-p2p.csv), f32, sizes x4
+#   groupvs    cuda-peer-bench p2p --ops allreduce --group: the per-rank engine and the single-process
+#              Group side by side on 2 and 4 thread ranks (GROUPVS_RANKS), P2P and staged, over the GPUs
+#              there are (MACHINE names the CSVs: {MACHINE}-r{n}-{path}-p2p.csv), f32, sizes x4 to
+#              GROUPVS_MAX bytes (default 256 MiB)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT (the device sets it)}"
@@ -64,6 +68,9 @@ for p in "$@"; do
     twoshot) phase twoshot 420 bash -c 'for n in ${TWOSHOT_RANKS:-3 4 8}; do for a in one-shot two-shot; do
                .gpu/bin/cuda-peer-bench p2p --ops allreduce --dtypes f32 --ranks "$n" --all-reduce "$a" --quick \
                  --max-bytes "${TWOSHOT_MAX:-268435456}" --machine "${MACHINE:-h200x1}-r$n-$a" --out "$OUT" || exit 1; done; done' ;;
+    groupvs) phase groupvs 540 bash -c 'for n in ${GROUPVS_RANKS:-2 4}; do for p in p2p staged; do
+               .gpu/bin/cuda-peer-bench p2p --ops allreduce --dtypes f32 --ranks "$n" --path "$p" --group --quick \
+                 --max-bytes "${GROUPVS_MAX:-268435456}" --machine "${MACHINE:-h200x1}-r$n-$p" --out "$OUT" || s=1; done; done; exit ${s:-0}' ;;
     *) line "unknown phase $p"; status=1 ;;
   esac
 done

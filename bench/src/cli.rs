@@ -164,6 +164,17 @@ pub(crate) struct P2pArgs {
     /// `one-shot` or `two-shot` (the CSV names the forced ones).
     #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<cuda_peer::AllReduceAlgorithm>())]
     pub(crate) all_reduce: cuda_peer::AllReduceAlgorithm,
+    /// How ranks reach each other: `auto`, `p2p` or `staged` (through host
+    /// memory), for cuda-peer (`CommOptions::path`, and the group's
+    /// `GroupOptions::with_policy`); `staged` runs NCCL with
+    /// `NCCL_P2P_DISABLE=1` (its rows then `nccl-no-p2p`).
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<cuda_peer::copy::PathPolicy>())]
+    pub(crate) path: cuda_peer::copy::PathPolicy,
+    /// Also run the single-process `Group`'s all-reduce (`allreduce` only,
+    /// one thread enqueueing every rank's call; rows `cuda-peer-group`) on
+    /// the same ranks, and print cuda-peer's ratios to it.
+    #[arg(long)]
+    pub(crate) group: bool,
     /// Element types.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
     pub(crate) dtypes: Vec<Dt>,

@@ -14,7 +14,12 @@
 //! | impl | how |
 //! |---|---|
 //! | `cuda-peer` | [`cuda_peer::Comm::from_devices`], one thread per rank: `comm.group()` with `send` and `recv`, then `end`; [`cuda_peer::Comm::all_to_all`]; [`cuda_peer::Comm::all_reduce`] (`--all-reduce one-shot` or `two-shot` forces its algorithm, and names the rows `cuda-peer-one-shot`, `cuda-peer-two-shot`) |
-//! | `nccl` | cudarc's NCCL, `Comm::from_devices` (`ncclCommInitAll`), one thread driving every rank: per call one `ncclGroupStart/End` with every rank's `ncclSend`/`ncclRecv` (alltoall: n of each per rank; allreduce: its `ncclAllReduce`), in a child process with `NCCL_NVLS_ENABLE=0` |
+//! | `cuda-peer-group` | with `--group`, `allreduce` only: the single-process [`cuda_peer::Group`] over the same ranks (`GroupOptions::with_policy`, `Algorithm::Auto`), one thread enqueueing every rank's call (`Group::all_reduce`) |
+//! | `nccl` | cudarc's NCCL, `Comm::from_devices` (`ncclCommInitAll`), one thread driving every rank: per call one `ncclGroupStart/End` with every rank's `ncclSend`/`ncclRecv` (alltoall: n of each per rank; allreduce: its `ncclAllReduce`), in a child process with `NCCL_NVLS_ENABLE=0` (`nccl-no-p2p` with `--path staged`: `NCCL_P2P_DISABLE=1` too) |
+//!
+//! `--path` sets how cuda-peer's ranks reach each other (`auto`, `p2p`,
+//! `staged`: through host memory), for the per-rank communicators and the
+//! group alike.
 //!
 //! Ranks: every GPU (at least 2), or `--ranks N`; rank r runs on GPU
 //! r mod (GPU count), each rank on a stream of its own, so more ranks than
@@ -49,7 +54,8 @@
 //! every rank). Then warm-up calls, every rank idle, and `iters` timed
 //! calls (the sweep's counts: `--iters`, default enough to move ~2 GiB).
 //! `{machine}-p2p.csv` gets a row per point (NCCL's rows from the child);
-//! at the end a table gives the ratios to NCCL where both ran. A point with
+//! at the end a table gives the ratios to NCCL where both ran (and, with
+//! `--group`, the per-rank engine's to the group's). A point with
 //! wrong elements, or an implementation that stopped part way, makes the
 //! exit status 1 (after every point that could run has run).
 //!
@@ -57,8 +63,8 @@
 //! collectives of `kinds::Op` and rows of their CSV, and its one-thread
 //! timing (`device::time_calls`) cannot drive communicators that need a
 //! thread per rank: here one timing loop, [`time_per_rank`], serves both
-//! implementations (a rank's thread times its own stream; NCCL's one thread
-//! times every stream), and the sweep's plan helpers, buffers, CSV writer,
+//! implementations (a rank's thread times its own stream; the one thread
+//! of NCCL and of the group times every stream), and the sweep's plan helpers, buffers, CSV writer,
 //! progress lines and NCCL child machinery are reused.
 
 use crate::cli::{Common, P2pArgs, P2pOp};
@@ -69,8 +75,9 @@ use crate::kinds::Dt;
 use crate::nccl::{child_flags, err as nccl_err, nccl_shim, print_header, private_tmp, require_library, run_child, ChildEnv, EXIT_NO_NCCL};
 use crate::output::Csv;
 use crate::plan::{geometric, iters_for, warmup_for, Progress};
+use cuda_peer::copy::PathPolicy;
 use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{driver, Comm, CommOptions, ReduceOp};
+use cuda_peer::{driver, Comm, CommOptions, Group, GroupOptions, ReduceOp};
 use half::bf16;
 use rand::Rng;
 use std::ffi::OsString;
@@ -82,7 +89,16 @@ pub(crate) const CSV_HEADER: &str = "impl,op,dtype,ranks,bytes,time_us,algbw_gbs
 
 /// The implementations' names in the table and the CSV.
 const PEER: &str = "cuda-peer";
+const GROUP: &str = "cuda-peer-group";
 const NCCL: &str = "nccl";
+
+/// NCCL's name for a run on `path`: `staged` runs it without P2P.
+fn nccl_name(path: PathPolicy) -> &'static str {
+    match path {
+        PathPolicy::StagedOnly => "nccl-no-p2p",
+        _ => NCCL,
+    }
+}
 
 /// Input magnitude of the moving calls: every integer up to 256 is exact in bf16.
 const RANGE: i64 = 127;
@@ -272,20 +288,22 @@ fn read_rows(path: &Path) -> Res<Vec<CsvRow>> {
     Ok(rows)
 }
 
-/// The ratios of cuda-peer to NCCL at every point where both ran.
-fn print_ratios(rows: &[CsvRow]) {
+/// The ratios of every other cuda-peer implementation to `base` (NCCL's
+/// rows, or the group's) at every point where both ran.
+fn print_ratios(rows: &[CsvRow], base: &str) {
     let key = |r: &CsvRow| (r.op.clone(), r.dtype.clone(), r.ranks, r.bytes);
-    let nccl: std::collections::HashMap<_, &CsvRow> = rows.iter().filter(|r| r.imp == NCCL).map(|r| (key(r), r)).collect();
-    let both: Vec<(&CsvRow, &CsvRow)> = rows.iter().filter(|r| r.imp.starts_with(PEER)).filter_map(|r| nccl.get(&key(r)).map(|n| (r, *n))).collect();
+    let based: std::collections::HashMap<_, &CsvRow> = rows.iter().filter(|r| r.imp == base).map(|r| (key(r), r)).collect();
+    let both: Vec<(&CsvRow, &CsvRow)> =
+        rows.iter().filter(|r| r.imp.starts_with(PEER) && r.imp != base).filter_map(|r| based.get(&key(r)).map(|n| (r, *n))).collect();
     println!("#");
     if both.is_empty() {
-        println!("# ratios to NCCL: none (no point ran on both)");
+        println!("# ratios to {base}: none (no point ran on both)");
         return;
     }
-    println!("# cuda-peer (its rows' name) vs nccl: t_ratio = cuda-peer time / NCCL time (< 1: cuda-peer faster); bw_ratio = busbw ratio (> 1: cuda-peer faster)");
+    println!("# cuda-peer (its rows' name) vs {base}: t_ratio = cuda-peer time / {base} time (< 1: cuda-peer faster); bw_ratio = busbw ratio (> 1: cuda-peer faster)");
     println!(
         "#{:>17} {:>9} {:>5} {:>5} {:>12} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8}",
-        "impl", "op", "dtype", "ranks", "bytes", "peer_us", "nccl_us", "t_ratio", "peer_bw", "nccl_bw", "bw_ratio"
+        "impl", "op", "dtype", "ranks", "bytes", "peer_us", "base_us", "t_ratio", "peer_bw", "base_bw", "bw_ratio"
     );
     for (p, n) in both {
         println!(
@@ -394,34 +412,46 @@ fn parent(args: &P2pArgs, gpus: usize, n: usize) -> Res<()> {
     println!("# bytes: the per-rank buffer (alltoall: n blocks); algbw = bytes / time; busbw = algbw (sendrecv), algbw * (n-1)/n (alltoall), algbw * 2(n-1)/n (allreduce)");
     println!("# time_us: the slowest rank's mean per call (CUDA events on each rank's stream); #wrong: over every rank's receive buffer");
     let points = points(args, n);
+    let grouped = group_points(args, &points);
     let nccl_runs = n <= gpus;
-    let total = points.len() * if nccl_runs { 2 } else { 1 };
+    let nccl = nccl_name(args.path);
+    let total = points.len() * if nccl_runs { 2 } else { 1 } + grouped.len();
     let mut stopped = Vec::new();
     let peer = peer_name(args.all_reduce);
     if let Err(e) = run_peer(args, &ctxs, n, &points, total) {
         println!("# {peer}: stopped: {e}");
         stopped.push(peer);
     }
+    let mut progress = Progress { done: points.len(), total };
+    if args.group {
+        if let Err(e) = run_group(args, &ctxs, n, &grouped, &mut progress) {
+            println!("# {GROUP}: stopped: {e}");
+            stopped.push(GROUP);
+        }
+    }
+    progress.done = points.len() + grouped.len();
     if nccl_runs {
         // Removed when dropped, after the child.
         let tmp = private_tmp()?;
         let shim = nccl_shim(args.nccl_lib.as_deref(), tmp.path(), true);
-        let progress = Progress { done: points.len(), total };
-        let env = ChildEnv { no_p2p: false, caller_nvls: false, master_port: None };
+        let env = ChildEnv { no_p2p: args.path == PathPolicy::StagedOnly, caller_nvls: false, master_port: None };
         let status = run_child(&child_args(args, n, &progress), &env, shim.as_deref())?;
         match status.code() {
             Some(0) | Some(EXIT_NO_NCCL) => {}
             _ => {
-                println!("# {NCCL}: the NCCL child process failed ({status}); its remaining points are missing");
-                stopped.push(NCCL);
+                println!("# {nccl}: the NCCL child process failed ({status}); its remaining points are missing");
+                stopped.push(nccl);
             }
         }
     } else {
         println!("#");
-        println!("# {NCCL}: skipped: NCCL needs one GPU per rank ({n} ranks, {gpus} GPUs); cuda-peer ran with ranks sharing GPUs");
+        println!("# {nccl}: skipped: NCCL needs one GPU per rank ({n} ranks, {gpus} GPUs); cuda-peer ran with ranks sharing GPUs");
     }
     let rows = read_rows(&args.csv())?;
-    print_ratios(&rows);
+    print_ratios(&rows, nccl);
+    if args.group {
+        print_ratios(&rows, GROUP);
+    }
     let wrong = rows.iter().filter(|r| r.wrong > 0).count();
     if wrong > 0 {
         return Err(format!("{wrong} points with wrong elements (the wrong column of {})", args.csv().display()).into());
@@ -436,6 +466,7 @@ fn parent(args: &P2pArgs, gpus: usize, n: usize) -> Res<()> {
 fn child_args(args: &P2pArgs, n: usize, progress: &Progress) -> Vec<OsString> {
     let ops: Vec<&str> = args.ops.iter().map(|o| o.name()).collect();
     let mut v: Vec<OsString> = vec!["p2p".into(), "--nccl-child".into(), format!("--ops={}", ops.join(",")).into(), format!("--ranks={n}").into()];
+    v.push(format!("--path={}", args.path.name()).into());
     v.extend(child_flags(&args.common(), progress));
     v
 }
@@ -454,11 +485,12 @@ struct RankPoint {
 fn run_peer(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point], total: usize) -> Res<()> {
     let devices: Vec<usize> = (0..n).map(|r| r % ctxs.len()).collect();
     let streams = devices.iter().map(|&d| ctxs[d].new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let comms = Comm::from_devices_with(streams, &CommOptions::default().all_reduce(args.all_reduce))?;
+    let comms = Comm::from_devices_with(streams, &CommOptions::default().all_reduce(args.all_reduce).path(args.path))?;
     let peer = peer_name(args.all_reduce);
     println!("#");
     println!(
-        "# {peer}: {n} ranks on GPUs {devices:?}, a thread each (Comm::from_devices), engine {:?}, all-reduce {:?}",
+        "# {peer}: {n} ranks on GPUs {devices:?}, a thread each (Comm::from_devices), path policy {}, engine {:?}, all-reduce {:?}",
+        args.path.name(),
         comms[0].engine(),
         args.all_reduce
     );
@@ -575,23 +607,96 @@ fn nccl_child(args: &P2pArgs, n: usize) -> Res<()> {
     }
     let streams = ctxs[..n].iter().map(|c| c.new_stream()).collect::<Result<Vec<_>, _>>()?;
     let comms = cudarc::nccl::Comm::from_devices(streams.clone()).map_err(|e| nccl_err("ncclCommInitAll", e))?;
-    print_header(NCCL, v, &format!("{n} ranks, one process (ncclCommInitAll), one thread, one group per call"));
-    print_table_header();
+    let nccl = nccl_name(args.path);
+    print_header(nccl, v, &format!("{n} ranks, one process (ncclCommInitAll), one thread, one group per call"));
     let common = args.common();
     let points = points(args, n);
     let mut progress = Progress::resume(&common, points.len());
-    let mut csv = Csv::append(&args.csv())?;
-    for p in &points {
-        progress.tick(format_args!("{NCCL} {} {} {}", p.op.name(), p.dt.name(), p.shape.bytes));
-        let row = match p.dt {
-            Dt::F32 => nccl_point::<f32>(&comms, &streams, &common, p),
-            Dt::Bf16 => nccl_point::<bf16>(&comms, &streams, &common, p),
+    let mut caller = NcclCaller(&comms);
+    one_thread(nccl, &streams, &common, &points, &mut progress, &args.csv(), &mut caller)
+}
+
+/// An implementation that one thread drives over every rank: its calls,
+/// enqueued on every rank's stream.
+trait EveryRank {
+    /// One call of `p` on every rank (`sends[r]` and `recvs[r]` rank r's).
+    fn call<T: BenchElem>(&mut self, p: &Point, sends: &[CudaSlice<T>], recvs: &mut [CudaSlice<T>]) -> Res<()>;
+}
+
+/// NCCL's calls, one NCCL group each.
+struct NcclCaller<'a>(&'a [cudarc::nccl::Comm]);
+
+impl EveryRank for NcclCaller<'_> {
+    fn call<T: BenchElem>(&mut self, p: &Point, sends: &[CudaSlice<T>], recvs: &mut [CudaSlice<T>]) -> Res<()> {
+        nccl_call(self.0, p.op, p.shape.block, sends, recvs)
+    }
+}
+
+/// The group's all-reduce (the only call it runs here).
+struct GroupCaller<'a>(&'a Group);
+
+impl EveryRank for GroupCaller<'_> {
+    fn call<T: BenchElem>(&mut self, p: &Point, sends: &[CudaSlice<T>], recvs: &mut [CudaSlice<T>]) -> Res<()> {
+        match p.op {
+            P2pOp::AllReduce => Ok(self.0.all_reduce(sends, recvs, ReduceOp::Sum)?),
+            other => Err(format!("the group runs allreduce only, not {}", other.name()).into()),
         }
-        .map_err(|e| format!("{NCCL} {} {} {} bytes: {e}", p.op.name(), p.dt.name(), p.shape.bytes))?;
+    }
+}
+
+/// Every point of `points` on `imp` (named `name`), driven from this one
+/// thread over `streams`: rows printed and appended to `csv`.
+fn one_thread<I: EveryRank>(
+    name: &'static str,
+    streams: &[Arc<CudaStream>],
+    common: &Common,
+    points: &[Point],
+    progress: &mut Progress,
+    csv: &Path,
+    imp: &mut I,
+) -> Res<()> {
+    print_table_header();
+    let mut csv = Csv::append(csv)?;
+    for p in points {
+        progress.tick(format_args!("{name} {} {} {}", p.op.name(), p.dt.name(), p.shape.bytes));
+        let row = match p.dt {
+            Dt::F32 => one_thread_point::<f32, I>(name, imp, streams, common, p),
+            Dt::Bf16 => one_thread_point::<bf16, I>(name, imp, streams, common, p),
+        }
+        .map_err(|e| format!("{name} {} {} {} bytes: {e}", p.op.name(), p.dt.name(), p.shape.bytes))?;
         row.print();
         csv.line(&row.csv())?;
     }
     Ok(())
+}
+
+/// The points the group runs (`--group`): the all-reduces.
+fn group_points(args: &P2pArgs, points: &[Point]) -> Vec<Point> {
+    if !args.group {
+        return Vec::new();
+    }
+    points.iter().copied().filter(|p| p.op == P2pOp::AllReduce).collect()
+}
+
+/// The group over `n` ranks (rank r on `ctxs[r % len]`, each on a new
+/// stream) with `--path`, every one of `points`.
+fn run_group(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point], progress: &mut Progress) -> Res<()> {
+    let devices: Vec<usize> = (0..n).map(|r| r % ctxs.len()).collect();
+    let streams = devices.iter().map(|&d| ctxs[d].new_stream()).collect::<Result<Vec<_>, _>>()?;
+    let group = Group::new(streams.clone(), &GroupOptions::with_policy(args.path))?;
+    println!("#");
+    if points.is_empty() {
+        println!("# {GROUP}: no allreduce in --ops: nothing to run");
+        return Ok(());
+    }
+    let algos: Vec<String> =
+        [4usize << 10, 1 << 20, 16 << 20, 256 << 20].iter().map(|&b| format!("{} B: {:?}", b, group.all_reduce_algorithm(b))).collect();
+    println!(
+        "# {GROUP}: {n} ranks on GPUs {devices:?}, one thread (Group::new), path policy {}, all-reduce by size: {}",
+        args.path.name(),
+        algos.join(", ")
+    );
+    one_thread(GROUP, &streams, &args.common(), points, progress, &args.csv(), &mut GroupCaller(&group))
 }
 
 /// One call of `op` on every rank, as one NCCL group.
@@ -626,14 +731,21 @@ fn nccl_enqueue<T: BenchElem>(comms: &[cudarc::nccl::Comm], op: P2pOp, block: us
     Ok(())
 }
 
-/// One NCCL point over every rank: check, then time.
-fn nccl_point<T: BenchElem>(comms: &[cudarc::nccl::Comm], streams: &[Arc<CudaStream>], common: &Common, p: &Point) -> Res<Row> {
-    let n = comms.len();
+/// One point of `imp` (named `name`) over every rank, from this thread:
+/// check, then time.
+fn one_thread_point<T: BenchElem, I: EveryRank>(
+    name: &'static str,
+    imp: &mut I,
+    streams: &[Arc<CudaStream>],
+    common: &Common,
+    p: &Point,
+) -> Res<Row> {
+    let n = streams.len();
     let inputs = Inputs::fresh(range::<T>(p.op, n));
     let sends = streams.iter().enumerate().map(|(r, s)| upload::<T>(s, &inputs, r, p.shape.elems)).collect::<Res<Vec<_>>>()?;
     let mut recvs = streams.iter().map(|s| poisoned::<T>(s, p.shape.elems)).collect::<Res<Vec<_>>>()?;
     sync_all(streams)?;
-    nccl_call(comms, p.op, p.shape.block, &sends, &mut recvs)?;
+    imp.call(p, &sends, &mut recvs)?;
     sync_all(streams)?;
     let (mut wrong, mut sampled) = (0, false);
     for (r, recv) in recvs.iter().enumerate() {
@@ -642,8 +754,8 @@ fn nccl_point<T: BenchElem>(comms: &[cudarc::nccl::Comm], streams: &[Arc<CudaStr
         sampled |= s;
     }
     let (warmup, iters) = (warmup_for(common.warmup, p.shape.bytes), iters_for(common.iters, p.shape.bytes));
-    let times = time_per_rank(streams, warmup, iters, || Ok(()), || nccl_call(comms, p.op, p.shape.block, &sends, &mut recvs))?;
-    Ok(Row { imp: NCCL, point: *p, ranks: n, time_us: times.iter().copied().fold(0.0, f64::max), wrong, sampled })
+    let times = time_per_rank(streams, warmup, iters, || Ok(()), || imp.call(p, &sends, &mut recvs))?;
+    Ok(Row { imp: name, point: *p, ranks: n, time_us: times.iter().copied().fold(0.0, f64::max), wrong, sampled })
 }
 
 #[cfg(test)]
@@ -698,6 +810,16 @@ mod tests {
         assert_eq!(a.all_reduce, cuda_peer::AllReduceAlgorithm::TwoShot);
         assert_eq!(peer_name(parse(&["cuda-peer-bench", "p2p"]).all_reduce), PEER);
         assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--ranks", "two"]).is_err());
+        let a = parse(&["cuda-peer-bench", "p2p", "--ops", "sendrecv,allreduce", "--path", "staged", "--group"]);
+        assert_eq!((a.path, a.group, nccl_name(a.path)), (PathPolicy::StagedOnly, true, "nccl-no-p2p"));
+        let d = parse(&["cuda-peer-bench", "p2p"]);
+        assert_eq!((d.path, d.group, nccl_name(d.path)), (PathPolicy::Auto, false, NCCL));
+        assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--path", "nvlink"]).is_err());
+        // The group runs the all-reduces only, and only when asked.
+        let ops = |a: &P2pArgs| group_points(a, &points(a, 2)).iter().map(|p| p.op).collect::<Vec<_>>();
+        assert!(!ops(&a).is_empty() && ops(&a).iter().all(|&o| o == P2pOp::AllReduce));
+        assert_eq!(ops(&a).len(), points(&a, 2).iter().filter(|p| p.op == P2pOp::AllReduce).count());
+        assert!(ops(&parse(&["cuda-peer-bench", "p2p", "--ops", "allreduce"])).is_empty());
     }
 
     #[test]
@@ -716,6 +838,8 @@ mod tests {
             "--quick",
             "--machine",
             "m",
+            "--path",
+            "p2p",
         ]);
         let mut argv: Vec<OsString> = vec!["cuda-peer-bench".into()];
         argv.extend(child_args(&a, 3, &Progress { done: 6, total: 12 }));
@@ -724,6 +848,7 @@ mod tests {
             other => panic!("not p2p: {other:?}"),
         };
         assert!(c.nccl_child);
+        assert_eq!(c.path, PathPolicy::P2pOnly);
         assert_eq!((c.ranks, c.progress_offset, c.progress_total), (Some(3), 6, Some(12)));
         assert_eq!((c.ops.clone(), c.dtypes.clone(), c.min_bytes, c.max_bytes), (a.ops.clone(), a.dtypes.clone(), 4, 4096));
         assert_eq!((c.iters, c.warmup, c.quick, c.machine.as_str(), c.out.clone()), (Some(7), 5, true, "m", a.out.clone()));
@@ -824,7 +949,7 @@ mod tests {
             (PEER, "sendrecv", "f32", 2, 4096)
         );
         assert_eq!((rows[0].time_us, rows[0].busbw, rows[1].wrong), (2.0, 2.048, 3));
-        print_ratios(&rows);
+        print_ratios(&rows, NCCL);
         std::fs::write(&path, format!("{CSV_HEADER}\nnccl,sendrecv,f32\n")).unwrap();
         assert!(read_rows(&path).is_err());
     }

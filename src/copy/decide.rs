@@ -49,15 +49,26 @@ pub enum PathPolicy {
     StagedOnly,
 }
 
+impl PathPolicy {
+    /// Its name: `auto`, `p2p` or `staged` (what [`str::parse`] takes).
+    pub fn name(self) -> &'static str {
+        match self {
+            PathPolicy::Auto => "auto",
+            PathPolicy::P2pOnly => "p2p",
+            PathPolicy::StagedOnly => "staged",
+        }
+    }
+}
+
 impl std::str::FromStr for PathPolicy {
     type Err = Error;
+    /// [`PathPolicy::name`] back to the variant; anything else is
+    /// [`Error::InvalidArgument`].
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(PathPolicy::Auto),
-            "p2p" => Ok(PathPolicy::P2pOnly),
-            "staged" => Ok(PathPolicy::StagedOnly),
-            other => Err(Error::InvalidArgument(format!("path policy {other:?}: expected auto, p2p or staged"))),
-        }
+        [PathPolicy::Auto, PathPolicy::P2pOnly, PathPolicy::StagedOnly]
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| Error::InvalidArgument(format!("path policy {s:?}: expected auto, p2p or staged")))
     }
 }
 

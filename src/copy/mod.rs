@@ -188,6 +188,9 @@ mod tests {
         assert_eq!("p2p".parse::<PathPolicy>().unwrap(), PathPolicy::P2pOnly);
         assert_eq!("staged".parse::<PathPolicy>().unwrap(), PathPolicy::StagedOnly);
         assert!(matches!("nvlink".parse::<PathPolicy>(), Err(Error::InvalidArgument(_))));
+        for p in [PathPolicy::Auto, PathPolicy::P2pOnly, PathPolicy::StagedOnly] {
+            assert_eq!(p.name().parse::<PathPolicy>().unwrap(), p, "{p:?}'s name parses back");
+        }
         let o = LinkOptions::default();
         assert_eq!(o.policy, PathPolicy::Auto);
         assert!(o.verify && o.staging_buffers >= 2 && o.staging_chunk_bytes >= 4096);
