@@ -75,6 +75,7 @@ use crate::kinds::Dt;
 use crate::nccl::{child_flags, err as nccl_err, nccl_shim, print_header, private_tmp, require_library, run_child, ChildEnv, EXIT_NO_NCCL};
 use crate::output::Csv;
 use crate::plan::{geometric, iters_for, warmup_for, Progress};
+use crate::sweep::describe_group;
 use cuda_peer::copy::PathPolicy;
 use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream};
 use cuda_peer::{driver, Comm, CommOptions, Group, GroupOptions, ReduceOp};
@@ -689,13 +690,8 @@ fn run_group(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Poin
         println!("# {GROUP}: no allreduce in --ops: nothing to run");
         return Ok(());
     }
-    let algos: Vec<String> =
-        [4usize << 10, 1 << 20, 16 << 20, 256 << 20].iter().map(|&b| format!("{} B: {:?}", b, group.all_reduce_algorithm(b))).collect();
-    println!(
-        "# {GROUP}: {n} ranks on GPUs {devices:?}, one thread (Group::new), path policy {}, all-reduce by size: {}",
-        args.path.name(),
-        algos.join(", ")
-    );
+    println!("# {GROUP}: on GPUs {devices:?}, one thread (Group::new), path policy {}", args.path.name());
+    describe_group(GROUP, &group);
     one_thread(GROUP, &streams, &args.common(), points, progress, &args.csv(), &mut GroupCaller(&group))
 }
 

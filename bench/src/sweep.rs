@@ -121,9 +121,16 @@ pub(crate) fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>], graph: bool) ->
         opts.launch_spin = None;
     }
     let group = Group::new(streams.clone(), &opts)?;
-    let n = group.size();
     println!("#");
-    println!("# {}: {n} ranks", imp.name());
+    describe_group(imp.name(), &group);
+    Ok(InProcess { imp, streams, engine: Engine::Peer(Box::new(group)), graph })
+}
+
+/// Prints `group`'s ranks (as `name`), the path each rank pulls from its
+/// predecessor over, and the all-reduce algorithm it takes by size.
+pub(crate) fn describe_group(name: &str, group: &Group) {
+    let n = group.size();
+    println!("# {name}: {n} ranks");
     for r in 0..n {
         if let Some(st) = group.link_status(r) {
             println!("#   rank {r} <- rank {}: {} ({})", (r + n - 1) % n, st.path, st.reason);
@@ -132,7 +139,6 @@ pub(crate) fn peer_backend(imp: Impl, ctxs: &[Arc<CudaContext>], graph: bool) ->
     let algos: Vec<String> =
         [4 * KIB, 256 * KIB, MIB, 16 * MIB, 256 * MIB, GIB].iter().map(|&b| format!("{}: {:?}", human(b), group.all_reduce_algorithm(b))).collect();
     println!("#   all_reduce algorithm by size: {}", algos.join(", "));
-    Ok(InProcess { imp, streams, engine: Engine::Peer(Box::new(group)), graph })
 }
 
 /// Sweeps one cuda-peer implementation, then measures its enqueue time.
