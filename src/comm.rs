@@ -16,6 +16,9 @@
 //!   host: two tiers, cuda-peer inside each host and NCCL across;
 //! * otherwise NCCL for every rank.
 //!
+//! Calls may be captured into CUDA graphs; launch a replay in the order of
+//! the communicator's stream (docs/algorithms.md, "CUDA graphs").
+//!
 //! ```no_run
 //! use cuda_peer::{Comm, Id, ReduceOp};
 //! # fn main() -> Result<(), cuda_peer::Error> {

@@ -68,11 +68,17 @@
 //! A failed communicator (a timeout) refuses every later call: make a new
 //! one. A mismatch leaves it usable.
 //!
-//! A call captured into a CUDA graph on the communicator's stream makes the
-//! graph hold what the call's kernels and copies touch (its memory as
-//! mapped here, the peers' included, its counters, control block and
-//! kernels: `crate::graph`), so the graph may be replayed after the
-//! communicator is dropped, as long as every rank replays it.
+//! A call captured into a CUDA graph on the communicator's stream (the
+//! capture begun there, or on another stream that the communicator's joined
+//! before the call) makes the graph hold what the call's kernels and copies
+//! touch (its memory as mapped here, the peers' included, its counters,
+//! control block and kernels: `crate::graph`), so the graph may be replayed
+//! after the communicator is dropped, as long as every rank replays it. A
+//! replay uses the same slots, counters and staging buffer as the
+//! communicator's other calls: launch it in the order of the
+//! communicator's stream (on it, or on a stream that waits for it before
+//! the launch and that it waits for after); one that overlaps another call
+//! can time out at a barrier or give wrong results.
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener, PeerAddr};
