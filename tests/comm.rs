@@ -18,12 +18,12 @@
 
 mod common;
 
+use common::graph::{try_capture, untracked};
 use common::num::{self, Num};
 use common::procs::{self, all_succeeded, child, passes, spawn};
 use common::ranks::{each, exclusive, streams};
 use common::{gpu_count, gpus, has_gpus, skipped};
 use cuda_peer::comm::Engine;
-use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
 use cuda_peer::{Collectives, Comm, CommOptions, Error, Id, Path, PathPolicy, ReduceOp};
 use half::bf16;
@@ -998,27 +998,14 @@ fn capture_stream(s: &Arc<CudaStream>, fork: bool) -> Result<Arc<CudaStream>, St
     }
 }
 
-/// Captures `calls` into a graph on `cap`; where `cap` is not `s` (the
-/// communicator's stream), `s` joins the capture through an event recorded
-/// on `cap` first, and `cap` joins `s` back before the capture ends.
-fn capture_on(cap: &Arc<CudaStream>, s: &Arc<CudaStream>, calls: impl FnOnce() -> Result<(), String>) -> Result<CudaGraph, String> {
-    cap.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(driver_err("cuStreamBeginCapture"))?;
-    let forked = !Arc::ptr_eq(cap, s);
-    let called = (|| -> Result<(), String> {
-        if forked {
-            let fork = cap.record_event(None).map_err(driver_err("cuEventRecord (the fork)"))?;
-            s.wait(&fork).map_err(driver_err("cuStreamWaitEvent (the fork)"))?;
-        }
-        calls()?;
-        if forked {
-            cap.join(s).map_err(driver_err("cuStreamWaitEvent (the join)"))?;
-        }
-        Ok(())
-    })();
-    // The capture is ended whatever happened, so the streams are usable again.
-    let graph = cap.end_capture(CUgraphInstantiate_flags(0));
-    called?;
-    graph.map_err(driver_err("cuStreamEndCapture / cuGraphInstantiate"))?.ok_or_else(|| "an empty graph".to_string())
+/// The streams of a rank's capture for [`try_capture`]: `cap`, then the
+/// communicator's stream `s` where it is another (it joins `cap`'s capture).
+fn capture_streams(cap: &Arc<CudaStream>, s: &Arc<CudaStream>) -> Vec<Arc<CudaStream>> {
+    if Arc::ptr_eq(cap, s) {
+        vec![s.clone()]
+    } else {
+        vec![cap.clone(), s.clone()]
+    }
 }
 
 /// Launches `graph` (captured on `cap`) in the order of the communicator's
@@ -1051,7 +1038,9 @@ fn graph_rank(comm: Comm, rounds: &[Vec<GraphIn>], barrier: &Barrier, root: usiz
     barrier.wait();
     let captured = eager.and_then(|mut b| {
         let cap = capture_stream(&s, fork)?;
-        let graph = capture_on(&cap, &s, || graph_calls(&comm, &mut b, root).map_err(|e| format!("rank {r}: the calls under capture: {e}")))?;
+        let graph = try_capture(&capture_streams(&cap, &s), || {
+            graph_calls(&comm, &mut b, root).map_err(|e| format!("rank {r}: the calls under capture: {e}"))
+        })?;
         Ok((b, graph, cap))
     });
     barrier.wait();
@@ -1122,14 +1111,9 @@ fn graphs_forked_from_a_callers_stream_replay_after_every_comm_is_dropped() {
 /// capture forked from a caller's stream or not.
 fn graphs_replay_after_every_comm_is_dropped(test: &str, algorithms: &[cuda_peer::AllReduceAlgorithm], fork: bool) {
     let _gpu = exclusive();
-    let Some(ctxs) = gpus(test, 1) else { return };
-    // SAFETY: these context handles are this test's own (`gpus` makes new
-    // ones); every buffer of the test is made after this, on its rank's
-    // stream, and each rank's work is all on that stream (a captured stream
-    // may not wait for events recorded outside the capture).
-    for c in &ctxs {
-        unsafe { c.disable_event_tracking() };
-    }
+    // Each rank orders its own work: its buffers on its communicator's
+    // stream, a forked capture joined back, each replay ordered around.
+    let Some(ctxs) = untracked(test, 1) else { return };
     let g = ctxs.len();
     let count = 3001; // several chunks of the 4 KiB staging buffer
     for (policy, algorithm) in [PathPolicy::Auto, PathPolicy::StagedOnly].into_iter().flat_map(|p| algorithms.iter().map(move |&a| (p, a))) {
@@ -1213,7 +1197,7 @@ fn interleaving_rank(comm: &Comm, gin: &[u32], ein: &[u32]) -> Result<Histories,
         (poisoned::<u32>(&s, INTERLEAVED * count), poisoned::<u32>(&s, INTERLEAVED * n * count), poisoned::<u32>(&s, INTERLEAVED * count));
     s.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
     let cap = capture_stream(&s, true)?;
-    let graph = capture_on(&cap, &s, || {
+    let graph = try_capture(&capture_streams(&cap, &s), || {
         comm.all_reduce(&gin, &mut gout, ReduceOp::Sum).map_err(|e| format!("rank {r}: the captured all_reduce: {e}"))?;
         comm.all_gather(&gin, &mut gg).map_err(|e| format!("rank {r}: the captured all_gather: {e}"))
     })?;
@@ -1246,14 +1230,10 @@ fn interleaving_rank(comm: &Comm, gin: &[u32], ein: &[u32]) -> Result<Histories,
 fn graph_replays_between_eager_calls_are_right_every_time() {
     let test = "graph_replays_between_eager_calls_are_right_every_time";
     let _gpu = exclusive();
-    let Some(ctxs) = gpus(test, 1) else { return };
-    // SAFETY: these context handles are this test's own (`gpus` makes new
-    // ones); every buffer is made after this, and each rank orders its own
-    // work: its buffers are used on the communicator's stream only, and the
-    // graph's launch stream is joined with it around each launch.
-    for c in &ctxs {
-        unsafe { c.disable_event_tracking() };
-    }
+    // Each rank orders its own work: its buffers are used on the
+    // communicator's stream only, and the graph's launch stream is joined
+    // with it around each launch.
+    let Some(ctxs) = untracked(test, 1) else { return };
     let count = 1501; // chunks of the 4 KiB staging buffer
     let g = ctxs.len();
     if g < 4 {
