@@ -62,10 +62,11 @@
 //! The harness of the sweep ([`crate::harness::Backend`]) takes the four
 //! collectives of `kinds::Op` and rows of their CSV, and its one-thread
 //! timing (`device::time_calls`) cannot drive communicators that need a
-//! thread per rank: here one timing loop, [`time_per_rank`], serves both
-//! implementations (a rank's thread times its own stream; the one thread
-//! of NCCL and of the group times every stream), and the sweep's plan helpers, buffers, CSV writer,
-//! progress lines and NCCL child machinery are reused.
+//! thread per rank: here one timing loop, [`time_per_rank`], serves every
+//! implementation (a rank's thread times its own stream; the one thread of
+//! NCCL and of the group times every stream), and the sweep's plan
+//! helpers, buffers, CSV writer, progress lines and NCCL child machinery
+//! are reused.
 
 use crate::cli::{Common, P2pArgs, P2pOp};
 use crate::data::{check_windows, par_count, BenchElem, Inputs};
