@@ -485,8 +485,7 @@ struct RankPoint {
 /// stream), one thread per rank: every point, rows printed and appended to
 /// the CSV as every rank's result comes in.
 fn run_peer(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point], total: usize) -> Res<()> {
-    let devices: Vec<usize> = (0..n).map(|r| r % ctxs.len()).collect();
-    let streams = devices.iter().map(|&d| ctxs[d].new_stream()).collect::<Result<Vec<_>, _>>()?;
+    let (devices, streams) = rank_streams(ctxs, n)?;
     let comms = Comm::from_devices_with(streams, &CommOptions::default().all_reduce(args.all_reduce).path(args.path))?;
     let peer = peer_name(args.all_reduce);
     println!("#");
@@ -683,17 +682,24 @@ fn group_points(args: &P2pArgs, points: &[Point]) -> Vec<Point> {
 /// The group over `n` ranks (rank r on `ctxs[r % len]`, each on a new
 /// stream) with `--path`, every one of `points`.
 fn run_group(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point], progress: &mut Progress) -> Res<()> {
-    let devices: Vec<usize> = (0..n).map(|r| r % ctxs.len()).collect();
-    let streams = devices.iter().map(|&d| ctxs[d].new_stream()).collect::<Result<Vec<_>, _>>()?;
-    let group = Group::new(streams.clone(), &GroupOptions::with_policy(args.path))?;
     println!("#");
     if points.is_empty() {
         println!("# {GROUP}: no allreduce in --ops: nothing to run");
         return Ok(());
     }
+    let (devices, streams) = rank_streams(ctxs, n)?;
+    let group = Group::new(streams.clone(), &GroupOptions::with_policy(args.path))?;
     println!("# {GROUP}: on GPUs {devices:?}, one thread (Group::new), path policy {}", args.path.name());
     describe_group(GROUP, &group);
     one_thread(GROUP, &streams, &args.common(), points, progress, &args.csv(), &mut GroupCaller(&group))
+}
+
+/// Where `n` ranks run, rank r on `ctxs[r % len]`, and a new stream for
+/// each there.
+fn rank_streams(ctxs: &[Arc<CudaContext>], n: usize) -> Res<(Vec<usize>, Vec<Arc<CudaStream>>)> {
+    let devices: Vec<usize> = (0..n).map(|r| r % ctxs.len()).collect();
+    let streams = devices.iter().map(|&d| ctxs[d].new_stream()).collect::<Result<Vec<_>, _>>()?;
+    Ok((devices, streams))
 }
 
 /// One call of `op` on every rank, as one NCCL group.
