@@ -986,25 +986,16 @@ fn graph_calls(c: &Comm, b: &mut GraphBufs, root: usize) -> cuda_peer::Result<()
     c.reduce_in_place(&mut b.ri, ReduceOp::Min, root)
 }
 
-/// The stream a rank's graph is captured on and launched from: the
-/// communicator's own, or (`fork`) a new stream of the caller's, which the
-/// communicator's stream joins through an event recorded on it, so that
-/// the communicator meets the capture only where it enqueues.
-fn capture_stream(s: &Arc<CudaStream>, fork: bool) -> Result<Arc<CudaStream>, String> {
+/// The streams of a rank's capture for [`try_capture`], the first the one
+/// its graph is captured on and launched from: the communicator's own `s`,
+/// or (`fork`) a new stream of the caller's, then `s`, which joins the
+/// capture through an event recorded on it, so that the communicator meets
+/// the capture only where it enqueues.
+fn capture_streams(s: &Arc<CudaStream>, fork: bool) -> Result<Vec<Arc<CudaStream>>, String> {
     if fork {
-        s.context().new_stream().map_err(driver_err("cuStreamCreate"))
+        Ok(vec![s.context().new_stream().map_err(driver_err("cuStreamCreate"))?, s.clone()])
     } else {
-        Ok(s.clone())
-    }
-}
-
-/// The streams of a rank's capture for [`try_capture`]: `cap`, then the
-/// communicator's stream `s` where it is another (it joins `cap`'s capture).
-fn capture_streams(cap: &Arc<CudaStream>, s: &Arc<CudaStream>) -> Vec<Arc<CudaStream>> {
-    if Arc::ptr_eq(cap, s) {
-        vec![s.clone()]
-    } else {
-        vec![cap.clone(), s.clone()]
+        Ok(vec![s.clone()])
     }
 }
 
@@ -1037,11 +1028,9 @@ fn graph_rank(comm: Comm, rounds: &[Vec<GraphIn>], barrier: &Barrier, root: usiz
     });
     barrier.wait();
     let captured = eager.and_then(|mut b| {
-        let cap = capture_stream(&s, fork)?;
-        let graph = try_capture(&capture_streams(&cap, &s), || {
-            graph_calls(&comm, &mut b, root).map_err(|e| format!("rank {r}: the calls under capture: {e}"))
-        })?;
-        Ok((b, graph, cap))
+        let streams = capture_streams(&s, fork)?;
+        let graph = try_capture(&streams, || graph_calls(&comm, &mut b, root).map_err(|e| format!("rank {r}: the calls under capture: {e}")))?;
+        Ok((b, graph, streams[0].clone()))
     });
     barrier.wait();
     drop(comm);
@@ -1182,7 +1171,7 @@ struct Histories {
 
 /// One rank of the interleaving test, on its own thread: a graph of an
 /// all-reduce (sum) and an all-gather of `gin`, captured forked from a
-/// stream of its own (see [`capture_stream`]); then, `INTERLEAVED` times
+/// stream of its own (see [`capture_streams`]); then, `INTERLEAVED` times
 /// with no host synchronisation, an eager all-reduce (max) of `ein` on the
 /// communicator's stream and a launch of the graph in that stream's order
 /// ([`launch_in_order`]), every output copied into a history on the
@@ -1196,8 +1185,9 @@ fn interleaving_rank(comm: &Comm, gin: &[u32], ein: &[u32]) -> Result<Histories,
     let (mut hist_g, mut hist_gg, mut hist_e) =
         (poisoned::<u32>(&s, INTERLEAVED * count), poisoned::<u32>(&s, INTERLEAVED * n * count), poisoned::<u32>(&s, INTERLEAVED * count));
     s.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
-    let cap = capture_stream(&s, true)?;
-    let graph = try_capture(&capture_streams(&cap, &s), || {
+    let streams = capture_streams(&s, true)?;
+    let cap = streams[0].clone();
+    let graph = try_capture(&streams, || {
         comm.all_reduce(&gin, &mut gout, ReduceOp::Sum).map_err(|e| format!("rank {r}: the captured all_reduce: {e}"))?;
         comm.all_gather(&gin, &mut gg).map_err(|e| format!("rank {r}: the captured all_gather: {e}"))
     })?;
