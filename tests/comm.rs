@@ -999,6 +999,18 @@ fn capture_streams(s: &Arc<CudaStream>, fork: bool) -> Result<Vec<Arc<CudaStream
     }
 }
 
+/// Whether `n` thread ranks on `g` devices capture their graphs forked from
+/// a stream of their own: only where each rank has a device (launched on a
+/// stream of their own and ordered through events, graphs of thread ranks
+/// sharing one device sometimes stalled: docs/multiprocess.md). Where not,
+/// says so, and what the test does `instead`.
+fn forks(test: &str, g: usize, n: usize, instead: &str) -> bool {
+    if n > g {
+        skipped(test, format_args!("n={n} forked ({instead}: thread ranks sharing a device) needs {n} GPUs, {g} present"));
+    }
+    n <= g
+}
+
 /// Launches `graph` (captured on `cap`) in the order of the communicator's
 /// stream `s`: after its work so far, and before its work from now on (on
 /// `s` itself where it was captured there).
@@ -1111,18 +1123,9 @@ fn graphs_replay_after_every_comm_is_dropped(test: &str, algorithms: &[cuda_peer
     let Some(ctxs) = untracked(test, 1) else { return };
     let g = ctxs.len();
     let count = 3001; // several chunks of the 4 KiB staging buffer
-
-    // Forked only where each rank has a device of its own: launched on a
-    // stream of their own and ordered through events, graphs of thread
-    // ranks sharing one device sometimes stalled (docs/multiprocess.md).
-    let runs = |n: usize| !fork || n <= g;
-    let shared: Vec<usize> = [2, 3, 4].into_iter().filter(|&n| !runs(n)).collect();
-    if let Some(&most) = shared.last() {
-        let why = "graphs launched on a stream of their own stalled sometimes where thread ranks share a device";
-        skipped(test, format_args!("{shared:?} ranks forked ({why}) needs {most} GPUs, {g} present"));
-    }
+    let ranks: Vec<usize> = [2, 3, 4].into_iter().filter(|&n| !fork || forks(test, g, n, "left out")).collect();
     for (policy, algorithm) in [PathPolicy::Auto, PathPolicy::StagedOnly].into_iter().flat_map(|p| algorithms.iter().map(move |&a| (p, a))) {
-        for n in [2, 3, 4].into_iter().filter(|&n| runs(n)) {
+        for &n in &ranks {
             let path = expected_path(test, n, g, policy);
             let tag = format!("n={n} {path:?} {algorithm:?}{}", if fork { ", forked" } else { "" });
             let root = n - 1;
@@ -1243,19 +1246,10 @@ fn graph_replays_between_eager_calls_are_right_every_time() {
     let Some(ctxs) = untracked(test, 1) else { return };
     let count = 1501; // chunks of the 4 KiB staging buffer
     let g = ctxs.len();
-    // Forked where each rank has a device of its own: launched on a stream
-    // of their own and ordered through events, graphs of thread ranks
-    // sharing one device sometimes stalled (docs/multiprocess.md).
-    let forks = |n: usize| n <= g;
-    let shared: Vec<usize> = [2, 3, 4].into_iter().filter(|&n| !forks(n)).collect();
-    if let Some(&most) = shared.last() {
-        let why = "captured on the communicator's stream instead where ranks share a device";
-        skipped(test, format_args!("{shared:?} ranks with graphs forked from a stream of their own ({why}) needs {most} GPUs, {g} present"));
-    }
+    let ranks: Vec<(usize, bool)> = [2, 3, 4].into_iter().map(|n| (n, forks(test, g, n, "captured on the communicator's stream instead"))).collect();
     for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
-        for n in [2, 3, 4] {
+        for &(n, fork) in &ranks {
             let path = expected_path(test, n, g, policy);
-            let fork = forks(n);
             let tag = format!("n={n} {path:?}{}", if fork { ", forked" } else { "" });
             let opts = CommOptions::default().buffer_bytes(BUFFER_BYTES).path(policy);
             let comms = Comm::from_devices_with(streams(&ctxs, n), &opts).unwrap_or_else(|e| panic!("{tag}: from_devices_with: {e}"));
