@@ -155,7 +155,11 @@ impl Comm {
     /// `ncclCommInitAll`): each `Comm` must be called from its own thread,
     /// concurrently with the others (a call waits for every rank's). The
     /// ranks meet on the device as processes do. Streams may share a device
-    /// (ranks then take turns on it); each rank needs its own stream.
+    /// (ranks then take turns on it); each rank needs its own stream. Where
+    /// they share one, launch graphs of the ranks' calls on each
+    /// communicator's stream: launched on other streams and ordered with it
+    /// through events, they sometimes stalled until the barrier timeout
+    /// (docs/multiprocess.md, "Ranks sharing a device").
     pub fn from_devices(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Comm>> {
         Comm::from_devices_with(streams, &CommOptions::default())
     }
