@@ -38,7 +38,8 @@ for t in .gpu/tests/*; do
     [ "${#shard[@]}" -eq 0 ] && continue
     queues=
     for q in $QUEUES_FOR; do case "$b" in *-"$q"-test) queues=32 ;; esac; done
-    ( [ -z "$queues" ] || export CUDA_DEVICE_MAX_CONNECTIONS=$queues
+    # The others get the driver's default, whatever the caller exported.
+    ( if [ -n "$queues" ]; then export CUDA_DEVICE_MAX_CONNECTIONS=$queues; else unset CUDA_DEVICE_MAX_CONNECTIONS; fi
       timeout ${SHARD_TIMEOUT:-200} "$t" --test-threads=1 --exact "${shard[@]}" > "$OUT/logs/$b.$s.log" 2>&1; echo "rc=$?" >> "$OUT/logs/$b.$s.log" ) &
     pids+=($!)
     names+=("$b.$s")
