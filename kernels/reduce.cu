@@ -405,14 +405,10 @@ CP_SCALE_DIV_KERNEL(bf16)
 CP_SCALE_DIV_KERNEL(f8e4m3)
 CP_SCALE_DIV_KERNEL(f8e5m2)
 
-// cp_copy(dst, src, n): n bytes from src to dst (distinct), with the SMs:
-// 16-byte vectors where both are 16-byte aligned, bytes otherwise. For
-// ranks that are threads sharing one device, whose copies must not queue
-// behind one another's on the copy engines while their kernels wait for
-// each other (see `Comm::copy` in src/ipc/comm/ops.rs).
-extern "C" __global__ void cp_copy(unsigned char* dst, const unsigned char* src, u64 n) {
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
+// n bytes from src to dst (distinct) by threads tid, tid + stride, ...:
+// 16-byte vectors where both are 16-byte aligned, bytes otherwise.
+static __device__ __forceinline__ void copy_bytes(unsigned char* dst, const unsigned char* src, u64 n, u64 tid,
+                                                  u64 stride) {
     if ((((u64)dst | (u64)src) & 15u) == 0) {
         const u64 nv = n / 16;
         uint4* vd = (uint4*)dst;
@@ -422,6 +418,14 @@ extern "C" __global__ void cp_copy(unsigned char* dst, const unsigned char* src,
     } else {
         for (u64 i = tid; i < n; i += stride) dst[i] = src[i];
     }
+}
+
+// cp_copy(dst, src, n): n bytes from src to dst (distinct), with the SMs
+// (copy_bytes). For ranks that are threads sharing one device, whose copies
+// must not queue behind one another's on the copy engines while their
+// kernels wait for each other (see `Comm::copy` in src/ipc/comm/ops.rs).
+extern "C" __global__ void cp_copy(unsigned char* dst, const unsigned char* src, u64 n) {
+    copy_bytes(dst, src, n, (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x);
 }
 #endif  // CP_BUILD_REDUCE
 
@@ -555,12 +559,13 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 #endif  // CP_BUILD_REDUCE || CP_BUILD_MESH
 
 // ---------------------------------------------------------------------------
-// Point-to-point: two ranks meet (send/recv, all-to-all-v). One thread.
+// Point-to-point: two ranks meet (send/recv, all-to-all-v).
 //
 //   cp_pair_sync(unsigned* theirs, const unsigned* mine, unsigned* counter,
 //                u64* their_view, const u64* my_view, u64 out_view,
 //                u64 in_view, int check, unsigned* ctl, int rank, int peer,
 //                unsigned call, u64 timeout_ns)
+//     One meeting (one thread):
 //     counter: this rank's count of meetings with the peer, in its own
 //              device memory (so a replayed graph advances it too); the
 //              meeting's value is counter + 1, stored back on success;
@@ -578,11 +583,44 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 //              it, else the meeting fails with CTL_MISMATCH (its record
 //              names the peer) and sets the abort word;
 //     call:    the host's number of the call (for the failure record).
+//
+//   cp_pair_xchg(unsigned char* my_slot, const unsigned char* src, u64 out_bytes,
+//                unsigned char* dst, const unsigned char* their_slot, u64 in_bytes,
+//                then cp_pair_sync's arguments)
+//     A whole exchange of one chunk in one kernel, in the order the host
+//     otherwise enqueues it as four steps: the block copies the out_bytes
+//     it sends from src into its slot (my_slot, in its own region), meets
+//     the peer (the first meeting, views compared when `check`), copies
+//     the in_bytes it receives from the peer's slot (their_slot) into dst,
+//     and meets the peer again, so that neither refills a slot the other
+//     still reads. The counter advances by two. A failed meeting ends the
+//     kernel (dst then holds undefined data, as after a failed exchange of
+//     steps). One block, of any size.
+//
 //   A kernel that finds the abort word set does nothing (CTL_ABORTED).
 // ---------------------------------------------------------------------------
 
 #ifdef CP_BUILD_REDUCE
 #define CTL_MISMATCH 3u
+
+// One meeting of value v, by one thread (see cp_pair_sync): whether it
+// succeeded.
+static __device__ __forceinline__ bool pair_meet(unsigned int* theirs, const unsigned int* mine, unsigned int v,
+                                                 u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
+                                                 int check, unsigned int* ctl, int rank, int peer,
+                                                 unsigned int call, u64 timeout_ns) {
+    if (check) {
+        st_relaxed_sys_u64(their_view, out_view);
+        st_relaxed_sys_u64(their_view + 1, in_view);
+    }
+    st_release_sys(theirs, v);
+    if (!wait_flag(mine, v, ctl, timeout_ns, rank, call, true)) return false;
+    if (check && (ld_relaxed_sys_u64(my_view) != in_view || ld_relaxed_sys_u64(my_view + 1) != out_view)) {
+        ctl_fail_abort(ctl, rank, CTL_MISMATCH, (unsigned int)peer);
+        return false;
+    }
+    return true;
+}
 
 extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int* mine, unsigned int* counter,
                                         u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
@@ -594,17 +632,41 @@ extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int
         ctl_fail(ctl, rank, CTL_ABORTED, call);
         return;
     }
-    if (check) {
-        st_relaxed_sys_u64(their_view, out_view);
-        st_relaxed_sys_u64(their_view + 1, in_view);
+    if (pair_meet(theirs, mine, v, their_view, my_view, out_view, in_view, check, ctl, rank, peer, call, timeout_ns))
+        *counter = v;
+}
+
+extern "C" __global__ void cp_pair_xchg(unsigned char* my_slot, const unsigned char* src, u64 out_bytes,
+                                        unsigned char* dst, const unsigned char* their_slot, u64 in_bytes,
+                                        unsigned int* theirs, const unsigned int* mine, unsigned int* counter,
+                                        u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
+                                        int check, unsigned int* ctl, int rank, int peer, unsigned int call,
+                                        u64 timeout_ns) {
+    if (blockIdx.x != 0) return;
+    __shared__ int ok;
+    __shared__ unsigned int value;
+    const u64 tid = threadIdx.x, stride = blockDim.x;
+    if (tid == 0) {
+        value = *counter + 1u;
+        ok = !ctl_aborted(ctl);
+        if (!ok) ctl_fail(ctl, rank, CTL_ABORTED, call);
     }
-    st_release_sys(theirs, v);
-    if (!wait_flag(mine, v, ctl, timeout_ns, rank, call, true)) return;
-    if (check && (ld_relaxed_sys_u64(my_view) != in_view || ld_relaxed_sys_u64(my_view + 1) != out_view)) {
-        ctl_fail_abort(ctl, rank, CTL_MISMATCH, (unsigned int)peer);
-        return;
-    }
-    *counter = v;
+    __syncthreads();
+    if (!ok) return;
+    copy_bytes(my_slot, src, out_bytes, tid, stride);
+    // Cumulative release after __syncthreads (see mesh_barrier): the
+    // meeting's flag publishes the block's copy into the slot.
+    __syncthreads();
+    if (tid == 0)
+        ok = pair_meet(theirs, mine, value, their_view, my_view, out_view, in_view, check, ctl, rank, peer, call,
+                       timeout_ns);
+    __syncthreads();
+    if (!ok) return;
+    copy_bytes(dst, their_slot, in_bytes, tid, stride);
+    __syncthreads();
+    if (tid == 0 && pair_meet(theirs, mine, value + 1u, their_view, my_view, 0, 0, 0, ctl, rank, peer, call,
+                              timeout_ns))
+        *counter = value + 1u;
 }
 #endif  // CP_BUILD_REDUCE
 

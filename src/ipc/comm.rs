@@ -918,7 +918,7 @@ impl Comm {
                 self.held.div.get(Kernel::ScaleDiv(dtype), || function(&self.ctx, Kernel::ScaleDiv(dtype)))?;
             }
         }
-        for kernel in [Kernel::PairSync, Kernel::Copy] {
+        for kernel in [Kernel::PairSync, Kernel::PairXchg, Kernel::Copy] {
             self.held.red.get(kernel, || function(&self.ctx, kernel))?;
         }
         Ok(())

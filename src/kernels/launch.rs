@@ -236,6 +236,70 @@ pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, a: &PairSy
     Ok(())
 }
 
+/// Threads of the one block of a pair exchange ([`pair_xchg`]).
+pub(crate) const PAIR_XCHG_THREADS: u32 = 512;
+
+/// A whole one-chunk exchange of one rank with a peer in one kernel
+/// (`cp_pair_xchg`): what it sends copied into its slot, the first
+/// meeting (`meet`, whose `check` says whether the views are compared),
+/// what it receives copied out of the peer's slot, the last meeting.
+pub(crate) struct PairXchg {
+    /// The meetings' flags, counter, views and control block.
+    pub(crate) meet: PairSync,
+    /// This rank's slot for the peer, in its own staging buffer.
+    pub(crate) my_slot: u64,
+    /// What this rank sends: `out_bytes` bytes.
+    pub(crate) src: u64,
+    pub(crate) out_bytes: u64,
+    /// Where what it receives goes: `in_bytes` bytes.
+    pub(crate) dst: u64,
+    /// The peer's slot for this rank, in the peer's staging buffer.
+    pub(crate) their_slot: u64,
+    pub(crate) in_bytes: u64,
+}
+
+/// Launches one rank's side of a one-chunk exchange (one block).
+///
+/// # Safety
+///
+/// `f` is `cp_pair_xchg` loaded in `stream`'s context; `a.meet` is as
+/// [`pair_sync`] requires; `my_slot` holds `out_bytes` bytes and
+/// `their_slot` `in_bytes` bytes (the two ranks' slots for each other of
+/// one staging half, reachable from the device as the pair areas are, and
+/// alive until the kernel is done), `src` holds `out_bytes` readable
+/// bytes and `dst` `in_bytes` writable bytes on this device, neither
+/// overlapping a slot. The peer launches its side of the same exchange
+/// (its `cp_pair_xchg`, or the same steps enqueued one by one).
+pub(crate) unsafe fn pair_xchg(stream: &CudaStream, f: &CudaFunction, a: &PairXchg) -> Result<()> {
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (PAIR_XCHG_THREADS, 1, 1), shared_mem_bytes: 0 };
+    let m = &a.meet;
+    let check = i32::from(m.check);
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(&a.my_slot)
+        .arg(&a.src)
+        .arg(&a.out_bytes)
+        .arg(&a.dst)
+        .arg(&a.their_slot)
+        .arg(&a.in_bytes)
+        .arg(&m.theirs)
+        .arg(&m.mine)
+        .arg(&m.counter)
+        .arg(&m.their_view)
+        .arg(&m.my_view)
+        .arg(&m.out_view)
+        .arg(&m.in_view)
+        .arg(&check)
+        .arg(&m.ctl)
+        .arg(&m.rank)
+        .arg(&m.peer)
+        .arg(&m.call)
+        .arg(&m.timeout_ns);
+    // SAFETY: the caller's contract.
+    unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (point-to-point exchange)"))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

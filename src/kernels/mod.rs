@@ -232,14 +232,16 @@ pub(crate) enum Kernel {
     OneShot(KernelOp, DType),
     /// `cp_pair_sync`: two ranks meet (point-to-point transfers).
     PairSync,
+    /// `cp_pair_xchg`: a one-chunk exchange between two ranks in one kernel.
+    PairXchg,
     /// `cp_copy`: bytes copied by the SMs.
     Copy,
 }
 
 /// Slots in a [`load::FnTable`]: one per kernel operation and one for the
-/// division, each per element type, one for the pair meeting and one for
-/// the copy.
-pub(crate) const FN_SLOTS: usize = (KernelOp::ALL.len() + 1) * DType::ALL.len() + 2;
+/// division, each per element type, one for the pair meeting, one for the
+/// copy and one for the pair exchange.
+pub(crate) const FN_SLOTS: usize = (KernelOp::ALL.len() + 1) * DType::ALL.len() + 3;
 
 impl Kernel {
     /// Its entry name in the module.
@@ -250,6 +252,7 @@ impl Kernel {
             Kernel::Mesh(op, ty) => format!("cp_meshar_{}_{ty}", op.name()),
             Kernel::OneShot(op, ty) => format!("cp_oneshot_{}_{ty}", op.name()),
             Kernel::PairSync => "cp_pair_sync".into(),
+            Kernel::PairXchg => "cp_pair_xchg".into(),
             Kernel::Copy => "cp_copy".into(),
         }
     }
@@ -257,7 +260,7 @@ impl Kernel {
     /// The module that holds it.
     pub(crate) fn module(self) -> Module {
         match self {
-            Kernel::Reduce2(..) | Kernel::ScaleDiv(_) | Kernel::PairSync | Kernel::Copy => Module::Reduce,
+            Kernel::Reduce2(..) | Kernel::ScaleDiv(_) | Kernel::PairSync | Kernel::PairXchg | Kernel::Copy => Module::Reduce,
             Kernel::Mesh(_, ty) | Kernel::OneShot(_, ty) => Module::Mesh(ty),
         }
     }
@@ -269,6 +272,7 @@ impl Kernel {
             Kernel::ScaleDiv(ty) => (KernelOp::ALL.len(), ty),
             Kernel::PairSync => return FN_SLOTS - 1,
             Kernel::Copy => return FN_SLOTS - 2,
+            Kernel::PairXchg => return FN_SLOTS - 3,
         };
         op * DType::ALL.len() + dtype_index(ty)
     }
@@ -405,7 +409,7 @@ mod tests {
                 all.push(Kernel::ScaleDiv(ty));
             }
         }
-        all.extend([Kernel::PairSync, Kernel::Copy]);
+        all.extend([Kernel::PairSync, Kernel::PairXchg, Kernel::Copy]);
         all
     }
 
@@ -426,6 +430,7 @@ mod tests {
         assert_eq!(Kernel::Mesh(KernelOp::Max, DType::BF16).name(), "cp_meshar_max_bf16");
         assert_eq!(Kernel::OneShot(KernelOp::Prod, DType::U8).name(), "cp_oneshot_prod_u8");
         assert_eq!(Kernel::PairSync.name(), "cp_pair_sync");
+        assert_eq!(Kernel::PairXchg.name(), "cp_pair_xchg");
         assert_eq!(Kernel::Copy.name(), "cp_copy");
         assert_eq!(KernelOp::of(ReduceOp::Avg), KernelOp::Sum);
     }
@@ -439,7 +444,7 @@ mod tests {
             let expected: BTreeSet<String> = every_kernel().into_iter().filter(|k| k.module().index() == i).map(|k| k.name()).collect();
             assert_eq!(found, expected, "{}", m.name);
         }
-        assert_eq!(every_kernel().iter().filter(|k| k.module() == Module::Reduce).count(), 4 * 12 + 6 + 2);
+        assert_eq!(every_kernel().iter().filter(|k| k.module() == Module::Reduce).count(), 4 * 12 + 6 + 3);
     }
 
     #[test]
@@ -448,7 +453,7 @@ mod tests {
         for family in families {
             let mut slots: Vec<usize> = DType::ALL.iter().flat_map(|&ty| KernelOp::ALL.map(|op| family(op, ty).slot())).collect();
             slots.extend(DType::ALL.map(|ty| Kernel::ScaleDiv(ty).slot()));
-            slots.extend([Kernel::PairSync.slot(), Kernel::Copy.slot()]);
+            slots.extend([Kernel::PairSync.slot(), Kernel::PairXchg.slot(), Kernel::Copy.slot()]);
             assert!(slots.iter().all(|&s| s < FN_SLOTS));
             slots.sort();
             slots.dedup();

@@ -10,7 +10,11 @@
 //! slot, the two meet (`cp_pair_sync`: flags at system scope, bounded by
 //! the barrier timeout, counters in device memory so that graph replays
 //! stay in step), and each copies the other's slot out; a last meeting ends
-//! the exchange, so that neither refills a slot the other still reads. The
+//! the exchange, so that neither refills a slot the other still reads. An
+//! exchange of one chunk and at most one message each way, up to
+//! [`FUSED_MAX_BYTES`], runs these steps in one kernel (`cp_pair_xchg`:
+//! the block's copies, then the same meetings), so that a small send or
+//! receive costs one launch instead of four. The
 //! first meeting carries each side's view of the exchange (a digest of the
 //! lengths of the messages it sends, in order, and of those it receives):
 //! views that do not mirror (a send whose receive has another length, a
@@ -76,6 +80,10 @@ impl Comm {
         let rounds = out.max(inn).div_ceil(stride).max(1);
         let views = (view(outs), view(ins));
         let mut pacer = self.pacer()?;
+        if let Some((src, dst)) = fusable(outs, ins, stride) {
+            self.exchange_fused(q, src, dst, views)?;
+            return pacer.passed();
+        }
         for i in 0..rounds {
             let h = ((i % 2) * self.half) as u64;
             let o = i * stride;
@@ -89,14 +97,11 @@ impl Comm {
         self.meet(q, None)
     }
 
-    /// This rank's side of a meeting with `q`; `views`: the exchange's
-    /// (messages out, messages in), compared with the peer's mirror of them.
-    fn meet(&self, q: usize, views: Option<(u64, u64)>) -> Result<()> {
+    /// The arguments of a meeting with `q` (see [`Comm::meet`]).
+    fn meeting(&self, q: usize, views: Option<(u64, u64)>) -> kernels::launch::PairSync {
         let me = self.rank;
-        let f = self.held.red.get(Kernel::PairSync, || function(&self.ctx, Kernel::PairSync))?;
-        self.hold_for_capture()?;
         let (out, inn) = views.unwrap_or((0, 0));
-        let args = kernels::launch::PairSync {
+        kernels::launch::PairSync {
             theirs: self.pairs[q] + (me * 4) as u64,
             mine: self.pairs[me] + (q * 4) as u64,
             counter: self.pair_counters + (q * 4) as u64,
@@ -110,7 +115,15 @@ impl Comm {
             peer: q as i32,
             call: self.current_call(),
             timeout_ns: self.held.ctl.timeout_ns,
-        };
+        }
+    }
+
+    /// This rank's side of a meeting with `q`; `views`: the exchange's
+    /// (messages out, messages in), compared with the peer's mirror of them.
+    fn meet(&self, q: usize, views: Option<(u64, u64)>) -> Result<()> {
+        let f = self.held.red.get(Kernel::PairSync, || function(&self.ctx, Kernel::PairSync))?;
+        self.hold_for_capture()?;
+        let args = self.meeting(q, views);
         // SAFETY: `f` is this context's `cp_pair_sync`. The pair areas are
         // `PAIR_AREA_BYTES` at the same offset of every rank's region (one
         // `layout` on every rank), this rank's own and the peer's as mapped
@@ -126,6 +139,53 @@ impl Comm {
         // not, the first meeting fails both).
         unsafe { kernels::launch::pair_sync(&self.stream, f, &args) }
     }
+
+    /// A one-chunk exchange with `q` in one kernel: the steps of
+    /// [`Comm::exchange_with`]'s one round and its last meeting, with the
+    /// same slots (the first half of each staging buffer), meetings and
+    /// counter, so that either side may run it as steps or as one kernel.
+    fn exchange_fused(&self, q: usize, (src, out): (u64, usize), (dst, inn): (u64, usize), views: (u64, u64)) -> Result<()> {
+        let me = self.rank;
+        let stride = self.slot_bytes();
+        let f = self.held.red.get(Kernel::PairXchg, || function(&self.ctx, Kernel::PairXchg))?;
+        self.hold_for_capture()?;
+        let args = kernels::launch::PairXchg {
+            meet: self.meeting(q, Some(views)),
+            my_slot: self.data[me] + (q * stride) as u64,
+            src,
+            out_bytes: out as u64,
+            dst,
+            their_slot: self.data[q] + (me * stride) as u64,
+            in_bytes: inn as u64,
+        };
+        // SAFETY: `f` is this context's `cp_pair_xchg`; the meetings' words
+        // are as in `meet`. The slots are this rank's slot for `q` and
+        // `q`'s for this rank in the first half of each staging buffer
+        // (`stride` bytes each, `q`, `me` < size, within the half), mapped
+        // and held as the pair areas are; `out` and `inn` are at most
+        // `stride` (`fusable`). `src` and `dst` hold `out` and `inn` bytes
+        // on this device (the callers check), and are callers' buffers,
+        // apart from the communicator's region. The peer runs the same
+        // exchange, as one kernel or as steps, whose slots, meetings and
+        // counter are these.
+        unsafe { kernels::launch::pair_xchg(&self.stream, f, &args) }
+    }
+}
+
+/// The largest exchange (in bytes, each way) that runs as one kernel
+/// ([`Comm::exchange_fused`]), where one block's copies beat the copy
+/// engines' launches.
+const FUSED_MAX_BYTES: usize = 64 << 10;
+
+/// Where an exchange of one chunk each way of at most [`FUSED_MAX_BYTES`],
+/// at most one message each way, can run as one kernel: its (source,
+/// bytes) and (destination, bytes), an absent message as no bytes.
+fn fusable(outs: &[(u64, usize)], ins: &[(u64, usize)], stride: usize) -> Option<((u64, usize), (u64, usize))> {
+    if outs.len() > 1 || ins.len() > 1 {
+        return None;
+    }
+    let (o, i) = (outs.first().copied().unwrap_or((0, 0)), ins.first().copied().unwrap_or((0, 0)));
+    (o.1.max(i.1) <= stride.min(FUSED_MAX_BYTES)).then_some((o, i))
 }
 
 /// Buffers as (device address, bytes), in order.
@@ -205,6 +265,22 @@ mod tests {
         })
         .unwrap();
         assert_eq!(v, vec![(100, 1000, 3), (200, 1003, 3), (203, 2000, 2)]);
+    }
+
+    #[test]
+    fn only_one_small_message_each_way_within_a_slot_is_fused() {
+        let stride = 1 << 20;
+        assert_eq!(fusable(&[(10, 4)], &[(20, 8)], stride), Some(((10, 4), (20, 8))));
+        assert_eq!(fusable(&[], &[(20, 8)], stride), Some(((0, 0), (20, 8))));
+        assert_eq!(fusable(&[(10, 0)], &[], stride), Some(((10, 0), (0, 0))));
+        assert_eq!(fusable(&[(10, FUSED_MAX_BYTES)], &[(20, FUSED_MAX_BYTES)], stride), Some(((10, FUSED_MAX_BYTES), (20, FUSED_MAX_BYTES))));
+        assert_eq!(fusable(&[(10, FUSED_MAX_BYTES + 1)], &[], stride), None);
+        assert_eq!(fusable(&[], &[(20, FUSED_MAX_BYTES + 1)], stride), None);
+        assert_eq!(fusable(&[(10, 4), (30, 4)], &[], stride), None);
+        assert_eq!(fusable(&[], &[(10, 4), (30, 4)], stride), None);
+        // A slot smaller than the bound: a message of more than one slot takes rounds.
+        assert_eq!(fusable(&[(10, 4096)], &[], 1024), None);
+        assert_eq!(fusable(&[(10, 1024)], &[], 1024), Some(((10, 1024), (0, 0))));
     }
 
     #[test]
