@@ -406,14 +406,26 @@ CP_SCALE_DIV_KERNEL(f8e4m3)
 CP_SCALE_DIV_KERNEL(f8e5m2)
 
 // n bytes from src to dst (distinct) by threads tid, tid + stride, ...:
-// 16-byte vectors where both are 16-byte aligned, bytes otherwise.
+// 16-byte vectors where both are 16-byte aligned, U loads in flight per
+// thread before their stores (U = 4 where one block copies from a peer's
+// memory, so that a copy is not one round trip per vector), bytes
+// otherwise.
+template <int U>
 static __device__ __forceinline__ void copy_bytes(unsigned char* dst, const unsigned char* src, u64 n, u64 tid,
                                                   u64 stride) {
     if ((((u64)dst | (u64)src) & 15u) == 0) {
         const u64 nv = n / 16;
         uint4* vd = (uint4*)dst;
         const uint4* vs = (const uint4*)src;
-        for (u64 i = tid; i < nv; i += stride) vd[i] = vs[i];
+        for (u64 i = tid; i < nv; i += U * stride) {
+            uint4 v[U];
+#pragma unroll
+            for (int k = 0; k < U; ++k)
+                if (i + k * stride < nv) v[k] = vs[i + k * stride];
+#pragma unroll
+            for (int k = 0; k < U; ++k)
+                if (i + k * stride < nv) vd[i + k * stride] = v[k];
+        }
         for (u64 i = nv * 16 + tid; i < n; i += stride) dst[i] = src[i];
     } else {
         for (u64 i = tid; i < n; i += stride) dst[i] = src[i];
@@ -425,7 +437,7 @@ static __device__ __forceinline__ void copy_bytes(unsigned char* dst, const unsi
 // must not queue behind one another's on the copy engines while their
 // kernels wait for each other (see `Comm::copy` in src/ipc/comm/ops.rs).
 extern "C" __global__ void cp_copy(unsigned char* dst, const unsigned char* src, u64 n) {
-    copy_bytes(dst, src, n, (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x);
+    copy_bytes<1>(dst, src, n, (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x);
 }
 #endif  // CP_BUILD_REDUCE
 
@@ -584,18 +596,19 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 //              names the peer) and sets the abort word;
 //     call:    the host's number of the call (for the failure record).
 //
-//   cp_pair_xchg(unsigned char* my_slot, const unsigned char* src, u64 out_bytes,
-//                unsigned char* dst, const unsigned char* their_slot, u64 in_bytes,
-//                then cp_pair_sync's arguments)
-//     A whole exchange of one chunk in one kernel, in the order the host
-//     otherwise enqueues it as four steps: the block copies the out_bytes
-//     it sends from src into its slot (my_slot, in its own region), meets
-//     the peer (the first meeting, views compared when `check`), copies
-//     the in_bytes it receives from the peer's slot (their_slot) into dst,
-//     and meets the peer again, so that neither refills a slot the other
-//     still reads. The counter advances by two. A failed meeting ends the
-//     kernel (dst then holds undefined data, as after a failed exchange of
-//     steps). One block, of any size.
+//   cp_pair_xchg(PairJobs jobs, int njobs, unsigned* ctl, int rank,
+//                unsigned call, u64 timeout_ns)
+//     Whole exchanges of one chunk, one block each (block b does jobs.j[b],
+//     b < njobs <= PAIR_MAX_JOBS; the blocks do not wait for each other),
+//     in the order the host otherwise enqueues one as four steps: the
+//     block copies the out_bytes it sends from src into this rank's slot
+//     for the peer (my_slot), meets the peer (the first meeting, views
+//     compared when `check`), copies the in_bytes it receives from the
+//     peer's slot for this rank (their_slot) into dst, and meets the peer
+//     again, so that neither refills a slot the other still reads. The
+//     job's counter advances by two. A failed meeting ends the block (dst
+//     then holds undefined data, as after a failed exchange of steps).
+//     A job's other fields are cp_pair_sync's arguments.
 //
 //   A kernel that finds the abort word set does nothing (CTL_ABORTED).
 // ---------------------------------------------------------------------------
@@ -636,37 +649,65 @@ extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int
         *counter = v;
 }
 
-extern "C" __global__ void cp_pair_xchg(unsigned char* my_slot, const unsigned char* src, u64 out_bytes,
-                                        unsigned char* dst, const unsigned char* their_slot, u64 in_bytes,
-                                        unsigned int* theirs, const unsigned int* mine, unsigned int* counter,
-                                        u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
-                                        int check, unsigned int* ctl, int rank, int peer, unsigned int call,
+#define PAIR_MAX_JOBS 8
+
+// One exchange of cp_pair_xchg (see above); 112 bytes, the layout of
+// `PairJob` in src/kernels/launch.rs.
+struct PairJob {
+    unsigned char* my_slot;
+    const unsigned char* src;
+    u64 out_bytes;
+    unsigned char* dst;
+    const unsigned char* their_slot;
+    u64 in_bytes;
+    unsigned int* theirs;
+    const unsigned int* mine;
+    unsigned int* counter;
+    u64* their_view;
+    const u64* my_view;
+    u64 out_view;
+    u64 in_view;
+    int peer;
+    int check;
+};
+
+struct PairJobs {
+    PairJob j[PAIR_MAX_JOBS];
+};
+
+extern "C" __global__ void cp_pair_xchg(PairJobs jobs, int njobs, unsigned int* ctl, int rank, unsigned int call,
                                         u64 timeout_ns) {
-    if (blockIdx.x != 0) return;
+    if ((int)blockIdx.x >= njobs || blockIdx.x >= PAIR_MAX_JOBS) return;
+    __shared__ PairJob job;
     __shared__ int ok;
     __shared__ unsigned int value;
     const u64 tid = threadIdx.x, stride = blockDim.x;
     if (tid == 0) {
-        value = *counter + 1u;
+        // Constant indices: a dynamic index into the parameter would put
+        // it on the stack.
+#pragma unroll
+        for (int k = 0; k < PAIR_MAX_JOBS; ++k)
+            if (k == (int)blockIdx.x) job = jobs.j[k];
+        value = *job.counter + 1u;
         ok = !ctl_aborted(ctl);
         if (!ok) ctl_fail(ctl, rank, CTL_ABORTED, call);
     }
     __syncthreads();
     if (!ok) return;
-    copy_bytes(my_slot, src, out_bytes, tid, stride);
+    copy_bytes<4>(job.my_slot, job.src, job.out_bytes, tid, stride);
     // Cumulative release after __syncthreads (see mesh_barrier): the
     // meeting's flag publishes the block's copy into the slot.
     __syncthreads();
     if (tid == 0)
-        ok = pair_meet(theirs, mine, value, their_view, my_view, out_view, in_view, check, ctl, rank, peer, call,
-                       timeout_ns);
+        ok = pair_meet(job.theirs, job.mine, value, job.their_view, job.my_view, job.out_view, job.in_view,
+                       job.check, ctl, rank, job.peer, call, timeout_ns);
     __syncthreads();
     if (!ok) return;
-    copy_bytes(dst, their_slot, in_bytes, tid, stride);
+    copy_bytes<4>(job.dst, job.their_slot, job.in_bytes, tid, stride);
     __syncthreads();
-    if (tid == 0 && pair_meet(theirs, mine, value + 1u, their_view, my_view, 0, 0, 0, ctl, rank, peer, call,
-                              timeout_ns))
-        *counter = value + 1u;
+    if (tid == 0 && pair_meet(job.theirs, job.mine, value + 1u, job.their_view, job.my_view, 0, 0, 0, ctl, rank,
+                              job.peer, call, timeout_ns))
+        *job.counter = value + 1u;
 }
 #endif  // CP_BUILD_REDUCE
 

@@ -236,16 +236,20 @@ pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, a: &PairSy
     Ok(())
 }
 
-/// Threads of the one block of a pair exchange ([`pair_xchg`]).
+/// Threads of each block of a pair exchange ([`pair_xchg`]).
 pub(crate) const PAIR_XCHG_THREADS: u32 = 512;
 
-/// A whole one-chunk exchange of one rank with a peer in one kernel
-/// (`cp_pair_xchg`): what it sends copied into its slot, the first
-/// meeting (`meet`, whose `check` says whether the views are compared),
-/// what it receives copied out of the peer's slot, the last meeting.
-pub(crate) struct PairXchg {
-    /// The meetings' flags, counter, views and control block.
-    pub(crate) meet: PairSync,
+/// Exchanges one launch of [`pair_xchg`] takes at most (`PAIR_MAX_JOBS`
+/// in the kernel): one per peer.
+pub(crate) const PAIR_MAX_JOBS: usize = super::MESH_MAX_RANKS;
+
+/// One rank's side of a whole one-chunk exchange with a peer
+/// (`cp_pair_xchg`'s `PairJob`, field for field): what it sends copied
+/// into its slot, the first meeting, what it receives copied out of the
+/// peer's slot, the last meeting.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PairJob {
     /// This rank's slot for the peer, in its own staging buffer.
     pub(crate) my_slot: u64,
     /// What this rank sends: `out_bytes` bytes.
@@ -256,45 +260,66 @@ pub(crate) struct PairXchg {
     /// The peer's slot for this rank, in the peer's staging buffer.
     pub(crate) their_slot: u64,
     pub(crate) in_bytes: u64,
+    /// The meetings' words, as [`PairSync`]'s.
+    pub(crate) theirs: u64,
+    pub(crate) mine: u64,
+    pub(crate) counter: u64,
+    pub(crate) their_view: u64,
+    pub(crate) my_view: u64,
+    pub(crate) out_view: u64,
+    pub(crate) in_view: u64,
+    pub(crate) peer: i32,
+    /// Whether the first meeting compares the views (1) or not (0).
+    pub(crate) check: i32,
 }
 
-/// Launches one rank's side of a one-chunk exchange (one block).
+/// The kernel's array of jobs, by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PairJobs([PairJob; PAIR_MAX_JOBS]);
+
+// SAFETY: plain integers, laid out like the C structs the kernel takes by
+// value (`PairJob`: 13 eight-byte words and two ints, 112 bytes).
+unsafe impl cudarc::driver::DeviceRepr for PairJobs {}
+const _: () = assert!(std::mem::size_of::<PairJob>() == 112 && std::mem::size_of::<PairJobs>() == 112 * PAIR_MAX_JOBS);
+
+/// Launches one rank's side of up to [`PAIR_MAX_JOBS`] one-chunk
+/// exchanges, one block each, with the control block, rank, call number
+/// and timeout of [`PairSync`].
 ///
 /// # Safety
 ///
-/// `f` is `cp_pair_xchg` loaded in `stream`'s context; `a.meet` is as
-/// [`pair_sync`] requires; `my_slot` holds `out_bytes` bytes and
-/// `their_slot` `in_bytes` bytes (the two ranks' slots for each other of
-/// one staging half, reachable from the device as the pair areas are, and
-/// alive until the kernel is done), `src` holds `out_bytes` readable
-/// bytes and `dst` `in_bytes` writable bytes on this device, neither
-/// overlapping a slot. The peer launches its side of the same exchange
-/// (its `cp_pair_xchg`, or the same steps enqueued one by one).
-pub(crate) unsafe fn pair_xchg(stream: &CudaStream, f: &CudaFunction, a: &PairXchg) -> Result<()> {
-    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (PAIR_XCHG_THREADS, 1, 1), shared_mem_bytes: 0 };
-    let m = &a.meet;
-    let check = i32::from(m.check);
+/// `f` is `cp_pair_xchg` loaded in `stream`'s context; `ctl` is as
+/// [`pair_sync`] requires. Each job's meeting words are as [`pair_sync`]
+/// requires of its peer's, and no two jobs have one peer; `my_slot` holds
+/// `out_bytes` bytes and `their_slot` `in_bytes` bytes (the two ranks'
+/// slots for each other of one staging half, reachable from the device as
+/// the pair areas are, and alive until the kernel is done), `src` holds
+/// `out_bytes` readable bytes and `dst` `in_bytes` writable bytes on this
+/// device, neither overlapping a slot nor another job's `dst`. Each peer
+/// launches its side of the same exchange (in a `cp_pair_xchg` of its own,
+/// or as the same steps enqueued one by one).
+pub(crate) unsafe fn pair_xchg(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    jobs: &[PairJob],
+    ctl: u64,
+    rank: i32,
+    call: u32,
+    timeout_ns: u64,
+) -> Result<()> {
+    if jobs.is_empty() {
+        return Ok(());
+    }
+    if jobs.len() > PAIR_MAX_JOBS {
+        return Err(crate::error::Error::Internal(format!("{} point-to-point exchanges in one launch", jobs.len())));
+    }
+    let mut all = PairJobs::default();
+    all.0[..jobs.len()].copy_from_slice(jobs);
+    let n = jobs.len() as i32;
+    let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (PAIR_XCHG_THREADS, 1, 1), shared_mem_bytes: 0 };
     let mut launch = stream.launch_builder(f);
-    launch
-        .arg(&a.my_slot)
-        .arg(&a.src)
-        .arg(&a.out_bytes)
-        .arg(&a.dst)
-        .arg(&a.their_slot)
-        .arg(&a.in_bytes)
-        .arg(&m.theirs)
-        .arg(&m.mine)
-        .arg(&m.counter)
-        .arg(&m.their_view)
-        .arg(&m.my_view)
-        .arg(&m.out_view)
-        .arg(&m.in_view)
-        .arg(&check)
-        .arg(&m.ctl)
-        .arg(&m.rank)
-        .arg(&m.peer)
-        .arg(&m.call)
-        .arg(&m.timeout_ns);
+    launch.arg(&all).arg(&n).arg(&ctl).arg(&rank).arg(&call).arg(&timeout_ns);
     // SAFETY: the caller's contract.
     unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (point-to-point exchange)"))?;
     Ok(())

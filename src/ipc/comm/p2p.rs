@@ -12,9 +12,11 @@
 //! stay in step), and each copies the other's slot out; a last meeting ends
 //! the exchange, so that neither refills a slot the other still reads. An
 //! exchange of one chunk and at most one message each way, up to
-//! [`FUSED_MAX_BYTES`], runs these steps in one kernel (`cp_pair_xchg`:
-//! the block's copies, then the same meetings), so that a small send or
-//! receive costs one launch instead of four. The
+//! [`FUSED_MAX_BYTES`], runs these steps in one kernel block
+//! (`cp_pair_xchg`: the block's copies and the same meetings), and where
+//! every exchange of a call fits, one launch runs them all, a block per
+//! peer, so that a small send, receive or group costs one launch instead
+//! of four per peer. The
 //! first meeting carries each side's view of the exchange (a digest of the
 //! lengths of the messages it sends, in order, and of those it receives):
 //! views that do not mirror (a send whose receive has another length, a
@@ -27,11 +29,14 @@
 //! A group runs one exchange per peer, in ascending peer order on every
 //! rank, so that the pairs of any set of groups meet in an order that
 //! cannot deadlock (the lowest pair still waiting is always ready on both
-//! sides). Transfers to this rank itself are device copies, in order.
+//! sides), or all of them at once in one launch, which waits for no pair
+//! before another. Transfers to this rank itself are device copies, in
+//! order.
 
 use super::{Comm, PAIR_FLAG_BYTES};
 use crate::error::{Error, Result};
 use crate::kernels;
+use crate::kernels::launch::PairJob;
 use crate::kernels::load::function;
 use crate::kernels::Kernel;
 use crate::traits::{counts_digest, Transfer};
@@ -57,13 +62,28 @@ impl Comm {
         let _calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.held.ctl.check()?;
         self.number_call();
+        let peers: Vec<(usize, Pieces, Pieces)> = (0..n)
+            .filter(|&q| q != me)
+            .map(|q| (q, split(ts, q)))
+            .filter(|(_, (o, i))| !o.is_empty() || !i.is_empty())
+            .map(|(q, (o, i))| (q, o, i))
+            .collect();
+        // Where every exchange fits one kernel block, all of them run in one
+        // launch, a block each (none waits for another, so the peers'
+        // exchanges meet in any order they run theirs).
+        let stride = self.slot_bytes();
+        let jobs: Option<Vec<PairJob>> =
+            peers.iter().map(|(q, outs, ins)| fusable(outs, ins, stride).map(|(s, d)| self.job(*q, s, d, (view(outs), view(ins))))).collect();
         self.guarded(|| {
             each_segment(&to_self, &from_self, 0, out, |src, dst, len| self.copy(dst, src, len))?;
-            for q in (0..n).filter(|&q| q != me) {
-                let (outs, ins) = split(ts, q);
-                self.exchange_with(q, &outs, &ins)?;
+            match jobs {
+                Some(jobs) if !jobs.is_empty() => {
+                    let mut pacer = self.pacer()?;
+                    self.exchange_fused(&jobs)?;
+                    pacer.passed()
+                }
+                _ => peers.iter().try_for_each(|(q, outs, ins)| self.exchange_with(*q, outs, ins)),
             }
-            Ok(())
         })
     }
 
@@ -81,7 +101,7 @@ impl Comm {
         let views = (view(outs), view(ins));
         let mut pacer = self.pacer()?;
         if let Some((src, dst)) = fusable(outs, ins, stride) {
-            self.exchange_fused(q, src, dst, views)?;
+            self.exchange_fused(&[self.job(q, src, dst, views)])?;
             return pacer.passed();
         }
         for i in 0..rounds {
@@ -140,41 +160,63 @@ impl Comm {
         unsafe { kernels::launch::pair_sync(&self.stream, f, &args) }
     }
 
-    /// A one-chunk exchange with `q` in one kernel: the steps of
-    /// [`Comm::exchange_with`]'s one round and its last meeting, with the
-    /// same slots (the first half of each staging buffer), meetings and
-    /// counter, so that either side may run it as steps or as one kernel.
-    fn exchange_fused(&self, q: usize, (src, out): (u64, usize), (dst, inn): (u64, usize), views: (u64, u64)) -> Result<()> {
-        let me = self.rank;
-        let stride = self.slot_bytes();
-        let f = self.held.red.get(Kernel::PairXchg, || function(&self.ctx, Kernel::PairXchg))?;
-        self.hold_for_capture()?;
-        let args = kernels::launch::PairXchg {
-            meet: self.meeting(q, Some(views)),
+    /// The one-chunk exchange with `q` of `out` bytes from `src` and
+    /// `inn` bytes into `dst` as a job of [`Comm::exchange_fused`]: the
+    /// steps of [`Comm::exchange_with`]'s one round and its last meeting,
+    /// with the same slots (the first half of each staging buffer),
+    /// meetings and counter, so that either side may run it as steps or
+    /// in one kernel.
+    fn job(&self, q: usize, (src, out): (u64, usize), (dst, inn): (u64, usize), views: (u64, u64)) -> PairJob {
+        let (me, stride) = (self.rank, self.slot_bytes());
+        let m = self.meeting(q, Some(views));
+        PairJob {
             my_slot: self.data[me] + (q * stride) as u64,
             src,
             out_bytes: out as u64,
             dst,
             their_slot: self.data[q] + (me * stride) as u64,
             in_bytes: inn as u64,
-        };
-        // SAFETY: `f` is this context's `cp_pair_xchg`; the meetings' words
-        // are as in `meet`. The slots are this rank's slot for `q` and
-        // `q`'s for this rank in the first half of each staging buffer
-        // (`stride` bytes each, `q`, `me` < size, within the half), mapped
-        // and held as the pair areas are; `out` and `inn` are at most
-        // `stride` (`fusable`). `src` and `dst` hold `out` and `inn` bytes
-        // on this device (the callers check), and are callers' buffers,
-        // apart from the communicator's region. The peer runs the same
-        // exchange, as one kernel or as steps, whose slots, meetings and
-        // counter are these.
-        unsafe { kernels::launch::pair_xchg(&self.stream, f, &args) }
+            theirs: m.theirs,
+            mine: m.mine,
+            counter: m.counter,
+            their_view: m.their_view,
+            my_view: m.my_view,
+            out_view: m.out_view,
+            in_view: m.in_view,
+            peer: m.peer,
+            check: i32::from(m.check),
+        }
+    }
+
+    /// One-chunk exchanges (`jobs`, from [`Comm::job`], each with another
+    /// peer) in one kernel, a block each.
+    fn exchange_fused(&self, jobs: &[PairJob]) -> Result<()> {
+        let f = self.held.red.get(Kernel::PairXchg, || function(&self.ctx, Kernel::PairXchg))?;
+        self.hold_for_capture()?;
+        // SAFETY: `f` is this context's `cp_pair_xchg`; each job's meeting
+        // words are as in `meet`, for a peer of its own (one job per peer,
+        // at most `size - 1 < PAIR_MAX_JOBS`). Its slots are this rank's
+        // slot for the peer and the peer's for this rank in the first half
+        // of each staging buffer (`stride` bytes each, the ranks < size, so
+        // within the half), mapped and held as the pair areas are; its
+        // lengths are at most `stride` (`fusable`). `src` and `dst` are
+        // callers' buffers holding those lengths on this device (the
+        // callers check), apart from the communicator's region, and no two
+        // jobs' receive buffers overlap (each is borrowed mutably for the
+        // call or group, or is an all-to-all-v's receive block, checked
+        // disjoint), so the blocks never write one byte. Each peer runs
+        // the same exchange, in one kernel or as steps, whose slots,
+        // meetings and counter are these.
+        unsafe {
+            kernels::launch::pair_xchg(&self.stream, f, jobs, self.held.ctl.addrs[0], self.rank as i32, self.current_call(), self.held.ctl.timeout_ns)
+        }
     }
 }
 
 /// The largest exchange (in bytes, each way) that runs as one kernel
-/// ([`Comm::exchange_fused`]), where one block's copies beat the copy
-/// engines' launches.
+/// block ([`Comm::exchange_fused`]): above it one block's copies take
+/// longer than the steps' launches save (measured with thread ranks
+/// sharing one H200: docs/point-to-point.md).
 const FUSED_MAX_BYTES: usize = 64 << 10;
 
 /// Where an exchange of one chunk each way of at most [`FUSED_MAX_BYTES`],
