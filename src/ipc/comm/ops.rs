@@ -173,9 +173,16 @@ impl Comm {
             if n == 1 {
                 return Ok(());
             }
+            let stride = self.slot_bytes();
+            // Blocks that fit one exchange kernel block each: every peer's
+            // exchange in one launch (the point-to-point path's).
+            let pairs: Vec<_> =
+                (0..n).filter(|&q| q != me).map(|q| (q, (src + (q * block) as u64, block), (dst + (q * block) as u64, block))).collect();
+            if pairs.iter().all(|&(_, o, i)| super::p2p::fusable(&[o], &[i], stride).is_some()) {
+                return self.exchange_blocks(&pairs);
+            }
             // Each chunk: this rank's block for q at q * stride of its
             // staging half, for rank q to read.
-            let stride = self.slot_bytes();
             self.staged(
                 block,
                 stride,

@@ -77,11 +77,7 @@ impl Comm {
         self.guarded(|| {
             each_segment(&to_self, &from_self, 0, out, |src, dst, len| self.copy(dst, src, len))?;
             match jobs {
-                Some(jobs) if !jobs.is_empty() => {
-                    let mut pacer = self.pacer()?;
-                    self.exchange_fused(&jobs)?;
-                    pacer.passed()
-                }
+                Some(jobs) if !jobs.is_empty() => self.exchange_fused(&jobs),
                 _ => peers.iter().try_for_each(|(q, outs, ins)| self.exchange_with(*q, outs, ins)),
             }
         })
@@ -99,11 +95,10 @@ impl Comm {
         // bytes are messages too).
         let rounds = out.max(inn).div_ceil(stride).max(1);
         let views = (view(outs), view(ins));
-        let mut pacer = self.pacer()?;
         if let Some((src, dst)) = fusable(outs, ins, stride) {
-            self.exchange_fused(&[self.job(q, src, dst, views)])?;
-            return pacer.passed();
+            return self.exchange_fused(&[self.job(q, src, dst, views)]);
         }
+        let mut pacer = self.pacer()?;
         for i in 0..rounds {
             let h = ((i % 2) * self.half) as u64;
             let o = i * stride;
@@ -188,10 +183,20 @@ impl Comm {
         }
     }
 
+    /// One-chunk exchanges of one message each way with each peer of
+    /// `pairs` (peer, (source, bytes), (destination, bytes); each peer once,
+    /// never this rank, each within [`fusable`]'s bounds) in one launch:
+    /// the all-to-all of small blocks.
+    pub(super) fn exchange_blocks(&self, pairs: &[(usize, Piece, Piece)]) -> Result<()> {
+        let jobs: Vec<PairJob> = pairs.iter().map(|&(q, o, i)| self.job(q, o, i, (view(&[o]), view(&[i])))).collect();
+        self.exchange_fused(&jobs)
+    }
+
     /// One-chunk exchanges (`jobs`, from [`Comm::job`], each with another
-    /// peer) in one kernel, a block each.
+    /// peer) in one kernel, a block each: one synchronisation point.
     fn exchange_fused(&self, jobs: &[PairJob]) -> Result<()> {
         let f = self.held.red.get(Kernel::PairXchg, || function(&self.ctx, Kernel::PairXchg))?;
+        let mut pacer = self.pacer()?;
         self.hold_for_capture()?;
         // SAFETY: `f` is this context's `cp_pair_xchg`; each job's meeting
         // words are as in `meet`, for a peer of its own (one job per peer,
@@ -203,13 +208,15 @@ impl Comm {
         // callers' buffers holding those lengths on this device (the
         // callers check), apart from the communicator's region, and no two
         // jobs' receive buffers overlap (each is borrowed mutably for the
-        // call or group, or is an all-to-all-v's receive block, checked
-        // disjoint), so the blocks never write one byte. Each peer runs
+        // call or group, or is a block of an all-to-all's receive buffer,
+        // disjoint by its layout, or of an all-to-all-v's, checked
+        // disjoint), so no two blocks write one byte. Each peer runs
         // the same exchange, in one kernel or as steps, whose slots,
         // meetings and counter are these.
         unsafe {
             kernels::launch::pair_xchg(&self.stream, f, jobs, self.held.ctl.addrs[0], self.rank as i32, self.current_call(), self.held.ctl.timeout_ns)
-        }
+        }?;
+        pacer.passed()
     }
 }
 
@@ -222,7 +229,7 @@ const FUSED_MAX_BYTES: usize = 64 << 10;
 /// Where an exchange of one chunk each way of at most [`FUSED_MAX_BYTES`],
 /// at most one message each way, can run as one kernel: its (source,
 /// bytes) and (destination, bytes), an absent message as no bytes.
-fn fusable(outs: &[(u64, usize)], ins: &[(u64, usize)], stride: usize) -> Option<((u64, usize), (u64, usize))> {
+pub(super) fn fusable(outs: &[(u64, usize)], ins: &[(u64, usize)], stride: usize) -> Option<((u64, usize), (u64, usize))> {
     if outs.len() > 1 || ins.len() > 1 {
         return None;
     }
@@ -230,8 +237,11 @@ fn fusable(outs: &[(u64, usize)], ins: &[(u64, usize)], stride: usize) -> Option
     (o.1.max(i.1) <= stride.min(FUSED_MAX_BYTES)).then_some((o, i))
 }
 
+/// A buffer as (device address, bytes).
+pub(super) type Piece = (u64, usize);
+
 /// Buffers as (device address, bytes), in order.
-type Pieces = Vec<(u64, usize)>;
+type Pieces = Vec<Piece>;
 
 /// The pieces of the transfers to and from peer `q`, in order.
 fn split(ts: &[Transfer], q: usize) -> (Pieces, Pieces) {
