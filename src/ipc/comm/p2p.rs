@@ -161,7 +161,7 @@ impl Comm {
     /// with the same slots (the first half of each staging buffer),
     /// meetings and counter, so that either side may run it as steps or
     /// in one kernel.
-    fn job(&self, q: usize, (src, out): (u64, usize), (dst, inn): (u64, usize), views: (u64, u64)) -> PairJob {
+    fn job(&self, q: usize, (src, out): Piece, (dst, inn): Piece, views: (u64, u64)) -> PairJob {
         let (me, stride) = (self.rank, self.slot_bytes());
         let m = self.meeting(q, Some(views));
         PairJob {
@@ -229,7 +229,7 @@ const FUSED_MAX_BYTES: usize = 64 << 10;
 /// Where an exchange of one chunk each way of at most [`FUSED_MAX_BYTES`],
 /// at most one message each way, can run as one kernel: its (source,
 /// bytes) and (destination, bytes), an absent message as no bytes.
-pub(super) fn fusable(outs: &[(u64, usize)], ins: &[(u64, usize)], stride: usize) -> Option<((u64, usize), (u64, usize))> {
+pub(super) fn fusable(outs: &[Piece], ins: &[Piece], stride: usize) -> Option<(Piece, Piece)> {
     if outs.len() > 1 || ins.len() > 1 {
         return None;
     }
