@@ -571,95 +571,61 @@ static __device__ __forceinline__ bool wait_flag(const unsigned int* p, unsigned
 #endif  // CP_BUILD_REDUCE || CP_BUILD_MESH
 
 // ---------------------------------------------------------------------------
-// Point-to-point: two ranks meet (send/recv, all-to-all-v).
+// Point-to-point: two ranks meet (send/recv, groups, all-to-all(-v)).
 //
-//   cp_pair_sync(unsigned* theirs, const unsigned* mine, unsigned* counter,
-//                u64* their_view, const u64* my_view, u64 out_view,
-//                u64 in_view, int check, unsigned* ctl, int rank, int peer,
-//                unsigned call, u64 timeout_ns)
-//     One meeting (one thread):
-//     counter: this rank's count of meetings with the peer, in its own
-//              device memory (so a replayed graph advances it too); the
-//              meeting's value is counter + 1, stored back on success;
+// A meeting's words (PairMeet), for part `b` of an exchange: the flags and
+// counters of part b lie PAIR_BLOCK_WORDS words after those of part b - 1
+// (part 0's are the ones the host names), the view slots are part 0's.
+//     counter: this rank's count of meetings with the peer for the part,
+//              in its own device memory (so a replayed graph advances it
+//              too); the meeting's value is counter + 1, stored back on
+//              success;
 //     theirs:  the peer's flag word for this rank (in the peer's region),
 //              set to the value with a release (system scope), after
 //              this rank's earlier stores and copies;
 //     mine:    this rank's flag word for the peer, waited for (see
 //              wait_flag);
-//     check:   the first meeting of an exchange: this rank's view of it
-//              (out_view: what it sends the peer, in_view: what it
-//              receives, each a value the host computes from the message
+//     check:   the first meeting of an exchange (part 0 only): this rank's
+//              view of it (out_view: what it sends the peer, in_view: what
+//              it receives, each a value the host computes from the message
 //              lengths) goes into the peer's view slot for this rank before
-//              the flag;
-//              after the wait, the peer's view (in my_view) must mirror
-//              it, else the meeting fails with CTL_MISMATCH (its record
-//              names the peer) and sets the abort word;
-//     call:    the host's number of the call (for the failure record).
+//              the flag; after the wait, the peer's view (in my_view) must
+//              mirror it, else the meeting fails with CTL_MISMATCH (its
+//              record names the peer) and sets the abort word.
+//
+//   cp_pair_sync(PairMeet m, unsigned* ctl, int rank, unsigned call,
+//                u64 timeout_ns)
+//     One meeting of part 0 (one thread); `call` is the host's number of
+//     the call (for the failure record).
 //
 //   cp_pair_xchg(PairJobs jobs, int njobs, unsigned* ctl, int rank,
 //                unsigned call, u64 timeout_ns)
-//     Whole exchanges of one chunk, one block each (block b does jobs.j[b],
-//     b < njobs <= PAIR_MAX_JOBS; the blocks do not wait for each other),
-//     in the order the host otherwise enqueues one as four steps: the
-//     block copies the out_bytes it sends from src into this rank's slot
-//     for the peer (my_slot), meets the peer (the first meeting, views
-//     compared when `check`), copies the in_bytes it receives from the
-//     peer's slot for this rank (their_slot) into dst, and meets the peer
-//     again, so that neither refills a slot the other still reads. The
-//     job's counter advances by two. A failed meeting ends the block (dst
-//     then holds undefined data, as after a failed exchange of steps).
-//     A job's other fields are cp_pair_sync's arguments.
+//     Whole exchanges of one chunk (job j = blockIdx.y < njobs <=
+//     PAIR_MAX_JOBS; the jobs do not wait for each other), each split into
+//     `parts` parts (blockIdx.x < parts <= PAIR_MAX_BLOCKS, both ranks
+//     split by the same lengths: see pair_part), a block each, in the order
+//     the host otherwise enqueues an exchange as four steps: the block
+//     copies its part of the out_bytes it sends from src into this rank's
+//     slot for the peer (my_slot), meets the peer's block of the same part
+//     (the first meeting, views compared in part 0 when `check`), copies
+//     its part of the in_bytes it receives from the peer's slot for this
+//     rank (their_slot) into dst, and meets the peer's block again, so that
+//     neither refills a slot the other still reads. Each part's counter
+//     advances by two. A failed meeting ends the block (dst then holds
+//     undefined data, as after a failed exchange of steps).
 //
 //   A kernel that finds the abort word set does nothing (CTL_ABORTED).
 // ---------------------------------------------------------------------------
 
 #ifdef CP_BUILD_REDUCE
 #define CTL_MISMATCH 3u
-
-// One meeting of value v, by one thread (see cp_pair_sync): whether it
-// succeeded.
-static __device__ __forceinline__ bool pair_meet(unsigned int* theirs, const unsigned int* mine, unsigned int v,
-                                                 u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
-                                                 int check, unsigned int* ctl, int rank, int peer,
-                                                 unsigned int call, u64 timeout_ns) {
-    if (check) {
-        st_relaxed_sys_u64(their_view, out_view);
-        st_relaxed_sys_u64(their_view + 1, in_view);
-    }
-    st_release_sys(theirs, v);
-    if (!wait_flag(mine, v, ctl, timeout_ns, rank, call, true)) return false;
-    if (check && (ld_relaxed_sys_u64(my_view) != in_view || ld_relaxed_sys_u64(my_view + 1) != out_view)) {
-        ctl_fail_abort(ctl, rank, CTL_MISMATCH, (unsigned int)peer);
-        return false;
-    }
-    return true;
-}
-
-extern "C" __global__ void cp_pair_sync(unsigned int* theirs, const unsigned int* mine, unsigned int* counter,
-                                        u64* their_view, const u64* my_view, u64 out_view, u64 in_view,
-                                        int check, unsigned int* ctl, int rank, int peer, unsigned int call,
-                                        u64 timeout_ns) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const unsigned int v = *counter + 1u;
-    if (ctl_aborted(ctl)) {
-        ctl_fail(ctl, rank, CTL_ABORTED, call);
-        return;
-    }
-    if (pair_meet(theirs, mine, v, their_view, my_view, out_view, in_view, check, ctl, rank, peer, call, timeout_ns))
-        *counter = v;
-}
-
 #define PAIR_MAX_JOBS 8
+#define PAIR_MAX_BLOCKS 8
+#define PAIR_BLOCK_WORDS 8
 
-// One exchange of cp_pair_xchg (see above); 112 bytes, the layout of
-// `PairJob` in src/kernels/launch.rs.
-struct PairJob {
-    unsigned char* my_slot;
-    const unsigned char* src;
-    u64 out_bytes;
-    unsigned char* dst;
-    const unsigned char* their_slot;
-    u64 in_bytes;
+// The words of one meeting (see above); 64 bytes, the layout of `PairMeet`
+// in src/kernels/launch.rs.
+struct PairMeet {
     unsigned int* theirs;
     const unsigned int* mine;
     unsigned int* counter;
@@ -671,43 +637,98 @@ struct PairJob {
     int check;
 };
 
+// One meeting of part `b` with value v, by one thread: whether it
+// succeeded.
+static __device__ __forceinline__ bool pair_meet(const PairMeet& m, unsigned int b, unsigned int v, bool check,
+                                                 unsigned int* ctl, int rank, unsigned int call, u64 timeout_ns) {
+    if (check) {
+        st_relaxed_sys_u64(m.their_view, m.out_view);
+        st_relaxed_sys_u64(m.their_view + 1, m.in_view);
+    }
+    st_release_sys(m.theirs + b * PAIR_BLOCK_WORDS, v);
+    if (!wait_flag(m.mine + b * PAIR_BLOCK_WORDS, v, ctl, timeout_ns, rank, call, true)) return false;
+    if (check && (ld_relaxed_sys_u64(m.my_view) != m.in_view || ld_relaxed_sys_u64(m.my_view + 1) != m.out_view)) {
+        ctl_fail_abort(ctl, rank, CTL_MISMATCH, (unsigned int)m.peer);
+        return false;
+    }
+    return true;
+}
+
+extern "C" __global__ void cp_pair_sync(PairMeet m, unsigned int* ctl, int rank, unsigned int call,
+                                        u64 timeout_ns) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const unsigned int v = *m.counter + 1u;
+    if (ctl_aborted(ctl)) {
+        ctl_fail(ctl, rank, CTL_ABORTED, call);
+        return;
+    }
+    if (pair_meet(m, 0, v, m.check != 0, ctl, rank, call, timeout_ns)) *m.counter = v;
+}
+
+// One exchange of cp_pair_xchg (see above); 120 bytes, the layout of
+// `PairJob` in src/kernels/launch.rs.
+struct PairJob {
+    PairMeet meet;
+    unsigned char* my_slot;
+    const unsigned char* src;
+    u64 out_bytes;
+    unsigned char* dst;
+    const unsigned char* their_slot;
+    u64 in_bytes;
+    int parts;
+};
+
 struct PairJobs {
     PairJob j[PAIR_MAX_JOBS];
 };
 
+// Bytes [*lo, *hi) of n: part b of `parts`, in multiples of 256 bytes but
+// for the last part's end. Both ranks of an exchange split one length the
+// same way.
+static __device__ __forceinline__ void pair_part(u64 n, unsigned int b, unsigned int parts, u64* lo, u64* hi) {
+    const u64 per = (n / parts + 255u) & ~(u64)255u;
+    *lo = min(n, (u64)b * per);
+    *hi = b + 1 == parts ? n : min(n, (u64)(b + 1) * per);
+}
+
 extern "C" __global__ void cp_pair_xchg(PairJobs jobs, int njobs, unsigned int* ctl, int rank, unsigned int call,
                                         u64 timeout_ns) {
-    if ((int)blockIdx.x >= njobs || blockIdx.x >= PAIR_MAX_JOBS) return;
+    if ((int)blockIdx.y >= njobs || blockIdx.y >= PAIR_MAX_JOBS) return;
     __shared__ PairJob job;
     __shared__ int ok;
     __shared__ unsigned int value;
     const u64 tid = threadIdx.x, stride = blockDim.x;
+    const unsigned int b = blockIdx.x;
     if (tid == 0) {
         // Constant indices: a dynamic index into the parameter would put
         // it on the stack.
 #pragma unroll
         for (int k = 0; k < PAIR_MAX_JOBS; ++k)
-            if (k == (int)blockIdx.x) job = jobs.j[k];
-        value = *job.counter + 1u;
-        ok = !ctl_aborted(ctl);
-        if (!ok) ctl_fail(ctl, rank, CTL_ABORTED, call);
+            if (k == (int)blockIdx.y) job = jobs.j[k];
+        ok = b < (unsigned int)job.parts && job.parts <= PAIR_MAX_BLOCKS;
+        if (ok) {
+            value = job.meet.counter[b * PAIR_BLOCK_WORDS] + 1u;
+            ok = !ctl_aborted(ctl);
+            if (!ok) ctl_fail(ctl, rank, CTL_ABORTED, call);
+        }
     }
     __syncthreads();
     if (!ok) return;
-    copy_bytes<4>(job.my_slot, job.src, job.out_bytes, tid, stride);
+    const unsigned int parts = (unsigned int)job.parts;
+    u64 lo, hi;
+    pair_part(job.out_bytes, b, parts, &lo, &hi);
+    copy_bytes<4>(job.my_slot + lo, job.src + lo, hi - lo, tid, stride);
     // Cumulative release after __syncthreads (see mesh_barrier): the
     // meeting's flag publishes the block's copy into the slot.
     __syncthreads();
-    if (tid == 0)
-        ok = pair_meet(job.theirs, job.mine, value, job.their_view, job.my_view, job.out_view, job.in_view,
-                       job.check, ctl, rank, job.peer, call, timeout_ns);
+    if (tid == 0) ok = pair_meet(job.meet, b, value, b == 0 && job.meet.check != 0, ctl, rank, call, timeout_ns);
     __syncthreads();
     if (!ok) return;
-    copy_bytes<4>(job.dst, job.their_slot, job.in_bytes, tid, stride);
+    pair_part(job.in_bytes, b, parts, &lo, &hi);
+    copy_bytes<4>(job.dst + lo, job.their_slot + lo, hi - lo, tid, stride);
     __syncthreads();
-    if (tid == 0 && pair_meet(job.theirs, job.mine, value + 1u, job.their_view, job.my_view, 0, 0, 0, ctl, rank,
-                              job.peer, call, timeout_ns))
-        *job.counter = value + 1u;
+    if (tid == 0 && pair_meet(job.meet, b, value + 1u, false, ctl, rank, call, timeout_ns))
+        job.meet.counter[b * PAIR_BLOCK_WORDS] = value + 1u;
 }
 #endif  // CP_BUILD_REDUCE
 

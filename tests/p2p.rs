@@ -395,25 +395,35 @@ fn send_recv_every_type_count_and_rank_count_on_the_staged_path() {
     send_recv_suite("send_recv_every_type_count_and_rank_count_on_the_staged_path", PathPolicy::StagedOnly);
 }
 
+/// The largest exchange that runs as one kernel (docs/point-to-point.md):
+/// up to eight parts of 64 KiB.
+const ONE_KERNEL_MOST: usize = 512 << 10;
+
 /// A ring shift in a group between views at odd byte offsets (rank `r`
 /// sends bytes `3..3 + len` of a buffer to `r + 1` and receives from
 /// `r - 1` into bytes `5..5 + len` of a poisoned one), so that neither
-/// end is 16-byte aligned, at lengths below and above the largest
-/// exchange that runs as one kernel and past several slots, on 2 and 3
-/// ranks, P2P and staged: bit-exact, the bytes around each view untouched.
+/// end is 16-byte aligned, at lengths of one to eight parts of the
+/// one-kernel exchange, around its bound and past several slots, on 2
+/// and 3 ranks: P2P with slots of a few hundred KiB and with the default
+/// (slots of a MiB or more, so that every length up to the bound runs in
+/// one kernel), and staged: bit-exact, the bytes around each view
+/// untouched.
 #[test]
 fn send_recv_between_views_at_odd_offsets() {
     let test = "send_recv_between_views_at_odd_offsets";
     let _gpu = exclusive();
     let Some(ctxs) = gpus(test, 1) else { return };
     say_shared(test, ctxs.len(), 3);
-    let mut pool = Pool::new(1 << 20);
-    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+    let mut pool = Pool::new(2 * ONE_KERNEL_MOST);
+    let default = CommOptions::default().path(PathPolicy::Auto);
+    for opts in [options(PathPolicy::Auto), default, options(PathPolicy::StagedOnly)] {
         for n in [2, 3] {
-            let (comms, path) = make(test, &ctxs, n, &options(policy));
-            for len in [1, 15, 17, 4093, (64 << 10) - 3, (64 << 10) + 5, 200_003] {
+            let (comms, path) = make(test, &ctxs, n, &opts);
+            let path = format!("{path:?} (buffer of {} bytes)", opts.buffer_bytes);
+            let lens = [1, 15, 17, 4093, (64 << 10) - 3, (64 << 10) + 5, 200_003, 458_759, ONE_KERNEL_MOST - 1, ONE_KERNEL_MOST, ONE_KERNEL_MOST + 1];
+            for len in lens {
                 let seed = pool.seed;
-                let what = |r: usize| format!("{path:?} n={n} len={len} (seed {seed:#018x}): rank {r}");
+                let what = |r: usize| format!("{path} n={n} len={len} (seed {seed:#018x}): rank {r}");
                 let ins = pool.take_distinct::<u8>(n, len + 8);
                 let got = each(&comms, |r, c| {
                     let s = c.stream();
@@ -781,11 +791,12 @@ fn reduce_scatter_v<T: Arith>(comms: &[Comm], tag: &str, op: ReduceOp, most: usi
 }
 
 /// On 2, 3, 4 and 8 ranks, P2P and staged: all-to-all (u32, f16,
-/// F8E4M3; 0, 1, 1023 elements per block and past several chunks),
-/// all-to-all-v on random layouts (u32, bf16, F8E5M2; counts per pair
-/// with zeros, receive blocks in a random order with poisoned gaps and
-/// tail; three calls on one communicator with new counts each, one past
-/// several slots), all-gather-v with uneven counts (one 0; u32, f32,
+/// F8E4M3; 0, 1, 1023 elements per block, u32 blocks of several parts of
+/// the one-kernel exchange, and past several chunks), all-to-all-v on
+/// random layouts (u32, bf16, F8E5M2; counts per pair with zeros, receive
+/// blocks in a random order with poisoned gaps and tail; four calls on one
+/// communicator with new counts each, one of several parts per pair, one
+/// past several slots), all-gather-v with uneven counts (one 0; u32, f32,
 /// F8E4M3), reduce-scatter-v with uneven counts (u32 and i32 sums exact,
 /// f32 sum and avg and bf16 sum within the bound).
 #[test]
@@ -805,9 +816,13 @@ fn all_to_all_and_the_uneven_collectives_against_the_cpu() {
                 all_to_all::<f16>(&comms, &mut pool, &tag, c);
                 all_to_all::<F8E4M3>(&comms, &mut pool, &tag, c);
             }
+            // Blocks of three parts of the one-kernel exchange, where a slot holds them.
+            all_to_all::<u32>(&comms, &mut pool, &tag, 40_001);
             all_to_all::<u32>(&comms, &mut pool, &tag, big / (4 * n) + 1);
             all_to_all::<F8E4M3>(&comms, &mut pool, &tag, big / n + 1);
-            for most in [3000, 0, big / (4 * n)] {
+            // Up to 3000 elements: one part; up to 100,000: several, each
+            // direction with its own length; `big`: past several slots.
+            for most in [3000, 0, 100_000, big / (4 * n)] {
                 all_to_all_v::<u32>(&comms, &mut pool, &tag, most);
             }
             all_to_all_v::<bf16>(&comms, &mut pool, &tag, 3000);
@@ -886,7 +901,8 @@ fn assert_disagreed(what: &str, f: &Failed) {
 
 /// On 2 ranks: a send of 100 u32 against a receive of 99 (plain calls);
 /// a grouped exchange whose receive on rank 1 is one element longer than
-/// rank 0's send; an all-to-all-v whose rank 0 sends rank 1 five elements
+/// rank 0's send; a grouped exchange in one kernel whose sides have
+/// different numbers of parts; an all-to-all-v whose rank 0 sends rank 1 five elements
 /// where rank 1 expects six. Each: `Error::GroupFailed` naming the
 /// disagreement on both ranks, at once, from `synchronize()` and
 /// `async_error()` (or the call), and both communicators then refuse the
@@ -928,6 +944,28 @@ fn mismatched_lengths_fail_both_ranks_with_group_failed() {
     });
     for (r, f) in got.iter().enumerate() {
         assert_disagreed(&format!("a grouped exchange of 1000 against 1001: rank {r}"), f);
+    }
+    drop(comms);
+
+    // Both sides in one kernel, in different numbers of parts (rank 0: 5
+    // for 300,000 bytes out, 100,000 in; rank 1: 7 for 100,000 out,
+    // 400,000 in): part 0 finds the disagreement, and the parts that
+    // only rank 1 has give up with it instead of waiting.
+    let (comms, _) = make(test, &ctxs, 2, &opts);
+    let got = each(&comms, |r, c| {
+        let s = c.stream();
+        let (out, inn) = if r == 0 { (300_000, 100_000) } else { (100_000, 400_000) };
+        let a = s.clone_htod(&vec![5u8; out]).unwrap();
+        let mut b = poisoned::<u8>(s, inn);
+        fail_with(c, || {
+            let mut g = c.group();
+            g.send(&a, 1 - r)?;
+            g.recv(&mut b, 1 - r)?;
+            g.end()
+        })
+    });
+    for (r, f) in got.iter().enumerate() {
+        assert_disagreed(&format!("a one-kernel exchange of 300,000 against 400,000 bytes: rank {r}"), f);
     }
     drop(comms);
 
@@ -1442,8 +1480,9 @@ fn graph_rank(comm: Comm, rounds: &[Vec<GraphIn>], barrier: &Barrier, count: usi
 }
 
 /// On 2, 3 and 4 ranks (threads), P2P and staged: an eager round of a
-/// grouped ring shift (3001 u32: several chunks of the staged path) and an
-/// all-to-all (1000 per block); then every rank captures the same calls
+/// grouped ring shift (40,001 u32: three parts of the one-kernel exchange
+/// on the P2P path, many chunks of the staged path) and an all-to-all
+/// (1000 per block); then every rank captures the same calls
 /// into a CUDA graph on its stream, all at once; each graph is replayed 20
 /// times on fresh inputs copied into the captured buffers before each
 /// replay (outputs poisoned), the last 11 after every `Comm` is dropped;
@@ -1461,7 +1500,7 @@ fn graphs_of_a_group_and_an_all_to_all_replay_after_every_comm_is_dropped() {
         unsafe { c.disable_event_tracking() };
     }
     say_shared(test, ctxs.len(), 4);
-    let (count, c) = (3001, 1000);
+    let (count, c) = (40_001, 1000);
     let replays = 20;
     for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
         for n in [2, 3, 4] {

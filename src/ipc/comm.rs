@@ -92,6 +92,7 @@ use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
 use crate::graph::{capture_of, retain, KeepAlive};
 use crate::kernels;
+use crate::kernels::launch::{PAIR_BLOCK_WORDS, PAIR_MAX_BLOCKS};
 use crate::kernels::load::{function, FnTable, PtrArray};
 use crate::kernels::{Kernel, KernelOp};
 use crate::sync::{wait_bounded, Orderer};
@@ -108,12 +109,18 @@ mod p2p;
 /// The most ranks a [`Comm`] serves (the one-shot kernel's limit).
 pub const MAX_RANKS: usize = kernels::MESH_MAX_RANKS;
 
-/// Bytes of the flags of a rank's pair area (`p2p`): a word per rank.
+/// Bytes of the flags of a rank's pair area (`p2p`): for each part of a
+/// one-kernel exchange, a word per rank (part `b`'s flag for rank `r` is
+/// word `PAIR_BLOCK_WORDS * b + r`).
 const PAIR_FLAG_BYTES: usize = 256;
 /// Bytes of a rank's pair area: the flags, then a view slot of two words
 /// per rank, each part 256-byte aligned.
 const PAIR_AREA_BYTES: usize = PAIR_FLAG_BYTES + 256;
-const _: () = assert!(MAX_RANKS * 4 <= PAIR_FLAG_BYTES && MAX_RANKS * 16 <= PAIR_AREA_BYTES - PAIR_FLAG_BYTES);
+/// Words of a rank's meeting counters (in its device memory), laid out as
+/// the flags.
+const PAIR_COUNTER_WORDS: usize = PAIR_BLOCK_WORDS * PAIR_MAX_BLOCKS;
+const _: () =
+    assert!(MAX_RANKS <= PAIR_BLOCK_WORDS && PAIR_COUNTER_WORDS * 4 <= PAIR_FLAG_BYTES && MAX_RANKS * 16 <= PAIR_AREA_BYTES - PAIR_FLAG_BYTES);
 
 /// The default of [`CommOptions::buffer_bytes`].
 pub const DEFAULT_BUFFER_BYTES: usize = 8 << 20;
@@ -353,8 +360,15 @@ pub struct Comm {
     /// Every rank's pair area (the flags and views of the point-to-point
     /// meetings: `p2p`), as mapped here.
     pairs: Vec<u64>,
-    /// This rank's meeting counters, one per peer (the words are in `held`).
+    /// This rank's meeting counters, per part and peer (the words are in
+    /// `held`).
     pair_counters: u64,
+    /// The most parts (kernel blocks) of one one-kernel exchange (`p2p`):
+    /// the same on every rank, so that an exchange's two sides split it
+    /// alike, and few enough that every rank's blocks of one launch with
+    /// every peer fit a device's multiprocessors at once, a block each,
+    /// where ranks share it.
+    pair_parts: usize,
     // Dropped after the fields above (the stream is synchronized in Drop).
     /// Whether the slots and staging buffers are in shared host memory.
     staged: bool,
@@ -562,6 +576,14 @@ fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<u32> {
     }
     let most = infos.iter().map(|i| infos.iter().filter(|j| j.bus == i.bus).count()).max().unwrap_or(1);
     Ok(most as u32)
+}
+
+/// The most parts of a one-kernel exchange of `size` ranks, `sharing` of
+/// them at most on one device of at least `sms` multiprocessors (see
+/// `Comm::pair_parts`).
+fn pair_parts(sms: u32, sharing: u32, size: usize) -> usize {
+    let blocks_per_part = sharing as usize * size.saturating_sub(1).max(1);
+    (sms as usize / blocks_per_part).clamp(1, PAIR_MAX_BLOCKS)
 }
 
 /// The ordinal, in this process, of the device at PCI bus id `bus`.
@@ -815,7 +837,7 @@ impl Comm {
         let pairs: Vec<u64> = regions.iter().map(|r| r.0 + lane_bytes as u64).collect();
         let bar = stream.alloc_zeros::<u32>(4).map_err(cudarc_err("cuMemAlloc (barrier word)"))?;
         let bar_ptr = bar.device_ptr(&stream).0;
-        let pair_counters = stream.alloc_zeros::<u32>(size).map_err(cudarc_err("cuMemAlloc (meeting counters)"))?;
+        let pair_counters = stream.alloc_zeros::<u32>(PAIR_COUNTER_WORDS).map_err(cudarc_err("cuMemAlloc (meeting counters)"))?;
         let pair_counters_ptr = pair_counters.device_ptr(&stream).0;
 
         // Counters, and the lanes as this rank launches them.
@@ -868,6 +890,7 @@ impl Comm {
             bar_ptr,
             pairs,
             pair_counters: pair_counters_ptr,
+            pair_parts: pair_parts(sms, sharing, size),
             staged,
             shares_context,
             pace_events,
@@ -1416,6 +1439,21 @@ mod tests {
         assert!(matches!(check_layout(&[info("a", "0"), info("b", "1")], true), Err(Error::Unsupported(m)) if m.contains("several hosts")));
         let nine: Vec<_> = (0..9).map(|d| info("a", &d.to_string())).collect();
         assert!(matches!(check_layout(&nine, false), Err(Error::Unsupported(_))));
+    }
+
+    #[test]
+    fn one_kernel_exchanges_of_ranks_sharing_a_device_take_fewer_parts() {
+        assert_eq!(pair_parts(132, 1, 2), PAIR_MAX_BLOCKS);
+        assert_eq!(pair_parts(132, 1, 8), PAIR_MAX_BLOCKS);
+        assert_eq!(pair_parts(132, 2, 2), PAIR_MAX_BLOCKS);
+        assert_eq!(pair_parts(132, 4, 8), 132 / 28);
+        assert_eq!(pair_parts(132, 8, 8), 2);
+        assert_eq!(pair_parts(10, 8, 8), 1);
+        assert_eq!(pair_parts(0, 1, 1), 1);
+        for (sms, sharing, size) in [(132, 8, 8), (132, 4, 8), (80, 3, 3), (16, 2, 8)] {
+            let parts = pair_parts(sms, sharing, size);
+            assert!(parts == 1 || sharing as usize * (size - 1) * parts <= sms as usize, "{sms} {sharing} {size}: {parts}");
+        }
     }
 
     #[test]

@@ -173,8 +173,13 @@ pub(crate) unsafe fn oneshot(stream: &CudaStream, f: &CudaFunction, a: &OneShot<
     Ok(())
 }
 
-/// One rank's side of a point-to-point meeting (`cp_pair_sync`).
-pub(crate) struct PairSync {
+/// The words of one rank's side of a point-to-point meeting
+/// (`cp_pair_sync`'s and each `cp_pair_xchg` job's `PairMeet`, field for
+/// field): the words of the exchange's part 0; part `b`'s flags and counter
+/// lie [`PAIR_BLOCK_WORDS`] `* b` words further on.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PairMeet {
     /// The peer's flag word for this rank, in the peer's pair area.
     pub(crate) theirs: u64,
     /// This rank's flag word for the peer, in its own pair area.
@@ -189,19 +194,28 @@ pub(crate) struct PairSync {
     pub(crate) out_view: u64,
     /// Its view of what it receives from the peer.
     pub(crate) in_view: u64,
-    /// Whether the views are exchanged and compared (the exchange's first
-    /// meeting).
-    pub(crate) check: bool,
-    /// This rank's control block.
-    pub(crate) ctl: u64,
-    pub(crate) rank: i32,
     pub(crate) peer: i32,
-    /// The call's number, for the failure record.
-    pub(crate) call: u32,
-    pub(crate) timeout_ns: u64,
+    /// Whether the views are exchanged and compared (1: the exchange's
+    /// first meeting) or not (0).
+    pub(crate) check: i32,
 }
 
-/// Launches one rank's side of a meeting (one thread).
+// SAFETY: plain integers, laid out like the C struct the kernel takes by
+// value (seven eight-byte words and two ints, 64 bytes).
+unsafe impl cudarc::driver::DeviceRepr for PairMeet {}
+const _: () = assert!(std::mem::size_of::<PairMeet>() == 64);
+
+/// Words between the flags (and the counters) of one part of an exchange
+/// and the next part's (`PAIR_BLOCK_WORDS` in the kernel).
+pub(crate) const PAIR_BLOCK_WORDS: usize = 8;
+
+/// Parts (kernel blocks) one exchange of [`pair_xchg`] is split into at
+/// most (`PAIR_MAX_BLOCKS` in the kernel).
+pub(crate) const PAIR_MAX_BLOCKS: usize = 8;
+
+/// Launches one rank's side of a meeting of part 0 (one thread), with this
+/// rank's control block, its rank, the call's number (for the failure
+/// record) and the timeout.
 ///
 /// # Safety
 ///
@@ -211,26 +225,11 @@ pub(crate) struct PairSync {
 /// read-write access, or mapped host memory) and alive until the kernel is
 /// done; `counter` is one word of this rank's device memory; `ctl` is this
 /// rank's mapped control block (`failure::ctl_bytes` of more than `rank`
-/// ranks). Both
-/// ranks of the pair launch their meetings in the same order.
-pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, a: &PairSync) -> Result<()> {
+/// ranks). Both ranks of the pair launch their meetings in the same order.
+pub(crate) unsafe fn pair_sync(stream: &CudaStream, f: &CudaFunction, m: &PairMeet, ctl: u64, rank: i32, call: u32, timeout_ns: u64) -> Result<()> {
     let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-    let check = i32::from(a.check);
     let mut launch = stream.launch_builder(f);
-    launch
-        .arg(&a.theirs)
-        .arg(&a.mine)
-        .arg(&a.counter)
-        .arg(&a.their_view)
-        .arg(&a.my_view)
-        .arg(&a.out_view)
-        .arg(&a.in_view)
-        .arg(&check)
-        .arg(&a.ctl)
-        .arg(&a.rank)
-        .arg(&a.peer)
-        .arg(&a.call)
-        .arg(&a.timeout_ns);
+    launch.arg(m).arg(&ctl).arg(&rank).arg(&call).arg(&timeout_ns);
     // SAFETY: the caller's contract.
     unsafe { launch.launch(cfg) }.map_err(cudarc_err("cuLaunchKernel (point-to-point meeting)"))?;
     Ok(())
@@ -244,12 +243,15 @@ pub(crate) const PAIR_XCHG_THREADS: u32 = 512;
 pub(crate) const PAIR_MAX_JOBS: usize = super::MESH_MAX_RANKS;
 
 /// One rank's side of a whole one-chunk exchange with a peer
-/// (`cp_pair_xchg`'s `PairJob`, field for field): what it sends copied
-/// into its slot, the first meeting, what it receives copied out of the
-/// peer's slot, the last meeting.
+/// (`cp_pair_xchg`'s `PairJob`, field for field), in `parts` parts of a
+/// kernel block each: what it sends copied into its slot, the first
+/// meeting, what it receives copied out of the peer's slot, the last
+/// meeting.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct PairJob {
+    /// The meetings' words.
+    pub(crate) meet: PairMeet,
     /// This rank's slot for the peer, in its own staging buffer.
     pub(crate) my_slot: u64,
     /// What this rank sends: `out_bytes` bytes.
@@ -260,17 +262,10 @@ pub(crate) struct PairJob {
     /// The peer's slot for this rank, in the peer's staging buffer.
     pub(crate) their_slot: u64,
     pub(crate) in_bytes: u64,
-    /// The meetings' words, as [`PairSync`]'s.
-    pub(crate) theirs: u64,
-    pub(crate) mine: u64,
-    pub(crate) counter: u64,
-    pub(crate) their_view: u64,
-    pub(crate) my_view: u64,
-    pub(crate) out_view: u64,
-    pub(crate) in_view: u64,
-    pub(crate) peer: i32,
-    /// Whether the first meeting compares the views (1) or not (0).
-    pub(crate) check: i32,
+    /// Parts, 1 to [`PAIR_MAX_BLOCKS`]; the peer's side of the exchange has
+    /// as many.
+    pub(crate) parts: i32,
+    pub(crate) _pad: i32,
 }
 
 /// The kernel's array of jobs, by value.
@@ -279,26 +274,29 @@ pub(crate) struct PairJob {
 struct PairJobs([PairJob; PAIR_MAX_JOBS]);
 
 // SAFETY: plain integers, laid out like the C structs the kernel takes by
-// value (`PairJob`: 13 eight-byte words and two ints, 112 bytes).
+// value (`PairJob`: a `PairMeet`, six eight-byte words and two ints, 120
+// bytes).
 unsafe impl cudarc::driver::DeviceRepr for PairJobs {}
-const _: () = assert!(std::mem::size_of::<PairJob>() == 112 && std::mem::size_of::<PairJobs>() == 112 * PAIR_MAX_JOBS);
+const _: () = assert!(std::mem::size_of::<PairJob>() == 120 && std::mem::size_of::<PairJobs>() == 120 * PAIR_MAX_JOBS);
 
 /// Launches one rank's side of up to [`PAIR_MAX_JOBS`] one-chunk
-/// exchanges, one block each, with the control block, rank, call number
-/// and timeout of [`PairSync`].
+/// exchanges, a block per part of each, with the arguments of
+/// [`pair_sync`] but the meeting.
 ///
 /// # Safety
 ///
 /// `f` is `cp_pair_xchg` loaded in `stream`'s context; `ctl` is as
 /// [`pair_sync`] requires. Each job's meeting words are as [`pair_sync`]
-/// requires of its peer's, and no two jobs have one peer; `my_slot` holds
-/// `out_bytes` bytes and `their_slot` `in_bytes` bytes (the two ranks'
-/// slots for each other of one staging half, reachable from the device as
-/// the pair areas are, and alive until the kernel is done), `src` holds
-/// `out_bytes` readable bytes and `dst` `in_bytes` writable bytes on this
-/// device, neither overlapping a slot nor another job's `dst`. Each peer
-/// launches its side of the same exchange (in a `cp_pair_xchg` of its own,
-/// or as the same steps enqueued one by one).
+/// requires of its peer's, for each of its `parts` parts (the flags in the
+/// pair areas, the counters in this rank's device memory), and no two jobs
+/// have one peer; `my_slot` holds `out_bytes` bytes and `their_slot`
+/// `in_bytes` bytes (the two ranks' slots for each other of one staging
+/// half, reachable from the device as the pair areas are, and alive until
+/// the kernel is done), `src` holds `out_bytes` readable bytes and `dst`
+/// `in_bytes` writable bytes on this device, neither overlapping a slot nor
+/// another job's `dst`. Each peer launches its side of the same exchange,
+/// in as many parts (in a `cp_pair_xchg` of its own), or, where it has one
+/// part, as the same steps enqueued one by one.
 pub(crate) unsafe fn pair_xchg(
     stream: &CudaStream,
     f: &CudaFunction,
@@ -311,13 +309,17 @@ pub(crate) unsafe fn pair_xchg(
     if jobs.is_empty() {
         return Ok(());
     }
-    if jobs.len() > PAIR_MAX_JOBS {
-        return Err(crate::error::Error::Internal(format!("{} point-to-point exchanges in one launch", jobs.len())));
+    if jobs.len() > PAIR_MAX_JOBS || jobs.iter().any(|j| !(1..=PAIR_MAX_BLOCKS as i32).contains(&j.parts)) {
+        return Err(crate::error::Error::Internal(format!(
+            "{} point-to-point exchanges in one launch, or an exchange of no parts or too many",
+            jobs.len()
+        )));
     }
     let mut all = PairJobs::default();
     all.0[..jobs.len()].copy_from_slice(jobs);
     let n = jobs.len() as i32;
-    let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (PAIR_XCHG_THREADS, 1, 1), shared_mem_bytes: 0 };
+    let parts = jobs.iter().map(|j| j.parts as u32).max().unwrap_or(1);
+    let cfg = LaunchConfig { grid_dim: (parts, n as u32, 1), block_dim: (PAIR_XCHG_THREADS, 1, 1), shared_mem_bytes: 0 };
     let mut launch = stream.launch_builder(f);
     launch.arg(&all).arg(&n).arg(&ctl).arg(&rank).arg(&call).arg(&timeout_ns);
     // SAFETY: the caller's contract.

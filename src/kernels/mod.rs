@@ -473,6 +473,9 @@ mod tests {
         assert!(src.contains("#define MESH_COUNTERS_OFFSET (3 * MESH_MAX_BLOCKS * MESH_MAX_RANKS)"));
         assert!(src.contains("#define MESH_FLAG_WORDS (MESH_COUNTERS_OFFSET + MESH_MAX_BLOCKS)"));
         assert!(src.contains(&format!("#define ONESHOT_MAX_BLOCKS {ONESHOT_MAX_BLOCKS}\n")));
+        assert!(src.contains(&format!("#define PAIR_MAX_JOBS {}\n", launch::PAIR_MAX_JOBS)));
+        assert!(src.contains(&format!("#define PAIR_MAX_BLOCKS {}\n", launch::PAIR_MAX_BLOCKS)));
+        assert!(src.contains(&format!("#define PAIR_BLOCK_WORDS {}\n", launch::PAIR_BLOCK_WORDS)));
         assert!(src.contains("#define ONESHOT_FLAG_BYTES (MESH_MAX_RANKS * ONESHOT_MAX_BLOCKS * 4)"));
         assert!(src.contains(&format!("#define ONESHOT_SETS {ONESHOT_SETS}\n")));
         assert!(ONESHOT_SETS.is_power_of_two() && ONESHOT_SETS >= 4);

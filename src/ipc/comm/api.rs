@@ -149,9 +149,9 @@ impl Collectives for Comm {
 
     crate::traits::point_to_point_calls!();
 
-    /// Blocks that fit one exchange kernel block (at most 64 KiB and a
+    /// Blocks that fit the one-kernel exchange (at most 512 KiB and a
     /// point-to-point slot) as one launch of the point-to-point exchange
-    /// kernel, a block per peer; larger ones through the staging buffers,
+    /// kernel, a job per peer; larger ones through the staging buffers,
     /// as the reduce-scatter's sends and the all-gather's reads (see the
     /// module docs of [`super`]).
     fn all_to_all<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {

@@ -173,14 +173,14 @@ impl Comm {
             if n == 1 {
                 return Ok(());
             }
-            let stride = self.slot_bytes();
-            // Blocks that fit one exchange kernel block each: every peer's
+            // Blocks that fit the one-kernel exchange: every peer's
             // exchange in one launch (the point-to-point path's).
-            let pairs: Vec<_> =
-                (0..n).filter(|&q| q != me).map(|q| (q, (src + (q * block) as u64, block), (dst + (q * block) as u64, block))).collect();
-            if pairs.iter().all(|&(_, o, i)| super::p2p::fusable(&[o], &[i], stride).is_some()) {
+            if block <= self.fused_bound() {
+                let pairs: Vec<_> =
+                    (0..n).filter(|&q| q != me).map(|q| (q, (src + (q * block) as u64, block), (dst + (q * block) as u64, block))).collect();
                 return self.exchange_blocks(&pairs);
             }
+            let stride = self.slot_bytes();
             // Each chunk: this rank's block for q at q * stride of its
             // staging half, for rank q to read.
             self.staged(

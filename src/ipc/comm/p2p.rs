@@ -1,7 +1,7 @@
 //! Point-to-point transfers between two ranks of a [`Comm`]: send, receive,
 //! their groups, and the all-to-all-v built on them.
 //!
-//! Each rank's region holds a pair area: a flag word per peer (set by that
+//! Each rank's region holds a pair area: flag words per peer (set by that
 //! peer) and a view slot per peer (what that peer says it sends and
 //! receives). An exchange between ranks `a` and `b` moves what each sends
 //! the other through its own staging buffer, in chunks of one slot (the
@@ -12,11 +12,13 @@
 //! stay in step), and each copies the other's slot out; a last meeting ends
 //! the exchange, so that neither refills a slot the other still reads. An
 //! exchange of one chunk and at most one message each way, up to
-//! [`FUSED_MAX_BYTES`], runs these steps in one kernel block
-//! (`cp_pair_xchg`: the block's copies and the same meetings), and where
-//! every exchange of a call fits, one launch runs them all, a block per
-//! peer, so that a small send, receive or group costs one launch instead
-//! of four per peer. The
+//! [`Comm::fused_bound`], runs these steps in one kernel (`cp_pair_xchg`),
+//! split into parts of up to [`FUSED_PART_BYTES`], a block each: each
+//! block copies its part and meets the peer's block of the same part
+//! through a flag and a counter of that part (part 0's are the steps'), and
+//! where every exchange of a call fits, one launch runs them all, so that a
+//! send, receive or group within the bound costs one launch instead of four
+//! per peer. The
 //! first meeting carries each side's view of the exchange (a digest of the
 //! lengths of the messages it sends, in order, and of those it receives):
 //! views that do not mirror (a send whose receive has another length, a
@@ -36,7 +38,7 @@
 use super::{Comm, PAIR_FLAG_BYTES};
 use crate::error::{Error, Result};
 use crate::kernels;
-use crate::kernels::launch::PairJob;
+use crate::kernels::launch::{PairJob, PairMeet};
 use crate::kernels::load::function;
 use crate::kernels::Kernel;
 use crate::traits::{counts_digest, Transfer};
@@ -68,12 +70,12 @@ impl Comm {
             .filter(|(_, (o, i))| !o.is_empty() || !i.is_empty())
             .map(|(q, (o, i))| (q, o, i))
             .collect();
-        // Where every exchange fits one kernel block, all of them run in one
-        // launch, a block each (none waits for another, so the peers'
-        // exchanges meet in any order they run theirs).
-        let stride = self.slot_bytes();
+        // Where every exchange fits the one-kernel exchange, all of them run
+        // in one launch (none waits for another, so the peers' exchanges
+        // meet in any order they run theirs).
+        let bound = self.fused_bound();
         let jobs: Option<Vec<PairJob>> =
-            peers.iter().map(|(q, outs, ins)| fusable(outs, ins, stride).map(|(s, d)| self.job(*q, s, d, (view(outs), view(ins))))).collect();
+            peers.iter().map(|(q, outs, ins)| fusable(outs, ins, bound).map(|(s, d)| self.job(*q, s, d, (view(outs), view(ins))))).collect();
         self.guarded(|| {
             each_segment(&to_self, &from_self, 0, out, |src, dst, len| self.copy(dst, src, len))?;
             match jobs {
@@ -95,7 +97,7 @@ impl Comm {
         // bytes are messages too).
         let rounds = out.max(inn).div_ceil(stride).max(1);
         let views = (view(outs), view(ins));
-        if let Some((src, dst)) = fusable(outs, ins, stride) {
+        if let Some((src, dst)) = fusable(outs, ins, self.fused_bound()) {
             return self.exchange_fused(&[self.job(q, src, dst, views)]);
         }
         let mut pacer = self.pacer()?;
@@ -112,11 +114,11 @@ impl Comm {
         self.meet(q, None)
     }
 
-    /// The arguments of a meeting with `q` (see [`Comm::meet`]).
-    fn meeting(&self, q: usize, views: Option<(u64, u64)>) -> kernels::launch::PairSync {
+    /// The words of a meeting with `q` (see [`Comm::meet`]).
+    fn meeting(&self, q: usize, views: Option<(u64, u64)>) -> PairMeet {
         let me = self.rank;
         let (out, inn) = views.unwrap_or((0, 0));
-        kernels::launch::PairSync {
+        PairMeet {
             theirs: self.pairs[q] + (me * 4) as u64,
             mine: self.pairs[me] + (q * 4) as u64,
             counter: self.pair_counters + (q * 4) as u64,
@@ -124,12 +126,8 @@ impl Comm {
             my_view: self.pairs[me] + (FLAG_BYTES + q * 16) as u64,
             out_view: out,
             in_view: inn,
-            check: views.is_some(),
-            ctl: self.held.ctl.addrs[0],
-            rank: me as i32,
             peer: q as i32,
-            call: self.current_call(),
-            timeout_ns: self.held.ctl.timeout_ns,
+            check: i32::from(views.is_some()),
         }
     }
 
@@ -138,7 +136,7 @@ impl Comm {
     fn meet(&self, q: usize, views: Option<(u64, u64)>) -> Result<()> {
         let f = self.held.red.get(Kernel::PairSync, || function(&self.ctx, Kernel::PairSync))?;
         self.hold_for_capture()?;
-        let args = self.meeting(q, views);
+        let (me, m) = (self.rank, self.meeting(q, views));
         // SAFETY: `f` is this context's `cp_pair_sync`. The pair areas are
         // `PAIR_AREA_BYTES` at the same offset of every rank's region (one
         // `layout` on every rank), this rank's own and the peer's as mapped
@@ -152,40 +150,33 @@ impl Comm {
         // order: each runs its exchanges in ascending peer order, with the
         // same number of meetings when their views agree (and when they do
         // not, the first meeting fails both).
-        unsafe { kernels::launch::pair_sync(&self.stream, f, &args) }
+        unsafe { kernels::launch::pair_sync(&self.stream, f, &m, self.held.ctl.addrs[0], me as i32, self.current_call(), self.held.ctl.timeout_ns) }
     }
 
     /// The one-chunk exchange with `q` of `out` bytes from `src` and
-    /// `inn` bytes into `dst` as a job of [`Comm::exchange_fused`]: the
-    /// steps of [`Comm::exchange_with`]'s one round and its last meeting,
-    /// with the same slots (the first half of each staging buffer),
-    /// meetings and counter, so that either side may run it as steps or
-    /// in one kernel.
+    /// `inn` bytes into `dst` as a job of [`Comm::exchange_fused`], in
+    /// [`parts`] parts: the steps of [`Comm::exchange_with`]'s one round
+    /// and its last meeting, with the same slots (the first half of each
+    /// staging buffer), meetings and counter (part 0's), so that either
+    /// side may run an exchange of one part as steps or in one kernel.
     fn job(&self, q: usize, (src, out): Piece, (dst, inn): Piece, views: (u64, u64)) -> PairJob {
         let (me, stride) = (self.rank, self.slot_bytes());
-        let m = self.meeting(q, Some(views));
         PairJob {
+            meet: self.meeting(q, Some(views)),
             my_slot: self.data[me] + (q * stride) as u64,
             src,
             out_bytes: out as u64,
             dst,
             their_slot: self.data[q] + (me * stride) as u64,
             in_bytes: inn as u64,
-            theirs: m.theirs,
-            mine: m.mine,
-            counter: m.counter,
-            their_view: m.their_view,
-            my_view: m.my_view,
-            out_view: m.out_view,
-            in_view: m.in_view,
-            peer: m.peer,
-            check: i32::from(m.check),
+            parts: parts(out.max(inn), self.pair_parts) as i32,
+            _pad: 0,
         }
     }
 
     /// One-chunk exchanges of one message each way with each peer of
     /// `pairs` (peer, (source, bytes), (destination, bytes); each peer once,
-    /// never this rank, each within [`fusable`]'s bounds) in one launch:
+    /// never this rank, each within [`Comm::fused_bound`]) in one launch:
     /// the all-to-all of small blocks.
     pub(super) fn exchange_blocks(&self, pairs: &[(usize, Piece, Piece)]) -> Result<()> {
         let jobs: Vec<PairJob> = pairs.iter().map(|&(q, o, i)| self.job(q, o, i, (view(&[o]), view(&[i])))).collect();
@@ -200,7 +191,10 @@ impl Comm {
         self.hold_for_capture()?;
         // SAFETY: `f` is this context's `cp_pair_xchg`; each job's meeting
         // words are as in `meet`, for a peer of its own (one job per peer,
-        // at most `size - 1 < PAIR_MAX_JOBS`). Its slots are this rank's
+        // at most `size - 1 < PAIR_MAX_JOBS`); part `b`'s flags are words
+        // `8 b + rank` of the pair areas' `PAIR_FLAG_BYTES` (`b` <
+        // `PAIR_MAX_BLOCKS`, ranks < `MAX_RANKS` = 8) and its counter word
+        // `8 b + q` of this rank's `PAIR_COUNTER_WORDS`. Its slots are this rank's
         // slot for the peer and the peer's for this rank in the first half
         // of each staging buffer (`stride` bytes each, the ranks < size, so
         // within the half), mapped and held as the pair areas are; its
@@ -210,8 +204,10 @@ impl Comm {
         // jobs' receive buffers overlap (each is borrowed mutably for the
         // call or group, or is a block of an all-to-all's receive buffer,
         // disjoint by its layout, or of an all-to-all-v's, checked
-        // disjoint), so no two blocks write one byte. Each peer runs
-        // the same exchange, in one kernel or as steps, whose slots,
+        // disjoint), and the parts of a job are disjoint, so no two blocks
+        // write one byte. Each peer runs the same exchange (its lengths
+        // mirror these, or the first meeting fails both), so with as many
+        // parts, in one kernel, or with one part as steps, whose slots,
         // meetings and counter are these.
         unsafe {
             kernels::launch::pair_xchg(&self.stream, f, jobs, self.held.ctl.addrs[0], self.rank as i32, self.current_call(), self.held.ctl.timeout_ns)
@@ -220,21 +216,39 @@ impl Comm {
     }
 }
 
-/// The largest exchange (in bytes, each way) that runs as one kernel
-/// block ([`Comm::exchange_fused`]): above it one block's copies take
-/// longer than the steps' launches save (measured with thread ranks
+/// Bytes (each way) of each part of an exchange that runs in one kernel
+/// ([`Comm::exchange_fused`]): one block copies up to this much, and an
+/// exchange takes a block per part, up to [`PAIR_MAX_BLOCKS`](crate::kernels::launch::PAIR_MAX_BLOCKS) (fewer
+/// where ranks share a device: `Comm::pair_parts`); above that the copies
+/// take longer than the steps' launches save (measured with thread ranks
 /// sharing one H200: docs/point-to-point.md).
-const FUSED_MAX_BYTES: usize = 64 << 10;
+const FUSED_PART_BYTES: usize = 64 << 10;
 
-/// Where an exchange of one chunk each way of at most [`FUSED_MAX_BYTES`],
-/// at most one message each way, can run as one kernel: its (source,
-/// bytes) and (destination, bytes), an absent message as no bytes.
-pub(super) fn fusable(outs: &[Piece], ins: &[Piece], stride: usize) -> Option<(Piece, Piece)> {
+/// The parts (kernel blocks) of a one-kernel exchange whose larger
+/// direction moves `bytes`, of at most `most`: the same on both sides of
+/// an exchange.
+fn parts(bytes: usize, most: usize) -> usize {
+    bytes.div_ceil(FUSED_PART_BYTES).clamp(1, most.max(1))
+}
+
+impl Comm {
+    /// The largest exchange (in bytes, each way) that runs in one kernel:
+    /// its parts within [`FUSED_PART_BYTES`], its slots within one.
+    pub(super) fn fused_bound(&self) -> usize {
+        self.slot_bytes().min(FUSED_PART_BYTES * self.pair_parts)
+    }
+}
+
+/// Where an exchange of one chunk each way of at most `bound` bytes (see
+/// [`Comm::fused_bound`]), at most one message each way, can run in one
+/// kernel: its (source, bytes) and (destination, bytes), an absent message
+/// as no bytes.
+fn fusable(outs: &[Piece], ins: &[Piece], bound: usize) -> Option<(Piece, Piece)> {
     if outs.len() > 1 || ins.len() > 1 {
         return None;
     }
     let (o, i) = (outs.first().copied().unwrap_or((0, 0)), ins.first().copied().unwrap_or((0, 0)));
-    (o.1.max(i.1) <= stride.min(FUSED_MAX_BYTES)).then_some((o, i))
+    (o.1.max(i.1) <= bound).then_some((o, i))
 }
 
 /// A buffer as (device address, bytes).
@@ -286,6 +300,7 @@ fn each_segment(from: &[(u64, usize)], to: &[(u64, usize)], o: usize, len: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::launch::PAIR_MAX_BLOCKS;
 
     fn pieces_of(p: &[(u64, usize)], o: usize, len: usize) -> Vec<(u64, usize, usize)> {
         let mut v = Vec::new();
@@ -320,19 +335,32 @@ mod tests {
     }
 
     #[test]
-    fn only_one_small_message_each_way_within_a_slot_is_fused() {
-        let stride = 1 << 20;
-        assert_eq!(fusable(&[(10, 4)], &[(20, 8)], stride), Some(((10, 4), (20, 8))));
-        assert_eq!(fusable(&[], &[(20, 8)], stride), Some(((0, 0), (20, 8))));
-        assert_eq!(fusable(&[(10, 0)], &[], stride), Some(((10, 0), (0, 0))));
-        assert_eq!(fusable(&[(10, FUSED_MAX_BYTES)], &[(20, FUSED_MAX_BYTES)], stride), Some(((10, FUSED_MAX_BYTES), (20, FUSED_MAX_BYTES))));
-        assert_eq!(fusable(&[(10, FUSED_MAX_BYTES + 1)], &[], stride), None);
-        assert_eq!(fusable(&[], &[(20, FUSED_MAX_BYTES + 1)], stride), None);
-        assert_eq!(fusable(&[(10, 4), (30, 4)], &[], stride), None);
-        assert_eq!(fusable(&[], &[(10, 4), (30, 4)], stride), None);
-        // A slot smaller than the bound: a message of more than one slot takes rounds.
-        assert_eq!(fusable(&[(10, 4096)], &[], 1024), None);
-        assert_eq!(fusable(&[(10, 1024)], &[], 1024), Some(((10, 1024), (0, 0))));
+    fn only_one_message_each_way_within_the_bound_is_fused() {
+        let bound = 512 << 10;
+        assert_eq!(fusable(&[(10, 4)], &[(20, 8)], bound), Some(((10, 4), (20, 8))));
+        assert_eq!(fusable(&[], &[(20, 8)], bound), Some(((0, 0), (20, 8))));
+        assert_eq!(fusable(&[(10, 0)], &[], bound), Some(((10, 0), (0, 0))));
+        assert_eq!(fusable(&[(10, bound)], &[(20, bound)], bound), Some(((10, bound), (20, bound))));
+        assert_eq!(fusable(&[(10, bound + 1)], &[], bound), None);
+        assert_eq!(fusable(&[], &[(20, bound + 1)], bound), None);
+        assert_eq!(fusable(&[(10, 4), (30, 4)], &[], bound), None);
+        assert_eq!(fusable(&[], &[(10, 4), (30, 4)], bound), None);
+    }
+
+    #[test]
+    fn exchanges_split_into_parts_of_at_most_the_part_bound() {
+        let most = PAIR_MAX_BLOCKS;
+        assert_eq!(parts(0, most), 1);
+        assert_eq!(parts(1, most), 1);
+        assert_eq!(parts(FUSED_PART_BYTES, most), 1);
+        assert_eq!(parts(FUSED_PART_BYTES + 1, most), 2);
+        assert_eq!(parts(FUSED_PART_BYTES * most, most), most);
+        assert_eq!(parts(usize::MAX, most), most);
+        assert_eq!(parts(FUSED_PART_BYTES * 5, 2), 2);
+        assert_eq!(parts(FUSED_PART_BYTES * 5, 0), 1);
+        for b in [1, 4093, FUSED_PART_BYTES * 3 - 5, FUSED_PART_BYTES * most] {
+            assert!(b.div_ceil(parts(b, most)) <= FUSED_PART_BYTES);
+        }
     }
 
     #[test]
