@@ -32,7 +32,8 @@
 #              MACHINE names the CSVs: {MACHINE}-r{n}-{algorithm}-p2p.csv), f32, sizes x4
 #   p2pab      cuda-peer-bench p2p of $OLD (prev) and of this tree (new) side by side: sendrecv and alltoall,
 #              f32, to P2PAB_MAX bytes (default 4 MiB), on 2 and 4 ranks (P2PAB_RANKS; thread ranks sharing the
-#              GPUs there are), three rounds of prev then new; bench/mpab.py's medians in summary.txt, ~1 min
+#              GPUs there are), P2PAB_ROUNDS rounds (default 3) of prev then new, new first in even rounds;
+#              bench/mpab.py's medians in summary.txt, ~10 s a round on one H200
 #   groupvs    cuda-peer-bench p2p --ops allreduce --group: the per-rank engine and the single-process
 #              Group side by side on 2 and 4 thread ranks (GROUPVS_RANKS), P2P and staged, over the GPUs
 #              there are (MACHINE names the CSVs: {MACHINE}-r{n}-{path}-p2p.csv), f32, sizes x4 to
@@ -74,7 +75,8 @@ for p in "$@"; do
     groupvs) phase groupvs 540 bash -c 'for n in ${GROUPVS_RANKS:-2 4}; do for p in p2p staged; do
                .gpu/bin/cuda-peer-bench p2p --ops allreduce --dtypes f32 --ranks "$n" --path "$p" --group --quick \
                  --max-bytes "${GROUPVS_MAX:-268435456}" --machine "${MACHINE:-h200x1}-r$n-$p" --out "$OUT" || s=1; done; done; exit ${s:-0}' ;;
-    p2pab) P2PAB_OLD="${OLD:-.gpu/old/cuda-peer-bench}" phase p2pab 300 bash -c 'for k in 1 2 3; do for n in ${P2PAB_RANKS:-2 4}; do for side in prev new; do
+    p2pab) P2PAB_OLD="${OLD:-.gpu/old/cuda-peer-bench}" phase p2pab 300 bash -c 'for k in $(seq "${P2PAB_ROUNDS:-3}"); do order="prev new"; [ $((k % 2)) -eq 0 ] && order="new prev"
+             for n in ${P2PAB_RANKS:-2 4}; do for side in $order; do
                b=.gpu/bin/cuda-peer-bench; [ "$side" = prev ] && b=$P2PAB_OLD
                "$b" p2p --ranks "$n" --ops sendrecv,alltoall --dtypes f32 --max-bytes "${P2PAB_MAX:-4194304}" \
                  --machine "$side-r$n-$k" --out "$OUT/$side-r$n-$k" > "$OUT/$side-r$n-$k.txt" || exit 1; done; done; done

@@ -396,17 +396,16 @@ fn send_recv_every_type_count_and_rank_count_on_the_staged_path() {
 }
 
 /// The largest exchange that runs as one kernel (docs/point-to-point.md):
-/// up to eight parts of 64 KiB.
-const ONE_KERNEL_MOST: usize = 512 << 10;
+/// up to four parts of 64 KiB.
+const ONE_KERNEL_MOST: usize = 256 << 10;
 
 /// A ring shift in a group between views at odd byte offsets (rank `r`
 /// sends bytes `3..3 + len` of a buffer to `r + 1` and receives from
 /// `r - 1` into bytes `5..5 + len` of a poisoned one), so that neither
-/// end is 16-byte aligned, at lengths of one to eight parts of the
+/// end is 16-byte aligned, at lengths of one to four parts of the
 /// one-kernel exchange, around its bound and past several slots, on 2
 /// and 3 ranks: P2P with slots of a few hundred KiB and with the default
-/// (slots of a MiB or more, so that every length up to the bound runs in
-/// one kernel), and staged: bit-exact, the bytes around each view
+/// (slots of a MiB or more), and staged: bit-exact, the bytes around each view
 /// untouched.
 #[test]
 fn send_recv_between_views_at_odd_offsets() {
@@ -947,14 +946,14 @@ fn mismatched_lengths_fail_both_ranks_with_group_failed() {
     }
     drop(comms);
 
-    // Both sides in one kernel, in different numbers of parts (rank 0: 5
-    // for 300,000 bytes out, 100,000 in; rank 1: 7 for 100,000 out,
-    // 400,000 in): part 0 finds the disagreement, and the parts that
-    // only rank 1 has give up with it instead of waiting.
+    // Both sides in one kernel, in different numbers of parts (rank 0: 3
+    // for 150,000 bytes out, 100,000 in; rank 1: 4 for 100,000 out,
+    // 250,000 in): part 0 finds the disagreement, and the part that only
+    // rank 1 has gives up with it instead of waiting.
     let (comms, _) = make(test, &ctxs, 2, &opts);
     let got = each(&comms, |r, c| {
         let s = c.stream();
-        let (out, inn) = if r == 0 { (300_000, 100_000) } else { (100_000, 400_000) };
+        let (out, inn) = if r == 0 { (150_000, 100_000) } else { (100_000, 250_000) };
         let a = s.clone_htod(&vec![5u8; out]).unwrap();
         let mut b = poisoned::<u8>(s, inn);
         fail_with(c, || {
@@ -965,7 +964,7 @@ fn mismatched_lengths_fail_both_ranks_with_group_failed() {
         })
     });
     for (r, f) in got.iter().enumerate() {
-        assert_disagreed(&format!("a one-kernel exchange of 300,000 against 400,000 bytes: rank {r}"), f);
+        assert_disagreed(&format!("a one-kernel exchange of 150,000 against 250,000 bytes: rank {r}"), f);
     }
     drop(comms);
 

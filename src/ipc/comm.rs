@@ -116,11 +116,20 @@ const PAIR_FLAG_BYTES: usize = 256;
 /// Bytes of a rank's pair area: the flags, then a view slot of two words
 /// per rank, each part 256-byte aligned.
 const PAIR_AREA_BYTES: usize = PAIR_FLAG_BYTES + 256;
+/// The most parts of an exchange that runs in one kernel (`p2p`; the
+/// kernel takes up to `PAIR_MAX_BLOCKS`): with thread ranks sharing one
+/// H200, exchanges of 5 to 8 parts ran slower than the steps on 4 ranks
+/// (docs/point-to-point.md).
+const FUSED_MOST_PARTS: usize = 4;
 /// Words of a rank's meeting counters (in its device memory), laid out as
 /// the flags.
 const PAIR_COUNTER_WORDS: usize = PAIR_BLOCK_WORDS * PAIR_MAX_BLOCKS;
-const _: () =
-    assert!(MAX_RANKS <= PAIR_BLOCK_WORDS && PAIR_COUNTER_WORDS * 4 <= PAIR_FLAG_BYTES && MAX_RANKS * 16 <= PAIR_AREA_BYTES - PAIR_FLAG_BYTES);
+const _: () = assert!(
+    FUSED_MOST_PARTS <= PAIR_MAX_BLOCKS
+        && MAX_RANKS <= PAIR_BLOCK_WORDS
+        && PAIR_COUNTER_WORDS * 4 <= PAIR_FLAG_BYTES
+        && MAX_RANKS * 16 <= PAIR_AREA_BYTES - PAIR_FLAG_BYTES
+);
 
 /// The default of [`CommOptions::buffer_bytes`].
 pub const DEFAULT_BUFFER_BYTES: usize = 8 << 20;
@@ -583,7 +592,7 @@ fn check_layout(infos: &[RankInfo], share_devices: bool) -> Result<u32> {
 /// `Comm::pair_parts`).
 fn pair_parts(sms: u32, sharing: u32, size: usize) -> usize {
     let blocks_per_part = sharing as usize * size.saturating_sub(1).max(1);
-    (sms as usize / blocks_per_part).clamp(1, PAIR_MAX_BLOCKS)
+    (sms as usize / blocks_per_part).clamp(1, FUSED_MOST_PARTS)
 }
 
 /// The ordinal, in this process, of the device at PCI bus id `bus`.
@@ -1443,10 +1452,11 @@ mod tests {
 
     #[test]
     fn one_kernel_exchanges_of_ranks_sharing_a_device_take_fewer_parts() {
-        assert_eq!(pair_parts(132, 1, 2), PAIR_MAX_BLOCKS);
-        assert_eq!(pair_parts(132, 1, 8), PAIR_MAX_BLOCKS);
-        assert_eq!(pair_parts(132, 2, 2), PAIR_MAX_BLOCKS);
-        assert_eq!(pair_parts(132, 4, 8), 132 / 28);
+        let most = FUSED_MOST_PARTS;
+        assert_eq!(pair_parts(132, 1, 2), most);
+        assert_eq!(pair_parts(132, 1, 8), most);
+        assert_eq!(pair_parts(132, 2, 2), most);
+        assert_eq!(pair_parts(132, 4, 8), most.min(132 / 28));
         assert_eq!(pair_parts(132, 8, 8), 2);
         assert_eq!(pair_parts(10, 8, 8), 1);
         assert_eq!(pair_parts(0, 1, 1), 1);

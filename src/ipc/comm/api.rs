@@ -149,7 +149,7 @@ impl Collectives for Comm {
 
     crate::traits::point_to_point_calls!();
 
-    /// Blocks that fit the one-kernel exchange (at most 512 KiB and a
+    /// Blocks that fit the one-kernel exchange (at most 256 KiB and a
     /// point-to-point slot) as one launch of the point-to-point exchange
     /// kernel, a job per peer; larger ones through the staging buffers,
     /// as the reduce-scatter's sends and the all-gather's reads (see the

@@ -218,10 +218,10 @@ impl Comm {
 
 /// Bytes (each way) of each part of an exchange that runs in one kernel
 /// ([`Comm::exchange_fused`]): one block copies up to this much, and an
-/// exchange takes a block per part, up to [`PAIR_MAX_BLOCKS`](crate::kernels::launch::PAIR_MAX_BLOCKS) (fewer
-/// where ranks share a device: `Comm::pair_parts`); above that the copies
-/// take longer than the steps' launches save (measured with thread ranks
-/// sharing one H200: docs/point-to-point.md).
+/// exchange takes a block per part, up to [`FUSED_MOST_PARTS`](super::FUSED_MOST_PARTS) (fewer
+/// where ranks share a device: `Comm::pair_parts`). Above 64 KiB a
+/// block's copies take longer than the steps' launches save (measured with
+/// thread ranks sharing one H200: docs/point-to-point.md).
 const FUSED_PART_BYTES: usize = 64 << 10;
 
 /// The parts (kernel blocks) of a one-kernel exchange whose larger
@@ -300,7 +300,6 @@ fn each_segment(from: &[(u64, usize)], to: &[(u64, usize)], o: usize, len: usize
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::launch::PAIR_MAX_BLOCKS;
 
     fn pieces_of(p: &[(u64, usize)], o: usize, len: usize) -> Vec<(u64, usize, usize)> {
         let mut v = Vec::new();
@@ -349,7 +348,7 @@ mod tests {
 
     #[test]
     fn exchanges_split_into_parts_of_at_most_the_part_bound() {
-        let most = PAIR_MAX_BLOCKS;
+        let most = super::super::FUSED_MOST_PARTS;
         assert_eq!(parts(0, most), 1);
         assert_eq!(parts(1, most), 1);
         assert_eq!(parts(FUSED_PART_BYTES, most), 1);
