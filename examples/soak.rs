@@ -32,6 +32,18 @@
 //! rank count times small integers, so that each input divided by the count (as the
 //! kernels divide before they sum) and every partial sum are exact too.
 //!
+//! `--per-rank`: the same over per-rank communicators instead of groups
+//! (`Comm::from_devices_with`, the ranks as threads: each call is made on
+//! every rank's `Comm` from a thread of its own, at once), 2 to
+//! `--max-ranks` ranks, P2P-or-staged and staged, and with the two-shot
+//! all-reduce forced from 3 ranks; the collectives are joined by a ring
+//! shift in a group (`send` to `r + 1`, `recv` from `r - 1`) and an
+//! all-to-all, so that the point-to-point exchanges (in one kernel up to
+//! their bound, as steps past it) mix with the collectives' barriers. No
+//! graphs in this mode (graph replays between eager calls of thread ranks
+//! sharing a device are a known stall: docs/gpu-testing.md); the per-rank
+//! graph tests are in tests/comm.rs and tests/p2p.rs.
+//!
 //! `--back-to-back`: each iteration takes the next group (all in turn),
 //! uploads the inputs of `--batch` random collectives, each on buffers of
 //! its own, then enqueues the calls with nothing synchronised between them
@@ -75,7 +87,8 @@ use clap::Parser;
 use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
 use cuda_peer::float8::{F8E4M3, F8E5M2};
-use cuda_peer::{driver, Algorithm, Element, Error, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
+use cuda_peer::ipc::{AllReduceAlgorithm, CommOptions};
+use cuda_peer::{driver, Algorithm, Comm, Element, Error, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -115,6 +128,11 @@ struct Args {
     /// graph (the warm-up captures every collective); 0: no graphs at all.
     #[arg(long, default_value_t = 8)]
     graph_every: u32,
+    /// Per-rank communicators (`cuda_peer::Comm`, a thread per rank)
+    /// instead of groups, with send/recv and all-to-all (see above); no
+    /// graphs.
+    #[arg(long)]
+    per_rank: bool,
 }
 
 /// An element type with an exact CPU reference (and, for floats, the f64
@@ -267,22 +285,47 @@ enum Kind {
     AllGather,
     Broadcast,
     Reduce,
+    /// Per-rank only: a grouped send to `r + 1` and receive from `r - 1`.
+    RingShift,
+    /// Per-rank only: block `j` of rank `r`'s input to block `r` of rank
+    /// `j`'s output.
+    AllToAll,
 }
 impl Kind {
-    /// Whether it reduces (takes an op): all but all-gather and broadcast.
+    /// Whether it reduces (takes an op).
     fn reduces(self) -> bool {
-        !matches!(self, Kind::AllGather | Kind::Broadcast)
+        !matches!(self, Kind::AllGather | Kind::Broadcast | Kind::RingShift | Kind::AllToAll)
     }
 }
 
+/// The collectives of a group.
 const KINDS: [Kind; 6] = [Kind::AllReduceInPlace, Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce];
+/// The calls of per-rank communicators.
+const RANK_KINDS: [Kind; 8] =
+    [Kind::AllReduceInPlace, Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce, Kind::RingShift, Kind::AllToAll];
 const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 const DTYPES: [&str; 12] = ["f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "i8", "u8", "f8e4m3", "f8e5m2"];
 
 struct Soak {
-    group: Group,
+    ranks: Ranks,
     streams: Vec<Arc<CudaStream>>,
     name: String,
+}
+
+/// What makes the calls: one group, or a communicator per rank.
+enum Ranks {
+    Group(Box<Group>),
+    Comms(Vec<Comm>),
+}
+
+impl Soak {
+    /// The calls this soak makes.
+    fn kinds(&self) -> &'static [Kind] {
+        match self.ranks {
+            Ranks::Group(_) => &KINDS,
+            Ranks::Comms(_) => &RANK_KINDS,
+        }
+    }
 }
 
 /// One collective's buffers.
@@ -320,14 +363,14 @@ impl<T: Val> Case<T> {
         matches!(self.kind, Kind::AllReduceInPlace | Kind::Broadcast)
     }
     fn in_len(&self, n: usize) -> usize {
-        if self.kind == Kind::ReduceScatter {
+        if matches!(self.kind, Kind::ReduceScatter | Kind::AllToAll) {
             n * self.count
         } else {
             self.count
         }
     }
     fn out_len(&self, n: usize) -> usize {
-        if self.kind == Kind::AllGather {
+        if matches!(self.kind, Kind::AllGather | Kind::AllToAll) {
             n * self.count
         } else {
             self.count
@@ -372,6 +415,11 @@ impl<T: Val> Case<T> {
             Kind::AllGather => (0..n).map(|_| Want::Exact(inputs.concat())).collect(),
             Kind::Broadcast => (0..n).map(|_| Want::Exact(inputs[self.root].clone())).collect(),
             Kind::Reduce => (0..n).map(|r| if r == self.root { reduced(0, self.count) } else { Want::Unspecified }).collect(),
+            Kind::RingShift => (0..n).map(|r| Want::Exact(inputs[(r + n - 1) % n].clone())).collect(),
+            Kind::AllToAll => {
+                let c = self.count;
+                (0..n).map(|r| Want::Exact(inputs.iter().flat_map(|x| x[r * c..(r + 1) * c].iter().copied()).collect())).collect()
+            }
         };
         let poison = vec![T::poison(); self.out_len(n)];
         for (r, (st, input)) in s.streams.iter().zip(&inputs).enumerate() {
@@ -385,7 +433,11 @@ impl<T: Val> Case<T> {
         Ok(Expect { inputs, ranks })
     }
 
-    fn call(&mut self, g: &Group) -> cuda_peer::Result<()> {
+    fn call(&mut self, ranks: &Ranks) -> cuda_peer::Result<()> {
+        let g = match ranks {
+            Ranks::Group(g) => g,
+            Ranks::Comms(comms) => return self.call_ranks(comms),
+        };
         match self.kind {
             Kind::AllReduceInPlace => g.all_reduce_in_place(&mut self.recv, self.op),
             Kind::AllReduce => g.all_reduce(&self.send, &mut self.recv, self.op),
@@ -393,7 +445,26 @@ impl<T: Val> Case<T> {
             Kind::AllGather => g.all_gather(&self.send, &mut self.recv),
             Kind::Broadcast => g.broadcast(&mut self.recv, self.root),
             Kind::Reduce => g.reduce(&self.send, &mut self.recv, self.root, self.op),
+            Kind::RingShift | Kind::AllToAll => Err(Error::InvalidArgument(format!("{:?} is not a call of a group", self.kind))),
         }
+    }
+
+    /// Every rank's call on its communicator, each from a thread of its
+    /// own, at once; the first error (by rank).
+    fn call_ranks(&mut self, comms: &[Comm]) -> cuda_peer::Result<()> {
+        let (kind, op, root) = (self.kind, self.op, self.root);
+        let sends: Vec<Option<&CudaSlice<T>>> = if self.in_place() { vec![None; comms.len()] } else { self.send.iter().map(Some).collect() };
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .zip(sends)
+                .zip(self.recv.iter_mut())
+                .map(|((c, send), recv)| scope.spawn(move || call_rank(c, kind, op, root, send, recv)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Internal("a rank's thread panicked".into())))).collect::<Vec<_>>()
+        })
+        .into_iter()
+        .collect()
     }
 
     /// Reads every rank's output back and compares it with `want`: bit for
@@ -456,11 +527,35 @@ impl<T: Val> Case<T> {
     }
 }
 
+/// One rank's call of `kind` on `c` (`send` absent in place).
+fn call_rank<T: Val>(c: &Comm, kind: Kind, op: ReduceOp, root: usize, send: Option<&CudaSlice<T>>, recv: &mut CudaSlice<T>) -> cuda_peer::Result<()> {
+    let input = || send.ok_or_else(|| Error::InvalidArgument(format!("{kind:?} without an input")));
+    let (r, n) = (c.rank(), c.world_size());
+    match kind {
+        Kind::AllReduceInPlace => c.all_reduce_in_place(recv, op),
+        Kind::AllReduce => c.all_reduce(input()?, recv, op),
+        Kind::ReduceScatter => c.reduce_scatter(input()?, recv, op),
+        Kind::AllGather => c.all_gather(input()?, recv),
+        Kind::Broadcast => c.broadcast_in_place(recv, root),
+        Kind::Reduce => c.reduce(input()?, recv, op, root),
+        Kind::RingShift => {
+            let mut g = c.group();
+            g.send(input()?, (r + 1) % n)?;
+            g.recv(recv, (r + n - 1) % n)?;
+            g.end()
+        }
+        Kind::AllToAll => c.all_to_all(input()?, recv),
+    }
+}
+
 fn sync(s: &Soak) -> Result<(), String> {
     for st in &s.streams {
         st.synchronize().map_err(|e| format!("synchronize: {e:?}"))?;
     }
-    s.group.synchronize().map_err(|e| format!("group: {e}"))
+    match &s.ranks {
+        Ranks::Group(g) => g.synchronize().map_err(|e| format!("group: {e}")),
+        Ranks::Comms(comms) => comms.iter().try_for_each(|c| c.synchronize().map_err(|e| format!("rank {}: {e}", c.rank()))),
+    }
 }
 
 /// Captures `call` on every rank's stream into one graph (the other
@@ -539,7 +634,7 @@ impl<T: Val> Pending for Enqueued<T> {
         &self.what
     }
     fn call(&mut self, s: &Soak) -> Result<(), String> {
-        self.case.call(&s.group).map_err(|e| format!("{}: call: {e}", self.what))
+        self.case.call(&s.ranks).map_err(|e| format!("{}: call: {e}", self.what))
     }
     fn check(&self, s: &Soak) -> Result<(), String> {
         self.case.check(s, &self.want).map_err(|e| format!("{} (back to back): {e}", self.what))
@@ -570,7 +665,7 @@ fn prepare_case<T: Val>(
 /// and 2^24 input elements over all ranks (the CPU draws and checks them),
 /// and at most `max_count`, where given.
 fn b2b_cap(n: usize, elem: usize, kind: Kind, max_bytes: usize, max_count: Option<usize>) -> usize {
-    let per = if kind == Kind::ReduceScatter { n } else { 1 };
+    let per = if matches!(kind, Kind::ReduceScatter | Kind::AllToAll) { n } else { 1 };
     let cap = (max_bytes / elem / per).min((1 << 24) / (n * per)).max(1);
     max_count.map_or(cap, |m| cap.min(m.max(1)))
 }
@@ -610,7 +705,7 @@ fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usiz
     };
     let eager = case.fill(s, rng).and_then(|want| {
         sync(s)?;
-        case.call(&s.group).map_err(|e| format!("eager call: {e}"))?;
+        case.call(&s.ranks).map_err(|e| format!("eager call: {e}"))?;
         sync(s)?;
         case.check(s, &want).map_err(|e| format!("eager: {e}"))
     });
@@ -621,7 +716,7 @@ fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usiz
     if !graph {
         return;
     }
-    let g = match capture(&s.streams, || case.call(&s.group)) {
+    let g = match capture(&s.streams, || case.call(&s.ranks)) {
         Ok(g) => g,
         // The eager call of this size just ran: nothing is left to allocate.
         Err(Ok(e @ Error::Capture { .. })) => return tally.fail(format!("{what}: capture refused after an eager call of the same size: {e}")),
@@ -727,6 +822,44 @@ fn all_pairs_claim_p2p(n: usize) -> bool {
     (0..n).all(|a| (0..n).all(|b| a == b || cuda_peer::topology::link_info(a, b).is_ok_and(|l| l.can_access_peer)))
 }
 
+/// Every rank's stream of a soak of `n` ranks laid round-robin over
+/// `ctxs` (or the run ends, saying why).
+fn rank_streams(ctxs: &[Arc<CudaContext>], n: usize, name: &str) -> Vec<Arc<CudaStream>> {
+    let streams: Result<Vec<_>, _> = (0..n).map(|r| ctxs[r % ctxs.len()].new_stream()).collect();
+    streams.unwrap_or_else(|e| {
+        println!("{name}: no streams ({e:?})");
+        std::process::exit(1);
+    })
+}
+
+/// The per-rank soaks: 2 to `max_ranks` thread ranks, P2P-or-staged and
+/// staged, and the two-shot all-reduce from 3 ranks.
+fn rank_soaks(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> Vec<Soak> {
+    let mut out = Vec::new();
+    for n in 2..=max_ranks {
+        let mut specs = vec![(PathPolicy::Auto, AllReduceAlgorithm::Auto), (PathPolicy::StagedOnly, AllReduceAlgorithm::Auto)];
+        if n >= 3 {
+            specs.push((PathPolicy::Auto, AllReduceAlgorithm::TwoShot));
+        }
+        for (policy, all_reduce) in specs {
+            let name = format!("comm n={n}/{policy:?}/{}", all_reduce.name());
+            let streams = rank_streams(ctxs, n, &name);
+            let opts = CommOptions::default().path(policy).all_reduce(all_reduce);
+            match Comm::from_devices_with(streams.clone(), &opts) {
+                Ok(comms) => {
+                    println!("{name}: engine {:?}", comms[0].engine());
+                    out.push(Soak { ranks: Ranks::Comms(comms), streams, name });
+                }
+                Err(e) => {
+                    println!("{name}: creating it failed: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The soak's groups, and the names of those left out (with why).
 fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> (Vec<Soak>, Vec<String>) {
     let gpus = ctxs.len();
@@ -755,14 +888,7 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> (Vec<Soak>, Vec<String
     let mut out = Vec::new();
     for (n, policy, algorithm) in specs {
         let name = format!("n={n}/{policy:?}/{algorithm:?}");
-        let streams: Result<Vec<_>, _> = (0..n).map(|r| ctxs[r % gpus].new_stream()).collect();
-        let streams = match streams {
-            Ok(s) => s,
-            Err(e) => {
-                println!("group {name}: no streams ({e:?})");
-                std::process::exit(1);
-            }
-        };
+        let streams = rank_streams(ctxs, n, &format!("group {name}"));
         let mut opts = GroupOptions::with_policy(policy);
         opts.algorithm = algorithm;
         match Group::new(streams.clone(), &opts) {
@@ -774,7 +900,7 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> (Vec<Soak>, Vec<String
                     group.all_reduce_algorithm(4096),
                     group.all_reduce_algorithm(8 << 20)
                 );
-                out.push(Soak { group, streams, name });
+                out.push(Soak { ranks: Ranks::Group(Box::new(group)), streams, name });
             }
             // A forced algorithm that needs P2P between devices the driver
             // says have none: not this machine's to run.
@@ -791,10 +917,11 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> (Vec<Soak>, Vec<String
     (out, left_out)
 }
 
-/// A random element type, collective and reduction (avg on floats only).
-fn pick(rng: &mut StdRng) -> (&'static str, Kind, ReduceOp) {
+/// A random element type, call of `kinds` and reduction (avg on floats
+/// only).
+fn pick(rng: &mut StdRng, kinds: &[Kind]) -> (&'static str, Kind, ReduceOp) {
     let dtype = DTYPES[rng.random_range(0..DTYPES.len())];
-    let kind = KINDS[rng.random_range(0..KINDS.len())];
+    let kind = kinds[rng.random_range(0..kinds.len())];
     let float = matches!(dtype, "f32" | "f64" | "f16" | "bf16" | "f8e4m3" | "f8e5m2");
     let op = loop {
         let op = OPS[rng.random_range(0..OPS.len())];
@@ -809,11 +936,15 @@ fn pick(rng: &mut StdRng) -> (&'static str, Kind, ReduceOp) {
 /// (the one-shot's lanes as `oneshot::DEVICE_LANES` and `HOST_LANES` cut
 /// them), for the summary.
 fn lane(s: &Soak, bytes: usize) -> String {
-    let algorithm = s.group.all_reduce_algorithm(bytes);
+    let group = match &s.ranks {
+        Ranks::Group(g) => g,
+        Ranks::Comms(_) => return "per-rank".into(),
+    };
+    let algorithm = group.all_reduce_algorithm(bytes);
     if algorithm != Selected::OneShot {
         return format!("{algorithm:?}");
     }
-    let host = s.group.oneshot_on_host() == Some(true);
+    let host = group.oneshot_on_host() == Some(true);
     let edges: &[(usize, &str)] = if host {
         &[(16 << 10, "<=16KiB"), (256 << 10, "<=256KiB"), (8 << 20, "<=8MiB"), (usize::MAX, ">8MiB")]
     } else {
@@ -831,7 +962,7 @@ fn back_to_back(s: &Soak, args: &Args, rng: &mut StdRng, tally: &mut Tally, i: u
     let n = s.streams.len();
     let mut pending: Vec<Box<dyn Pending>> = Vec::new();
     for b in 0..args.batch {
-        let (dtype, kind, op) = pick(rng);
+        let (dtype, kind, op) = pick(rng, s.kinds());
         let count = b2b_count(rng, n, dtype_size(dtype), kind, args.max_bytes, args.max_count);
         let root = rng.random_range(0..n);
         *tally.by.entry(format!("dtype {dtype}")).or_default() += 1;
@@ -886,9 +1017,11 @@ fn main() {
     }
     let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64));
     let max_count = args.max_count.unwrap_or((1 << 18) + 1) | 1;
+    let graph_every = if args.per_rank { 0 } else { args.graph_every };
+    let what = if args.per_rank { "per-rank communicators (threads), with ring shifts and all-to-alls" } else { "groups" };
     if args.back_to_back {
         println!(
-            "soak: {gpus} GPU(s), ranks 2..={}, {} iterations of {} back-to-back collectives, seed {seed}, up to {} bytes per rank{}, real floats within the bound, no graphs",
+            "soak: {gpus} GPU(s), {what}, ranks 2..={}, {} iterations of {} back-to-back collectives, seed {seed}, up to {} bytes per rank{}, real floats within the bound, no graphs",
             args.max_ranks,
             args.iters,
             args.batch,
@@ -897,12 +1030,15 @@ fn main() {
         );
     } else {
         println!(
-            "soak: {gpus} GPU(s), ranks 2..={}, {} iterations, seed {seed}, counts 1..={max_count} (odd), graph 1 in {}",
-            args.max_ranks, args.iters, args.graph_every
+            "soak: {gpus} GPU(s), {what}, ranks 2..={}, {} iterations, seed {seed}, counts 1..={max_count} (odd), {}",
+            args.max_ranks,
+            args.iters,
+            if graph_every > 0 { format!("graph 1 in {graph_every}") } else { "no graphs".into() }
         );
     }
     let start = Instant::now();
-    let (soaks, left_out) = groups(&ctxs, args.max_ranks as usize);
+    let (soaks, left_out) =
+        if args.per_rank { (rank_soaks(&ctxs, args.max_ranks as usize), Vec::new()) } else { groups(&ctxs, args.max_ranks as usize) };
     println!("soak: {} groups in {:.1} s", soaks.len(), start.elapsed().as_secs_f64());
     let mut rng = StdRng::seed_from_u64(seed);
     let mut tally = Tally::default();
@@ -914,9 +1050,9 @@ fn main() {
     // elements any call takes, eager only.
     for s in &soaks {
         let n = s.streams.len();
-        for kind in KINDS {
+        for &kind in s.kinds() {
             let (count, graph) =
-                if args.back_to_back { (b2b_cap(n, 8, kind, args.max_bytes, args.max_count), false) } else { (max_count, args.graph_every > 0) };
+                if args.back_to_back { (b2b_cap(n, 8, kind, args.max_bytes, args.max_count), false) } else { (max_count, graph_every > 0) };
             dispatch(s, "u64", kind, ReduceOp::Sum, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
             if kind.reduces() {
                 dispatch(s, "f64", kind, ReduceOp::Avg, count, n - 1, graph, &mut rng, &mut tally, "warm-up");
@@ -952,12 +1088,12 @@ fn main() {
     for i in (1..=args.iters).filter(|_| !args.back_to_back) {
         let s = &soaks[rng.random_range(0..soaks.len())];
         let n = s.streams.len();
-        let (dtype, kind, op) = pick(&mut rng);
+        let (dtype, kind, op) = pick(&mut rng, s.kinds());
         // Log-uniform odd counts.
         let bits = rng.random_range(0.0..=(max_count as f64).log2());
         let count = ((2f64.powf(bits) as usize) | 1).min(max_count);
         let root = rng.random_range(0..n);
-        let graph = args.graph_every > 0 && rng.random_ratio(1, args.graph_every);
+        let graph = graph_every > 0 && rng.random_ratio(1, graph_every);
         *tally.by.entry(format!("dtype {dtype}")).or_default() += 1;
         *tally.by.entry(format!("kind {kind:?}")).or_default() += 1;
         *tally.by.entry(format!("op {op:?}")).or_default() += 1;
