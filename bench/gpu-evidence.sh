@@ -21,6 +21,8 @@
 #   b2b        examples/soak --back-to-back: batches enqueued with no synchronisation, real floats, ~1-2 min
 #   rsoak      examples/soak --per-rank: RSOAK_ITERS (default 3000) randomized calls over per-rank Comms
 #   rb2b       examples/soak --per-rank --back-to-back: RB2B_ITERS (default 60) batches of 16
+#              (both with 32 hardware work queues, as thread ranks sharing a device need, and glibc's
+#              arenas bounded, so that the soak's per-call rank threads do not grow the resident set)
 #              (one H200, ranks sharing it: ~3.5 min for the default 120 batches)
 #   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh; SANITIZER_RUNS picks
 #              runs, SANITIZER_PHASE bounds the phase, default 900 s)
@@ -65,8 +67,8 @@ for p in "$@"; do
     fault) FAKECUDA_TIMEOUT=70 phase fault 420 tests/fakecuda/run.sh ;;
     soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
     b2b) phase b2b 300 .gpu/examples/soak --back-to-back --iters "${B2B_ITERS:-120}" --batch 16 ;;
-    rsoak) phase rsoak 240 .gpu/examples/soak --per-rank --iters "${RSOAK_ITERS:-3000}" --seed 16 --max-ranks 8 ;;
-    rb2b) phase rb2b 300 .gpu/examples/soak --per-rank --back-to-back --iters "${RB2B_ITERS:-60}" --batch 16 ;;
+    rsoak) CUDA_DEVICE_MAX_CONNECTIONS=32 MALLOC_ARENA_MAX=4 phase rsoak 240 .gpu/examples/soak --per-rank --iters "${RSOAK_ITERS:-3000}" --seed 16 --max-ranks 8 ;;
+    rb2b) CUDA_DEVICE_MAX_CONNECTIONS=32 MALLOC_ARENA_MAX=4 phase rb2b 300 .gpu/examples/soak --per-rank --back-to-back --iters "${RB2B_ITERS:-60}" --batch 16 ;;
     sanitizer) SANITIZER_TIMEOUT=150 phase sanitizer "${SANITIZER_PHASE:-900}" tests/sanitizer.sh ;;
     planted) phase planted 600 bash -c 'python3 -c "import tarfile; tarfile.open(\"planted.txz\").extractall(\".\")" && bash out/run.sh' ;;
     mp) phase mp 300 .gpu/bin/cuda-peer-run -n 2 -- .gpu/bin/cuda-peer-bench mp-allreduce --machine h200x2 --out "$OUT/mp" ;;

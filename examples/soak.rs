@@ -42,7 +42,10 @@
 //! their bound, as steps past it) mix with the collectives' barriers. No
 //! graphs in this mode (graph replays between eager calls of thread ranks
 //! sharing a device are a known stall: docs/gpu-testing.md); the per-rank
-//! graph tests are in tests/comm.rs and tests/p2p.rs.
+//! graph tests are in tests/comm.rs and tests/p2p.rs. Thread ranks that
+//! share a device want `CUDA_DEVICE_MAX_CONNECTIONS=32` (the soak says so
+//! when it is lower): with the default 8 hardware work queues, two ranks'
+//! streams in one queue can hold each other up until the barrier timeout.
 //!
 //! `--back-to-back`: each iteration takes the next group (all in turn),
 //! uploads the inputs of `--batch` random collectives, each on buffers of
@@ -1037,6 +1040,10 @@ fn main() {
         );
     }
     let start = Instant::now();
+    let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(8);
+    if args.per_rank && args.max_ranks > gpus as u64 && queues < 32 {
+        println!("soak: thread ranks share the {gpus} GPU(s) with {queues} hardware work queues: set CUDA_DEVICE_MAX_CONNECTIONS=32 (their streams may hold each other up until the barrier timeout)");
+    }
     let (soaks, left_out) =
         if args.per_rank { (rank_soaks(&ctxs, args.max_ranks as usize), Vec::new()) } else { groups(&ctxs, args.max_ranks as usize) };
     println!("soak: {} groups in {:.1} s", soaks.len(), start.elapsed().as_secs_f64());
