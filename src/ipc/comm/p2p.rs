@@ -232,11 +232,19 @@ fn parts(bytes: usize, most: usize) -> usize {
 }
 
 impl Comm {
-    /// The largest exchange (in bytes, each way) that runs in one kernel:
-    /// its parts within [`FUSED_PART_BYTES`], its slots within one.
+    /// The largest exchange (in bytes, each way) that runs in one kernel
+    /// ([`fused_bound`] of this communicator's slots and parts).
     pub(super) fn fused_bound(&self) -> usize {
-        self.slot_bytes().min(FUSED_PART_BYTES * self.pair_parts)
+        fused_bound(self.slot_bytes(), self.pair_parts)
     }
+}
+
+/// The largest exchange (in bytes, each way) that runs in one kernel with
+/// slots of `slot` bytes and at most `parts` parts: each part within
+/// [`FUSED_PART_BYTES`], the whole within one slot (the kernel's copies
+/// stay inside the slots: `Comm::exchange_fused`).
+fn fused_bound(slot: usize, parts: usize) -> usize {
+    slot.min(FUSED_PART_BYTES * parts.max(1))
 }
 
 /// Where an exchange of one chunk each way of at most `bound` bytes (see
@@ -344,6 +352,23 @@ mod tests {
         assert_eq!(fusable(&[], &[(20, bound + 1)], bound), None);
         assert_eq!(fusable(&[(10, 4), (30, 4)], &[], bound), None);
         assert_eq!(fusable(&[], &[(10, 4), (30, 4)], bound), None);
+    }
+
+    #[test]
+    fn the_one_kernel_bound_stays_within_a_slot_and_its_parts() {
+        assert_eq!(fused_bound(1 << 20, 4), 4 * FUSED_PART_BYTES);
+        assert_eq!(fused_bound(1 << 20, 1), FUSED_PART_BYTES);
+        assert_eq!(fused_bound(1 << 20, 0), FUSED_PART_BYTES);
+        // A slot smaller than the parts: a message of more than one slot takes rounds.
+        assert_eq!(fused_bound(1024, 4), 1024);
+        assert_eq!(fusable(&[(10, 4096)], &[], fused_bound(1024, 4)), None);
+        assert_eq!(fusable(&[(10, 1024)], &[], fused_bound(1024, 4)), Some(((10, 1024), (0, 0))));
+        for slot in [0, 256, 3 << 10, 100 << 10, 4 << 20] {
+            for parts in 0..=8 {
+                let b = fused_bound(slot, parts);
+                assert!(b <= slot && b <= FUSED_PART_BYTES * parts.max(1), "slot {slot}, parts {parts}: {b}");
+            }
+        }
     }
 
     #[test]
