@@ -38,6 +38,9 @@
 #              f32, to P2PAB_MAX bytes (default 4 MiB), on 2 and 4 ranks (P2PAB_RANKS; thread ranks sharing the
 #              GPUs there are), P2PAB_ROUNDS rounds (default 3) of prev then new, new first in even rounds;
 #              bench/mpab.py's medians in summary.txt, ~10 s a round on one H200
+#   p2pnccl    cuda-peer-bench p2p --ops sendrecv,alltoall,allreduce against NCCL in the same run (issue 29's
+#              benchmark: f32 and bf16, 4 B-1 GiB, every rank on its own GPU; MACHINE names the CSVs, default
+#              h200x2); NCCL needs a GPU per rank, so on one GPU its rows are skipped
 #   groupvs    cuda-peer-bench p2p --ops allreduce --group: the per-rank engine and the single-process
 #              Group side by side on 2 and 4 thread ranks (GROUPVS_RANKS), P2P and staged, over the GPUs
 #              there are (MACHINE names the CSVs: {MACHINE}-r{n}-{path}-p2p.csv), f32, sizes x4 to
@@ -81,6 +84,7 @@ for p in "$@"; do
     groupvs) phase groupvs 540 bash -c 'for n in ${GROUPVS_RANKS:-2 4}; do for p in p2p staged; do
                .gpu/bin/cuda-peer-bench p2p --ops allreduce --dtypes f32 --ranks "$n" --path "$p" --group --quick \
                  --max-bytes "${GROUPVS_MAX:-268435456}" --machine "${MACHINE:-h200x1}-r$n-$p" --out "$OUT" || s=1; done; done; exit ${s:-0}' ;;
+    p2pnccl) phase p2pnccl 560 .gpu/bin/cuda-peer-bench p2p --ops sendrecv,alltoall,allreduce --machine "${MACHINE:-h200x2}" --out "$OUT" ;;
     p2pab) P2PAB_OLD="${OLD:-.gpu/old/cuda-peer-bench}" phase p2pab 300 bash -c 'for k in $(seq "${P2PAB_ROUNDS:-3}"); do order="prev new"; [ $((k % 2)) -eq 0 ] && order="new prev"
              for n in ${P2PAB_RANKS:-2 4}; do for side in $order; do
                b=.gpu/bin/cuda-peer-bench; [ "$side" = prev ] && b=$P2PAB_OLD
