@@ -70,36 +70,36 @@ impl Comm {
             .filter(|(_, (o, i))| !o.is_empty() || !i.is_empty())
             .map(|(q, (o, i))| (q, o, i))
             .collect();
-        // Where every exchange fits the one-kernel exchange, all of them run
-        // in one launch (none waits for another, so the peers' exchanges
-        // meet in any order they run theirs).
+        // Each exchange that fits the one-kernel exchange as its job; where
+        // every one fits, all of them run in one launch (none waits for
+        // another, so the peers' exchanges meet in any order they run
+        // theirs), else each in ascending peer order, in one kernel or as
+        // steps.
         let bound = self.fused_bound();
-        let jobs: Option<Vec<PairJob>> =
+        let jobs: Vec<Option<PairJob>> =
             peers.iter().map(|(q, outs, ins)| fusable(outs, ins, bound).map(|(s, d)| self.job(*q, s, d, (view(outs), view(ins))))).collect();
         self.guarded(|| {
             each_segment(&to_self, &from_self, 0, out, |src, dst, len| self.copy(dst, src, len))?;
-            match jobs {
-                Some(jobs) if !jobs.is_empty() => self.exchange_fused(&jobs),
-                _ => peers.iter().try_for_each(|(q, outs, ins)| self.exchange_with(*q, outs, ins)),
+            if let Some(all) = jobs.iter().copied().collect::<Option<Vec<PairJob>>>().filter(|all| !all.is_empty()) {
+                return self.exchange_fused(&all);
             }
+            peers.iter().zip(&jobs).try_for_each(|((q, outs, ins), job)| match job {
+                Some(job) => self.exchange_fused(std::slice::from_ref(job)),
+                None => self.exchange_steps(*q, outs, ins),
+            })
         })
     }
 
-    /// The exchange with peer `q` (see the module docs).
-    fn exchange_with(&self, q: usize, outs: &[(u64, usize)], ins: &[(u64, usize)]) -> Result<()> {
+    /// The exchange with peer `q` as steps, a round per slot (see the
+    /// module docs); `outs` or `ins` holds a message.
+    fn exchange_steps(&self, q: usize, outs: &[(u64, usize)], ins: &[(u64, usize)]) -> Result<()> {
         let me = self.rank;
-        if outs.is_empty() && ins.is_empty() {
-            return Ok(());
-        }
         let (out, inn) = (total(outs), total(ins));
         let stride = self.slot_bytes();
         // At least one meeting, which compares the views (messages of no
         // bytes are messages too).
         let rounds = out.max(inn).div_ceil(stride).max(1);
         let views = (view(outs), view(ins));
-        if let Some((src, dst)) = fusable(outs, ins, self.fused_bound()) {
-            return self.exchange_fused(&[self.job(q, src, dst, views)]);
-        }
         let mut pacer = self.pacer()?;
         for i in 0..rounds {
             let h = ((i % 2) * self.half) as u64;
@@ -155,7 +155,7 @@ impl Comm {
 
     /// The one-chunk exchange with `q` of `out` bytes from `src` and
     /// `inn` bytes into `dst` as a job of [`Comm::exchange_fused`], in
-    /// [`parts`] parts: the steps of [`Comm::exchange_with`]'s one round
+    /// [`parts`] parts: the steps of [`Comm::exchange_steps`]' one round
     /// and its last meeting, with the same slots (the first half of each
     /// staging buffer), meetings and counter (part 0's), so that either
     /// side may run an exchange of one part as steps or in one kernel.
