@@ -898,6 +898,29 @@ fn assert_disagreed(what: &str, f: &Failed) {
     assert!(f.next_took < BT, "{what}: the failed communicator took {:?} to refuse the next call", f.next_took);
 }
 
+/// On a new communicator of 2 ranks, a group on each rank that sends the
+/// other `lens[r].0` bytes of `fill` and receives `lens[r].1` into a
+/// poisoned buffer, lengths that disagree: both ranks fail as
+/// [`assert_disagreed`] requires.
+fn grouped_exchange_disagrees(test: &str, ctxs: &[Arc<CudaContext>], opts: &CommOptions, what: &str, fill: u8, lens: [(usize, usize); 2]) {
+    let (comms, _) = make(test, ctxs, 2, opts);
+    let got = each(&comms, |r, c| {
+        let s = c.stream();
+        let (out, inn) = lens[r];
+        let a = s.clone_htod(&vec![fill; out]).unwrap();
+        let mut b = poisoned::<u8>(s, inn);
+        fail_with(c, || {
+            let mut g = c.group();
+            g.send(&a, 1 - r)?;
+            g.recv(&mut b, 1 - r)?;
+            g.end()
+        })
+    });
+    for (r, f) in got.iter().enumerate() {
+        assert_disagreed(&format!("{what}: rank {r}"), f);
+    }
+}
+
 /// On 2 ranks: a send of 100 u32 against a receive of 99 (plain calls);
 /// a grouped exchange whose receive on rank 1 is one element longer than
 /// rank 0's send; a grouped exchange in one kernel whose sides have
@@ -929,44 +952,13 @@ fn mismatched_lengths_fail_both_ranks_with_group_failed() {
     }
     drop(comms);
 
-    let (comms, _) = make(test, &ctxs, 2, &opts);
-    let got = each(&comms, |r, c| {
-        let s = c.stream();
-        let a = s.clone_htod(&[3u8; 1000]).unwrap();
-        let mut b = poisoned::<u8>(s, 1000 + r);
-        fail_with(c, || {
-            let mut g = c.group();
-            g.send(&a, 1 - r)?;
-            g.recv(&mut b, 1 - r)?;
-            g.end()
-        })
-    });
-    for (r, f) in got.iter().enumerate() {
-        assert_disagreed(&format!("a grouped exchange of 1000 against 1001: rank {r}"), f);
-    }
-    drop(comms);
-
+    grouped_exchange_disagrees(test, &ctxs, &opts, "a grouped exchange of 1000 against 1001", 3, [(1000, 1000), (1000, 1001)]);
     // Both sides in one kernel, in different numbers of parts (rank 0: 3
     // for 150,000 bytes out, 100,000 in; rank 1: 4 for 100,000 out,
     // 250,000 in): part 0 finds the disagreement, and the part that only
     // rank 1 has gives up with it instead of waiting.
-    let (comms, _) = make(test, &ctxs, 2, &opts);
-    let got = each(&comms, |r, c| {
-        let s = c.stream();
-        let (out, inn) = if r == 0 { (150_000, 100_000) } else { (100_000, 250_000) };
-        let a = s.clone_htod(&vec![5u8; out]).unwrap();
-        let mut b = poisoned::<u8>(s, inn);
-        fail_with(c, || {
-            let mut g = c.group();
-            g.send(&a, 1 - r)?;
-            g.recv(&mut b, 1 - r)?;
-            g.end()
-        })
-    });
-    for (r, f) in got.iter().enumerate() {
-        assert_disagreed(&format!("a one-kernel exchange of 150,000 against 250,000 bytes: rank {r}"), f);
-    }
-    drop(comms);
+    let what = "a one-kernel exchange of 150,000 against 250,000 bytes";
+    grouped_exchange_disagrees(test, &ctxs, &opts, what, 5, [(150_000, 100_000), (100_000, 250_000)]);
 
     let (comms, _) = make(test, &ctxs, 2, &opts);
     let got = each(&comms, |r, c| {
