@@ -968,6 +968,9 @@ impl Comm {
             let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
             done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
             wait_bounded(&done, "communicator verification (all-reduce)", timeout)?;
+            // A kernel that gave up at a barrier leaves the data unchecked:
+            // that is the failure to report, not the data it left.
+            self.held.ctl.check()?;
             let got = self.stream.clone_dtoh(&buf).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
             if let Some(i) = (0..count).find(|&i| got[i] != expected[i]) {
                 return Err(Error::P2pUnavailable {
@@ -986,6 +989,7 @@ impl Comm {
         let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
         done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
         wait_bounded(&done, "communicator verification (all-gather)", timeout)?;
+        self.held.ctl.check()?;
         let got = self.stream.clone_dtoh(&recv).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
         if let Some(i) = (0..count * self.size).find(|&i| got[i] != inputs[i / count][i % count]) {
             return Err(Error::P2pUnavailable {
