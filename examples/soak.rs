@@ -42,10 +42,17 @@
 //! their bound, as steps past it) mix with the collectives' barriers. No
 //! graphs in this mode (graph replays between eager calls of thread ranks
 //! sharing a device are a known stall: docs/gpu-testing.md); the per-rank
-//! graph tests are in tests/comm.rs and tests/p2p.rs. Thread ranks that
-//! share a device want `CUDA_DEVICE_MAX_CONNECTIONS=32` (the soak says so
-//! when it is lower): with the default 8 hardware work queues, two ranks'
-//! streams in one queue can hold each other up until the barrier timeout.
+//! graph tests are in tests/comm.rs and tests/p2p.rs. Rank r of every
+//! communicator is on one stream (`--max-ranks` streams in all), and thread
+//! ranks that share a device want `CUDA_DEVICE_MAX_CONNECTIONS=32` (the
+//! soak says so when it is lower): two ranks' streams in one hardware work
+//! queue can hold each other up until the barrier timeout (measured:
+//! docs/gpu-testing.md).
+//!
+//! `--trace` prints each call before it is made; `--replay FILE` makes the
+//! `CALL` lines of such a trace again, in order, after the warm-up;
+//! `--only NAME` keeps the groups whose name contains NAME (every group is
+//! still built first); `--stop-after K` ends the run after K failures.
 //!
 //! `--back-to-back`: each iteration takes the next group (all in turn),
 //! uploads the inputs of `--batch` random collectives, each on buffers of
@@ -136,6 +143,26 @@ struct Args {
     /// graphs.
     #[arg(long)]
     per_rank: bool,
+    /// Print each collective (its iteration, group, kind, reduction, type,
+    /// count and root) before it is made, to find the sequence before a
+    /// failure.
+    #[arg(long)]
+    trace: bool,
+    /// End the run after this many failures (0: never), to keep a failing
+    /// run short.
+    #[arg(long, default_value_t = 0)]
+    stop_after: usize,
+    /// Instead of random calls, make the calls of a `--trace` output's
+    /// `CALL` lines in their order (after the warm-up, whose own lines are
+    /// left out), to reproduce a failure.
+    #[arg(long)]
+    replay: Option<std::path::PathBuf>,
+    /// Keep only the groups whose name contains this: every group is
+    /// built (so streams and memory are made in the same order as in a
+    /// full run), then the others are dropped before the warm-up; with
+    /// `--replay`, only the kept groups' calls are made.
+    #[arg(long)]
+    only: Option<String>,
 }
 
 /// An element type with an exact CPU reference (and, for floats, the f64
@@ -589,6 +616,8 @@ struct Tally {
     replays: u64,
     failures: Vec<String>,
     by: BTreeMap<String, u64>,
+    /// `--trace`: print each collective before it is made.
+    trace: bool,
 }
 
 impl Tally {
@@ -702,6 +731,9 @@ fn b2b_count(rng: &mut StdRng, n: usize, elem: usize, kind: Kind, max_bytes: usi
 #[allow(clippy::too_many_arguments)]
 fn run_case<T: Val>(s: &Soak, kind: Kind, op: ReduceOp, count: usize, root: usize, graph: bool, rng: &mut StdRng, tally: &mut Tally, tag: &str) {
     let what = format!("{tag} {} {kind:?} {op:?} {} count {count} root {root}", s.name, T::DTYPE.name());
+    if tally.trace {
+        println!("CALL {what}");
+    }
     let mut case = match alloc_case::<T>(s, kind, op, count, root, false) {
         Ok(c) => c,
         Err(e) => return tally.fail(format!("{what}: {e}")),
@@ -825,6 +857,21 @@ fn all_pairs_claim_p2p(n: usize) -> bool {
     (0..n).all(|a| (0..n).all(|b| a == b || cuda_peer::topology::link_info(a, b).is_ok_and(|l| l.can_access_peer)))
 }
 
+/// One `CALL` line of a `--trace` output: (group name, kind, reduction,
+/// element type, count, root); `None` for the warm-up's and other lines.
+fn traced_call(line: &str) -> Option<(String, Kind, ReduceOp, &'static str, usize, usize)> {
+    let words: Vec<&str> = line.strip_prefix("CALL ")?.split(' ').collect();
+    if words.len() < 9 || words[0] == "warm-up" {
+        return None;
+    }
+    let at = words.len() - 7;
+    let kind = RANK_KINDS.into_iter().find(|k| format!("{k:?}") == words[at])?;
+    let op = OPS.into_iter().find(|o| format!("{o:?}") == words[at + 1])?;
+    let dtype = DTYPES.into_iter().find(|d| *d == words[at + 2])?;
+    let (count, root) = (words[at + 4].parse().ok()?, words[at + 6].parse().ok()?);
+    Some((words[1..at].join(" "), kind, op, dtype, count, root))
+}
+
 /// Every rank's stream of a soak of `n` ranks laid round-robin over
 /// `ctxs` (or the run ends, saying why).
 fn rank_streams(ctxs: &[Arc<CudaContext>], n: usize, name: &str) -> Vec<Arc<CudaStream>> {
@@ -836,9 +883,14 @@ fn rank_streams(ctxs: &[Arc<CudaContext>], n: usize, name: &str) -> Vec<Arc<Cuda
 }
 
 /// The per-rank soaks: 2 to `max_ranks` thread ranks, P2P-or-staged and
-/// staged, and the two-shot all-reduce from 3 ranks.
+/// staged, and the two-shot all-reduce from 3 ranks. Rank r of every
+/// communicator is on the same stream, the r-th of `max_ranks` made first,
+/// as an application with one stream per device and several communicators
+/// (a tensor- and a data-parallel one) has them: so the ranks' streams stay
+/// few enough for a hardware work queue each (see the module docs).
 fn rank_soaks(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> Vec<Soak> {
     let mut out = Vec::new();
+    let shared = rank_streams(ctxs, max_ranks, "per-rank soak");
     for n in 2..=max_ranks {
         let mut specs = vec![(PathPolicy::Auto, AllReduceAlgorithm::Auto), (PathPolicy::StagedOnly, AllReduceAlgorithm::Auto)];
         if n >= 3 {
@@ -846,7 +898,7 @@ fn rank_soaks(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> Vec<Soak> {
         }
         for (policy, all_reduce) in specs {
             let name = format!("comm n={n}/{policy:?}/{}", all_reduce.name());
-            let streams = rank_streams(ctxs, n, &name);
+            let streams = shared[..n].to_vec();
             let opts = CommOptions::default().path(policy).all_reduce(all_reduce);
             match Comm::from_devices_with(streams.clone(), &opts) {
                 Ok(comms) => {
@@ -1044,11 +1096,14 @@ fn main() {
     if args.per_rank && args.max_ranks > gpus as u64 && queues < 32 {
         println!("soak: thread ranks share the {gpus} GPU(s) with {queues} hardware work queues: set CUDA_DEVICE_MAX_CONNECTIONS=32 (their streams may hold each other up until the barrier timeout)");
     }
-    let (soaks, left_out) =
+    let (mut soaks, left_out) =
         if args.per_rank { (rank_soaks(&ctxs, args.max_ranks as usize), Vec::new()) } else { groups(&ctxs, args.max_ranks as usize) };
+    if let Some(only) = &args.only {
+        soaks.retain(|s| s.name.contains(only.as_str()));
+    }
     println!("soak: {} groups in {:.1} s", soaks.len(), start.elapsed().as_secs_f64());
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut tally = Tally::default();
+    let mut tally = Tally { trace: args.trace, ..Tally::default() };
 
     // Warm-up: every group and collective at the largest count with 8-byte
     // elements (scratch reaches its size), eager and from a graph, as a sum
@@ -1092,7 +1147,23 @@ fn main() {
             }
         }
     }
-    for i in (1..=args.iters).filter(|_| !args.back_to_back) {
+    if let Some(path) = &args.replay {
+        let trace = std::fs::read_to_string(path).unwrap_or_else(|e| {
+            println!("soak: reading {}: {e}", path.display());
+            std::process::exit(1);
+        });
+        let mut made = 0;
+        for (name, kind, op, dtype, count, root) in trace.lines().filter_map(traced_call) {
+            let Some(s) = soaks.iter().find(|s| s.name == name) else { continue };
+            made += 1;
+            dispatch(s, dtype, kind, op, count, root, false, &mut rng, &mut tally, &format!("r{made}"));
+            if args.stop_after > 0 && tally.failures.len() >= args.stop_after {
+                break;
+            }
+        }
+        println!("soak: replayed {made} calls of {}, {} failures", path.display(), tally.failures.len());
+    }
+    for i in (1..=args.iters).filter(|_| !args.back_to_back && args.replay.is_none()) {
         let s = &soaks[rng.random_range(0..soaks.len())];
         let n = s.streams.len();
         let (dtype, kind, op) = pick(&mut rng, s.kinds());
@@ -1106,6 +1177,10 @@ fn main() {
         *tally.by.entry(format!("op {op:?}")).or_default() += 1;
         *tally.by.entry(format!("group {}", s.name)).or_default() += 1;
         dispatch(s, dtype, kind, op, count, root, graph, &mut rng, &mut tally, &format!("#{i}"));
+        if args.stop_after > 0 && tally.failures.len() >= args.stop_after {
+            println!("soak: stopped after {} failures (--stop-after)", tally.failures.len());
+            break;
+        }
         if i % 1000 == 0 || i == args.iters {
             println!(
                 "soak: {i}/{} done, {} eager + {} graph replays checked, {} failures, {:.1} s",
