@@ -1225,8 +1225,8 @@ fn main() {
         ok = false;
     }
     println!(
-        "soak: {} iterations + warm-up: {} eager collectives and {} graph replays checked, {} failures, seed {seed}, {:.1} s: {}",
-        args.iters,
+        "soak: {} + warm-up: {} eager collectives and {} graph replays checked, {} failures, seed {seed}, {:.1} s: {}",
+        if args.replay.is_some() { "the replayed calls".to_string() } else { format!("{} iterations", args.iters) },
         tally.eager,
         tally.replays,
         tally.failures.len(),
