@@ -99,7 +99,7 @@ use crate::sync::{wait_bounded, Orderer};
 use crate::traits::Collectives;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::os::fd::AsFd;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 mod api;
@@ -870,6 +870,9 @@ impl Comm {
         if rank == 0 || shares_context {
             warn_of_shared_queues(threads_here, device);
         }
+        if shares_context {
+            warn_of_many_streams(&stream, device);
+        }
         let pace_events = if shares_context {
             (0..=Pacer::AHEAD)
                 .map(|_| ctx.new_event(None))
@@ -1208,6 +1211,41 @@ fn warn_of_shared_queues(threads: usize, device: usize) {
     }
 }
 
+/// The streams of thread ranks that share a device, by device, as long as
+/// each stream lives (a stream of several communicators counts once).
+static SHARED_STREAMS: Mutex<Vec<(usize, Weak<CudaStream>)>> = Mutex::new(Vec::new());
+
+/// Says, once per process, where the streams of this process's thread
+/// ranks that share `device` are more than its hardware work queues: the
+/// queues are shared by every stream of the context, so two ranks of one
+/// communicator may land in one queue, whatever the setting, and hold each
+/// other up until the barrier timeout (measured: docs/multiprocess.md).
+fn warn_of_many_streams(stream: &Arc<CudaStream>, device: usize) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(8);
+    let mut streams = SHARED_STREAMS.lock().unwrap_or_else(|p| p.into_inner());
+    let live = live_streams(&mut streams, device, stream);
+    if live > queues {
+        SAID.call_once(|| {
+            log::warn!(
+                "cuda-peer: {live} streams of thread ranks share device {device} in this process, more than its {queues} \
+                 hardware work queues: two ranks of one communicator may share a queue and time out at a barrier; put \
+                 rank r of every communicator on one stream (docs/multiprocess.md)"
+            )
+        });
+    }
+}
+
+/// Adds `stream` on `device` to `entries` (once), drops the entries whose
+/// stream is gone, and counts the live ones on `device`.
+fn live_streams<S>(entries: &mut Vec<(usize, Weak<S>)>, device: usize, stream: &Arc<S>) -> usize {
+    entries.retain(|(_, w)| w.strong_count() > 0);
+    if !entries.iter().any(|(d, w)| *d == device && std::ptr::eq(w.as_ptr(), Arc::as_ptr(stream))) {
+        entries.push((device, Arc::downgrade(stream)));
+    }
+    entries.iter().filter(|(d, _)| *d == device).count()
+}
+
 /// Where other ranks are threads of this process on this device (one
 /// context), keeps a rank at most [`Pacer::AHEAD`] synchronisation points
 /// (of one run that its peers reach in the same order: a collective's
@@ -1320,6 +1358,21 @@ mod tests {
 
     fn malformed(r: Result<RankInfo>) -> bool {
         matches!(r, Err(Error::Bootstrap { .. }))
+    }
+
+    #[test]
+    fn shared_streams_count_each_live_stream_once_per_device() {
+        let mut entries = Vec::new();
+        let (a, b, c) = (Arc::new(1u8), Arc::new(2u8), Arc::new(3u8));
+        assert_eq!(live_streams(&mut entries, 0, &a), 1);
+        // The same stream of a second communicator counts once.
+        assert_eq!(live_streams(&mut entries, 0, &a), 1);
+        assert_eq!(live_streams(&mut entries, 0, &b), 2);
+        // Another device's streams are counted apart.
+        assert_eq!(live_streams(&mut entries, 1, &c), 1);
+        drop(b);
+        assert_eq!(live_streams(&mut entries, 0, &a), 1);
+        assert_eq!(entries.len(), 2);
     }
 
     #[test]
