@@ -1200,7 +1200,7 @@ impl Drop for Comm {
 /// until the barrier timeout (an error, not a hang).
 fn warn_of_shared_queues(threads: usize, device: usize) {
     static SAID: std::sync::Once = std::sync::Once::new();
-    let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(8);
+    let queues = hardware_queues();
     if threads > 2 && queues < 32 {
         SAID.call_once(|| {
             log::warn!(
@@ -1209,6 +1209,12 @@ fn warn_of_shared_queues(threads: usize, device: usize) {
             )
         });
     }
+}
+
+/// The hardware work queues of each context of this process: what
+/// `CUDA_DEVICE_MAX_CONNECTIONS` asks for, else the driver's default of 8.
+fn hardware_queues() -> usize {
+    std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(8)
 }
 
 /// The streams of thread ranks that share a device, by device, as long as
@@ -1222,7 +1228,7 @@ static SHARED_STREAMS: Mutex<Vec<(usize, Weak<CudaStream>)>> = Mutex::new(Vec::n
 /// other up until the barrier timeout (measured: docs/multiprocess.md).
 fn warn_of_many_streams(stream: &Arc<CudaStream>, device: usize) {
     static SAID: std::sync::Once = std::sync::Once::new();
-    let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(8);
+    let queues = hardware_queues();
     let mut streams = SHARED_STREAMS.lock().unwrap_or_else(|p| p.into_inner());
     let live = live_streams(&mut streams, device, stream);
     if live > queues {
