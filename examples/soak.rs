@@ -163,7 +163,7 @@ struct Args {
     /// Instead of random calls, make the calls of a `--trace` output's
     /// `CALL` lines in their order (after the warm-up, whose own lines are
     /// left out), to reproduce a failure.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "back_to_back")]
     replay: Option<std::path::PathBuf>,
     /// Keep only the groups whose name contains this: every group is
     /// built (so streams and memory are made in the same order as in a
