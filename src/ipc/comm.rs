@@ -959,6 +959,17 @@ impl Comm {
         Ok(())
     }
 
+    /// Waits, within `timeout`, for this rank's work enqueued so far (`op`
+    /// names it in the error). A kernel that gave up at a barrier leaves
+    /// its outputs as they were: that failure is the error, so that the
+    /// caller never checks the data it left.
+    fn settle(&self, op: &'static str, timeout: Duration) -> Result<()> {
+        let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
+        done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
+        wait_bounded(&done, op, timeout)?;
+        self.held.ctl.check()
+    }
+
     /// Step 4: an all-reduce of seeded data per lane, checked on the host.
     fn verify(&self, timeout: Duration) -> Result<()> {
         // A size for each lane that takes it, in several rounds where it has them.
@@ -968,12 +979,7 @@ impl Comm {
             let expected: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect();
             let mut buf = self.stream.clone_htod(&inputs[self.rank]).map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
             self.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
-            let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
-            done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
-            wait_bounded(&done, "communicator verification (all-reduce)", timeout)?;
-            // A kernel that gave up at a barrier leaves the data unchecked:
-            // that is the failure to report, not the data it left.
-            self.held.ctl.check()?;
+            self.settle("communicator verification (all-reduce)", timeout)?;
             let got = self.stream.clone_dtoh(&buf).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
             if let Some(i) = (0..count).find(|&i| got[i] != expected[i]) {
                 return Err(Error::P2pUnavailable {
@@ -989,10 +995,7 @@ impl Comm {
         let send = self.stream.clone_htod(&inputs[self.rank]).map_err(cudarc_err("cuMemcpyHtoD (verification)"))?;
         let mut recv = self.stream.alloc_zeros::<u32>(count * self.size).map_err(cudarc_err("cuMemAlloc (verification)"))?;
         self.all_gather(&send, &mut recv)?;
-        let done = self.ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?;
-        done.record(&self.stream).map_err(cudarc_err("cuEventRecord"))?;
-        wait_bounded(&done, "communicator verification (all-gather)", timeout)?;
-        self.held.ctl.check()?;
+        self.settle("communicator verification (all-gather)", timeout)?;
         let got = self.stream.clone_dtoh(&recv).map_err(cudarc_err("cuMemcpyDtoH (verification)"))?;
         if let Some(i) = (0..count * self.size).find(|&i| got[i] != inputs[i / count][i % count]) {
             return Err(Error::P2pUnavailable {
