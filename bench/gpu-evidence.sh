@@ -19,11 +19,11 @@
 #   edges      tests/edges.rs and the three-process abort test alone (their timing bounds), ~1 min
 #   soak       10,000 randomized collectives (examples/soak), ~2 min
 #   b2b        examples/soak --back-to-back: batches enqueued with no synchronisation, real floats, ~1-2 min
+#              (one H200, ranks sharing it: ~3.5 min for the default 120 batches)
 #   rsoak      examples/soak --per-rank: RSOAK_ITERS (default 3000) randomized calls over per-rank Comms
 #   rb2b       examples/soak --per-rank --back-to-back: RB2B_ITERS (default 60) batches of 16
-#              (both with 32 hardware work queues, as thread ranks sharing a device need, and glibc's
-#              arenas bounded, so that the soak's per-call rank threads do not grow the resident set)
-#              (one H200, ranks sharing it: ~3.5 min for the default 120 batches)
+#              (both with 32 hardware work queues, as thread ranks sharing a device want, and glibc's
+#              arenas bounded, fewer for the soak's per-call rank threads to fill)
 #   sanitizer  compute-sanitizer memcheck/racecheck/synccheck (tests/sanitizer.sh; SANITIZER_RUNS picks
 #              runs, SANITIZER_PHASE bounds the phase, default 900 s)
 #   planted    tests/planted/run.sh: each planted defect must fail its tests (carry planted.txz from tests/planted/build.sh), ~2 min
