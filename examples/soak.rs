@@ -95,9 +95,8 @@
 //! grows past it.
 //!
 //! Prints the groups, a line per 1000 iterations (10 back to back, with the
-//! resident set) and a
-//! summary; exits 0 only if every check passed, 1 otherwise (any wrong
-//! element fails the run), 2 (one line) without a GPU.
+//! resident set) and a summary; exits 0 only if every check passed, 1
+//! otherwise (any wrong element fails the run), 2 (one line) without a GPU.
 
 mod common;
 
@@ -629,6 +628,16 @@ struct Tally {
 }
 
 impl Tally {
+    /// Whether the run ends here: `--stop-after` (`most`, 0: never) failures
+    /// reached (said once).
+    fn stops(&self, most: usize) -> bool {
+        let stop = most > 0 && self.failures.len() >= most;
+        if stop {
+            println!("soak: stopped after {} failures (--stop-after)", self.failures.len());
+        }
+        stop
+    }
+
     fn fail(&mut self, what: String) {
         if self.failures.len() < 20 {
             eprintln!("FAIL {what}");
@@ -1177,7 +1186,7 @@ fn main() {
             let Some(s) = soaks.iter().find(|s| s.name == name) else { continue };
             made += 1;
             dispatch(s, dtype, kind, op, count, root, false, &mut rng, &mut tally, &format!("r{made}"));
-            if args.stop_after > 0 && tally.failures.len() >= args.stop_after {
+            if tally.stops(args.stop_after) {
                 break;
             }
         }
@@ -1197,8 +1206,7 @@ fn main() {
         *tally.by.entry(format!("op {op:?}")).or_default() += 1;
         *tally.by.entry(format!("group {}", s.name)).or_default() += 1;
         dispatch(s, dtype, kind, op, count, root, graph, &mut rng, &mut tally, &format!("#{i}"));
-        if args.stop_after > 0 && tally.failures.len() >= args.stop_after {
-            println!("soak: stopped after {} failures (--stop-after)", tally.failures.len());
+        if tally.stops(args.stop_after) {
             break;
         }
         if i % 1000 == 0 || i == args.iters {
