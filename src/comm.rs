@@ -195,6 +195,19 @@ impl Comm {
         }
     }
 
+    /// Why the ranks of this host exchange data the way [`Self::engine`]
+    /// says (`P2P, verified`, or which rank staged and why: the policy, the
+    /// driver, the doctor's verdict, or a failed check at creation that
+    /// made every rank fall back; see [`CommOptions::path`]); `None` where
+    /// NCCL carries every collective.
+    pub fn path_reason(&self) -> Option<&str> {
+        match &self.inner {
+            Inner::Host(c) => Some(c.path_reason()),
+            Inner::Nccl(..) => None,
+            Inner::Tiered(t) => Some(t.local_path_reason()),
+        }
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         either!(self, c => c.rank())

@@ -25,6 +25,7 @@ use common::ranks::{each, exclusive, streams};
 use common::{gpu_count, gpus, has_gpus, skipped};
 use cuda_peer::comm::Engine;
 use cuda_peer::cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
+use cuda_peer::failure::Fault;
 use cuda_peer::{Collectives, Comm, CommOptions, Error, Id, Path, PathPolicy, ReduceOp};
 use half::bf16;
 use std::sync::{Arc, Barrier};
@@ -494,6 +495,96 @@ fn threads_every_collective_type_and_op_on_the_p2p_path() {
 #[test]
 fn threads_every_collective_type_and_op_on_the_staged_path() {
     suite("threads_every_collective_type_and_op_on_the_staged_path", PathPolicy::StagedOnly);
+}
+
+// ---- the path's fallback after a failed check at creation ----
+
+/// Two thread ranks on `streams`, made through their own exchanges with
+/// `opts`: each rank's own outcome (`from_devices_with` returns only the
+/// first error).
+fn made_each(streams: &[Arc<CudaStream>], opts: &CommOptions) -> Vec<cuda_peer::Result<Comm>> {
+    let exchanges = cuda_peer::ipc::ThreadExchange::new(streams.len(), opts.timeout).expect("thread exchanges");
+    std::thread::scope(|s| {
+        let hs: Vec<_> =
+            streams.iter().cloned().zip(exchanges).map(|(stream, ex)| s.spawn(move || Comm::from_exchange(stream, Box::new(ex), opts))).collect();
+        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
+    })
+}
+
+/// The creation's check failing on the device path, as a broken P2P path
+/// fails it: rank 1's first one-shot launch of the check never runs (the
+/// hidden `CommOptions::verify_fault`), so its result is wrong and rank
+/// 0's kernel gives up at the barrier. Under `Auto` every rank falls back
+/// to the staged path together, says so in `path_reason`, and then gives
+/// exact results; without the fault the same ranks keep the device path
+/// (so the fault is what staged them); under `P2pOnly` every rank fails
+/// with the check's error; and a launch that fails is no path's fault, so
+/// every rank fails with it under `Auto` too. Two thread ranks, on two
+/// devices where there are two, else sharing one.
+#[test]
+fn a_failed_check_at_creation_falls_back_to_the_staged_path_under_auto_only() {
+    const T: &str = "a_failed_check_at_creation_falls_back_to_the_staged_path_under_auto_only";
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus(T, 1) else { return };
+    let streams = streams(&ctxs, 2);
+    let opts = |policy: PathPolicy, fault: Option<Fault>| {
+        CommOptions::default()
+            .path(policy)
+            .share_devices(true)
+            .buffer_bytes(BUFFER_BYTES)
+            .barrier_timeout(Duration::from_millis(500))
+            .verify_fault(fault.map(|f| (1, f)))
+    };
+    let device_path = expected_path(T, 2, ctxs.len(), PathPolicy::Auto);
+    if device_path == Path::Staged {
+        return;
+    }
+
+    let plain: Vec<Comm> = made_each(&streams, &opts(PathPolicy::Auto, None)).into_iter().map(|c| c.expect("no fault: creation")).collect();
+    for (r, c) in plain.iter().enumerate() {
+        let why = c.path_reason().unwrap_or_default();
+        assert_eq!(c.engine(), Engine::Host(Path::P2p), "no fault, rank {r}: {why}");
+        assert!(why.starts_with("P2P, verified") || why.starts_with("one device, verified"), "no fault, rank {r}: {why}");
+    }
+    drop(plain);
+
+    let start = Instant::now();
+    let comms: Vec<Comm> = made_each(&streams, &opts(PathPolicy::Auto, Some(Fault::NeverArrives)))
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| c.unwrap_or_else(|e| panic!("Auto, rank 1 never arrives: rank {r}: {e}")))
+        .collect();
+    println!("{T}: the fallback took {:?}", start.elapsed());
+    for (r, c) in comms.iter().enumerate() {
+        let why = c.path_reason().unwrap_or_default();
+        assert_eq!(c.engine(), Engine::Host(Path::Staged), "after the fallback, rank {r}: {why}");
+        assert!(why.starts_with("staged after the P2P path failed the creation's check"), "rank {r}: {why}");
+    }
+    println!("{T}: rank 0: {}", comms[0].path_reason().unwrap_or_default());
+    reductions::<u32>(&comms, "after the fallback", ReduceOp::Sum, 1001);
+    moves::<u32>(&comms, "after the fallback", CROSS);
+    for c in &comms {
+        c.synchronize().expect("synchronize after the fallback");
+    }
+    drop(comms);
+
+    for (r, made) in made_each(&streams, &opts(PathPolicy::P2pOnly, Some(Fault::NeverArrives))).into_iter().enumerate() {
+        match made {
+            Err(Error::P2pUnavailable { .. } | Error::PeerTimeout { .. } | Error::Bootstrap { op: "communicator: verification", .. }) => {}
+            other => panic!("P2pOnly, rank 1 never arrives: rank {r}: expected the check's error, got {:?}", other.map(|c| c.engine())),
+        }
+    }
+    // Rank 1 reports its launch's error; rank 0 its own, the barrier its
+    // kernel gave up at.
+    for (r, made) in made_each(&streams, &opts(PathPolicy::Auto, Some(Fault::LaunchFails))).into_iter().enumerate() {
+        match (r, made) {
+            (1, Err(Error::Internal(m))) if m.contains("injected launch failure on rank 1") => {}
+            (0, Err(Error::PeerTimeout { .. })) => {}
+            (r, other) => {
+                panic!("Auto, rank 1's launch fails: rank {r}: expected no fallback and a typed error, got {:?}", other.map(|c| c.engine()))
+            }
+        }
+    }
 }
 
 // ---- the two-shot all-reduce ----

@@ -59,7 +59,7 @@ mod common;
 
 use cuda_peer::copy::LinkStatus;
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{Algorithm, Error, Group, GroupOptions, Link, LinkOptions, Path, PathPolicy, ReduceOp, Selected};
+use cuda_peer::{Algorithm, Comm, CommOptions, Error, Group, GroupOptions, Link, LinkOptions, Path, PathPolicy, ReduceOp, Selected};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
@@ -888,6 +888,109 @@ fn corrupt_fused_results_reach_an_unchecked_group() {
     });
 }
 
+/// Two per-rank communicators' outcomes (threads, round robin over the
+/// devices: both on device 0 where there is one), each made through its
+/// own exchange with `opts`, each rank's own result.
+fn per_rank_made(streams: &[Arc<CudaStream>], opts: &CommOptions) -> Vec<cuda_peer::Result<Comm>> {
+    let exchanges = cuda_peer::ipc::ThreadExchange::new(streams.len(), opts.timeout).expect("thread exchanges");
+    std::thread::scope(|s| {
+        let hs: Vec<_> =
+            streams.iter().cloned().zip(exchanges).map(|(stream, ex)| s.spawn(move || Comm::from_exchange(stream, Box::new(ex), opts))).collect();
+        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
+    })
+}
+
+/// The verdict on per-rank communicators made under `policy` while the
+/// fused kernels of one device lie (dropped, or a wrong byte behind a
+/// clean barrier): the creation's check runs the one-shot on every path,
+/// so it must fail every rank with the check's typed error (wrong data,
+/// a barrier that timed out, or a peer's failure naming the check), the
+/// fault must have fired, and under `Auto` the error must show that the
+/// ranks fell back to the staged path and checked it too (the reason of a
+/// rank's wrong data says so).
+fn judge_per_rank(policy: PathPolicy, made: &[Result<(), Error>], fired: i64) -> Result<(), String> {
+    fired_in_case(fired)?;
+    let mut fell_back = false;
+    for (r, m) in made.iter().enumerate() {
+        match m {
+            Err(Error::P2pUnavailable { reason, .. }) => fell_back |= reason.contains("on the staged path, after the P2P path failed the check too"),
+            Err(Error::PeerTimeout { .. } | Error::Bootstrap { op: "communicator: verification", .. }) => {}
+            Err(e) => return Err(format!("rank {r}: expected the check's error, got {e:?}")),
+            Ok(()) => return Err(format!("rank {r}: made a communicator whose one-shot lies")),
+        }
+    }
+    if policy == PathPolicy::Auto && !fell_back {
+        return Err("under Auto no rank's error shows the fallback to the staged path".into());
+    }
+    Ok(())
+}
+
+/// Per-rank communicators (`cuda_peer::Comm`, thread ranks) under a lie of
+/// the fused kernels on one device (`drop-sm-stores=N`,
+/// `corrupt-fused-results=N`): every path policy's creation fails with the
+/// check's typed error (Auto after falling back to the staged path, whose
+/// one-shot meets the lie too), never a communicator that gives wrong
+/// answers, a panic or a hang. The control: with the check off, the lie
+/// reaches an all-reduce's results on the faulted device.
+#[test]
+fn per_rank_comms_under_lying_fused_kernels_fail_their_check() {
+    const T: &str = "per_rank_comms_under_lying_fused_kernels_fail_their_check";
+    let Some((shim, ctxs)) = under(T, |m| m.starts_with("drop-sm-stores=") || m.starts_with("corrupt-fused-results=")) else { return };
+    let device: usize =
+        shim.mode.rsplit('=').next().and_then(|d| d.parse().ok()).unwrap_or_else(|| panic!("{}: <mode>=<ordinal> expected", shim.mode));
+    if !common::has_gpus(T, &format!("{} (device {device})", shim.mode), ctxs.len(), device + 1) {
+        return;
+    }
+    let corrupt = shim.mode.starts_with("corrupt-fused-results=");
+    bounded(T, move || {
+        let streams: Vec<Arc<CudaStream>> = (0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
+        let opts = |policy| CommOptions::default().path(policy).share_devices(true).barrier_timeout(Duration::from_millis(500));
+        let mut failures = Vec::new();
+        for policy in POLICIES {
+            let before = shim.fired();
+            let made: Vec<Result<(), Error>> = per_rank_made(&streams, &opts(policy)).into_iter().map(|m| m.map(drop)).collect();
+            let fired = shim.fired() - before;
+            say(&format!("  [{}] per-rank {policy:?}: {made:?} (faults fired: {fired})", shim.mode));
+            if let Err(why) = judge_per_rank(policy, &made, fired) {
+                failures.push(format!("{policy:?}: {why}"));
+            }
+        }
+        assert!(failures.is_empty(), "[{}] per-rank cases:\n  {}", shim.mode, failures.join("\n  "));
+
+        // The control: unchecked, the faulted device's ranks get wrong results.
+        let comms: Vec<Comm> =
+            per_rank_made(&streams, &opts(PathPolicy::Auto).verify(false)).into_iter().map(|m| m.expect("an unchecked communicator")).collect();
+        let n = 1000;
+        let ins: Vec<Vec<u32>> = (0..2).map(|_| random_u32(n)).collect();
+        let want: Vec<u32> = (0..n).map(|i| ins[0][i].wrapping_add(ins[1][i])).collect();
+        let got: Vec<Option<Vec<u32>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .zip(&ins)
+                .map(|(c, x)| {
+                    s.spawn(move || {
+                        let mut buf = c.stream().clone_htod(x).unwrap();
+                        c.all_reduce_in_place(&mut buf, ReduceOp::Sum).ok()?;
+                        c.synchronize().ok()?;
+                        Some(c.stream().clone_dtoh(&buf).unwrap())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
+        });
+        let on_device: Vec<usize> = (0..2).filter(|r| r % ctxs.len() == device).collect();
+        let wrong: Vec<(usize, usize, Option<usize>)> = on_device
+            .iter()
+            .filter_map(|&r| got[r].as_ref().map(|g| (r, (0..n).filter(|&i| g[i] != want[i]).count(), (0..n).find(|&i| g[i] != want[i]))))
+            .collect();
+        say(&format!("  [{}] per-rank, check off: (rank, wrong, first) {wrong:?}", shim.mode));
+        let reached = if corrupt { wrong.iter().any(|w| w.1 == 1 && w.2 == Some(0)) } else { wrong.iter().any(|w| w.1 > 0) };
+        assert!(reached, "{T}: [{}] unchecked, no rank on device {device} got the lie's wrong result: {wrong:?}", shim.mode);
+        drop(comms);
+        finished(T, &shim);
+    });
+}
+
 #[test]
 fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
     const T: &str = "failed_module_load_is_an_error_and_leaves_the_rest_working";
@@ -1171,6 +1274,24 @@ fn the_fault_judges_reject_cases_that_prove_nothing() {
     assert_eq!(wrong_data("launching the check failed: x (16387 elements)"), None);
     assert_eq!(first_rank_on(1, 2), 1);
     assert_eq!(first_rank_on(0, 1), 0);
+}
+
+/// The per-rank judge refuses what proves nothing: a communicator made,
+/// a fault that never fired, an untyped error, and under `Auto` errors
+/// that show no fallback.
+#[test]
+fn the_per_rank_judge_rejects_cases_that_prove_nothing() {
+    let wrong = |reason: &str| Err(Error::P2pUnavailable { from: 0, to: 0, reason: reason.into() });
+    let timeout = Err(Error::PeerTimeout { rank: 1, call: 0, after: Duration::from_millis(500) });
+    let fell_back = wrong("verification all-reduce wrong at 0, on the staged path, after the P2P path failed the check too (...)");
+    let first_try = wrong("verification all-reduce wrong at 0");
+    assert_eq!(judge_per_rank(PathPolicy::Auto, &[fell_back.clone(), timeout.clone()], 2), Ok(()));
+    assert_eq!(judge_per_rank(PathPolicy::P2pOnly, &[first_try.clone(), timeout.clone()], 1), Ok(()));
+    assert_eq!(judge_per_rank(PathPolicy::StagedOnly, &[first_try.clone(), first_try.clone()], 1), Ok(()));
+    assert!(judge_per_rank(PathPolicy::Auto, &[first_try.clone(), timeout.clone()], 2).is_err(), "no fallback shown");
+    assert!(judge_per_rank(PathPolicy::Auto, &[fell_back.clone(), timeout.clone()], 0).is_err(), "the fault never fired");
+    assert!(judge_per_rank(PathPolicy::P2pOnly, &[Ok(()), Ok(())], 1).is_err(), "made");
+    assert!(judge_per_rank(PathPolicy::P2pOnly, &[first_try, Err(Error::Internal("x".into()))], 1).is_err(), "untyped");
 }
 
 /// The shim builds (no CUDA needed), exports exactly its overrides, and

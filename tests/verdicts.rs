@@ -8,7 +8,7 @@
 //! variable.
 //!
 //! A GPU test: a cache written for this machine's real key decides `Auto`
-//! links and groups, says so in their `LinkStatus`, and is ignored when
+//! links, groups and per-rank communicators, says so in their `LinkStatus` (a communicator's `path_reason`), and is ignored when
 //! opted out or when its key does not match. It needs a pair of devices
 //! and skips without two GPUs, saying so in a `SKIPPED` line (fails instead with CUDA_PEER_REQUIRE_GPU=1
 //! where there is no GPU at all), and says which cases it left out where
@@ -20,9 +20,10 @@
 mod common;
 
 use common::{diff, gpus, random_bytes};
+use cuda_peer::comm::Engine;
 use cuda_peer::cudarc::driver::CudaContext;
 use cuda_peer::verdict::{Cache, CacheError, CacheKey, CachedPair, CachedPath, SpeedSample, CACHE_ENV, MAX_CACHE_BYTES, NO_CACHE_ENV, REASON_PREFIX};
-use cuda_peer::{Group, GroupOptions, Link, LinkOptions, Path, ReduceOp};
+use cuda_peer::{Comm, CommOptions, Group, GroupOptions, Link, LinkOptions, Path, ReduceOp};
 use rand::Rng;
 use std::sync::Arc;
 
@@ -74,6 +75,30 @@ fn group_sum(ctx: &[Arc<CudaContext>], opts: &GroupOptions) -> Group {
     group
 }
 
+/// Two per-rank communicators (threads) on devices 0 and 1 under `opts`,
+/// after a sum all-reduce of random u32 data checked exactly against the
+/// CPU's wrapping sum on both ranks.
+fn per_rank_sum(ctx: &[Arc<CudaContext>], opts: &CommOptions) -> Vec<Comm> {
+    let streams = vec![ctx[0].new_stream().unwrap(), ctx[1].new_stream().unwrap()];
+    let comms = Comm::from_devices_with(streams, opts).expect("per-rank communicators");
+    let n = 100_003;
+    let mut rng = rand::rng();
+    let host: Vec<Vec<u32>> = (0..2).map(|_| (0..n).map(|_| rng.random()).collect()).collect();
+    let want: Vec<u32> = (0..n).map(|i| host[0][i].wrapping_add(host[1][i])).collect();
+    std::thread::scope(|s| {
+        for (r, (c, h)) in comms.iter().zip(&host).enumerate() {
+            let want = &want;
+            s.spawn(move || {
+                let mut buf = c.stream().clone_htod(h).unwrap();
+                c.all_reduce_in_place(&mut buf, ReduceOp::Sum).expect("per-rank all-reduce");
+                let got = c.stream().clone_dtoh(&buf).unwrap();
+                assert!(diff(want, &got).is_none(), "per-rank rank {r}: first wrong/count {:?}", diff(want, &got));
+            });
+        }
+    });
+    comms
+}
+
 fn from_doctor(reason: &str, path: &std::path::Path) -> bool {
     reason.contains(&format!("{REASON_PREFIX} (cache {})", path.display()))
 }
@@ -111,6 +136,14 @@ fn auto_links_and_groups_follow_the_doctors_verdicts() {
         assert!(from_doctor(&st.reason, &path), "rank {r}: {st:?}");
     }
     drop(group);
+    // The per-rank communicator decides its pairs the same way.
+    let comms = per_rank_sum(&ctx, &CommOptions::default());
+    for (r, c) in comms.iter().enumerate() {
+        let why = c.path_reason().unwrap_or_default();
+        assert!(c.engine() == Engine::Host(Path::Staged) && from_doctor(why, &path), "per-rank, rank {r}: {:?}: {why}", c.engine());
+    }
+    println!("doctor staged the per-rank communicator: {}", comms[0].path_reason().unwrap_or_default());
+    drop(comms);
 
     // Opted out by option, then by environment: decided as without a doctor.
     let expect = if claims { Path::P2p } else { Path::Staged };
@@ -120,6 +153,10 @@ fn auto_links_and_groups_follow_the_doctors_verdicts() {
     let group = group_sum(&ctx, &GroupOptions::default().link(no_doctor.clone()));
     assert!(group.link_status(1).is_some_and(|st| st.path == expect && !st.reason.contains(REASON_PREFIX)), "{:?}", group.link_status(1));
     drop(group);
+    for (r, c) in per_rank_sum(&ctx, &CommOptions::default().use_doctor_verdicts(false)).iter().enumerate() {
+        let why = c.path_reason().unwrap_or_default();
+        assert!(c.engine() == Engine::Host(expect) && !why.contains(REASON_PREFIX), "per-rank opted out, rank {r}: {:?}: {why}", c.engine());
+    }
     std::env::set_var(NO_CACHE_ENV, "1");
     let link = link_copy(&ctx, 0, 1, &LinkOptions::default());
     assert!(link.path() == expect && !link.status().reason.contains(REASON_PREFIX), "{:?}", link.status());

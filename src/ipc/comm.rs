@@ -38,9 +38,14 @@
 //!    [`Error::Unsupported`]; ranks of different uids, or a malformed
 //!    info, are [`Error::Bootstrap`]. A [`CommOptions::buffer_bytes`]
 //!    whose sizes overflow is [`Error::InvalidArgument`] (on every rank);
-//! 2. each rank checks P2P to every peer's device (`cuDeviceCanAccessPeer`);
-//!    where one rank has no P2P to a peer (or asks for it,
-//!    [`CommOptions::path`]), every rank takes the staged path;
+//! 2. each rank decides its pair with every peer as a single-process link
+//!    does (`copy::decide`): one device shares its memory; between
+//!    devices, P2P where the driver reports peer access both ways
+//!    (`cuDeviceCanAccessPeer`) and, under [`PathPolicy::Auto`], the
+//!    doctor's cached verdict for the pair does not stage it
+//!    ([`CommOptions::use_doctor_verdicts`]); where one pair stages (or a
+//!    rank asks for it, [`CommOptions::path`]), every rank takes the staged
+//!    path, and [`Comm::path_reason`] names the rank and its reason;
 //! 3. P2P: each rank allocates and zeroes its region in its device memory,
 //!    sends its descriptor to every peer and imports theirs
 //!    ([`super::fdpass`]: a descriptor is taken only from a connection
@@ -54,7 +59,10 @@
 //!    data on each lane, in several rounds where the lane has them (the SM
 //!    stores into the peers' memory and loads of their flags) and an all-gather (copies from the peers' staging
 //!    buffers) are checked against a CPU reference on every rank, bounded
-//!    by [`CommOptions::timeout`].
+//!    by [`CommOptions::timeout`]. Where the check fails on the P2P path
+//!    as a broken path fails it (wrong data, or a barrier that timed out),
+//!    every rank falls back together under `Auto`: the communicator is
+//!    made again on the staged path (steps 1-3) and checked in turn.
 //!
 //! A peer process that dies is noticed at creation within the timeout. In a
 //! collective, with [`CommOptions::check_calls`] (the default), a dead peer
@@ -86,10 +94,11 @@ use super::shm::{board_bytes, region_len, CallBoard, CallDesc, Kind, RegisteredM
 use super::vmm::DeviceRegion;
 use crate::algorithms::oneshot::{check_counts, lane_index, layout, LaneLayout};
 use crate::algorithms::prescales;
+use crate::copy::decide::{first_step, FirstStep};
 use crate::copy::{Path, PathPolicy};
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
-use crate::failure::Ctl;
+use crate::failure::{Ctl, Fault};
 use crate::graph::{capture_of, retain, KeepAlive};
 use crate::kernels;
 use crate::kernels::launch::{PAIR_BLOCK_WORDS, PAIR_MAX_BLOCKS};
@@ -160,7 +169,11 @@ pub struct CommOptions {
     /// Bound on each creation step that waits for peers or the device (the
     /// descriptor exchange, the verification).
     pub timeout: Duration,
-    /// Check every rank's slots with a small all-reduce at creation.
+    /// Check every rank's slots with a small all-reduce at creation (and
+    /// the staging buffers with an all-gather), against the CPU: on the
+    /// P2P path under [`PathPolicy::Auto`], a check that fails (wrong data,
+    /// or a barrier that timed out) makes every rank fall back to the
+    /// staged path, checked the same way; otherwise it fails creation.
     pub verify: bool,
     /// Before each collective, publish its descriptor (collective, element
     /// type, op, count, root) in host memory the processes share, wait
@@ -190,15 +203,29 @@ pub struct CommOptions {
     /// between processes), so each barrier can take a time slice: slow,
     /// but every barrier is still bounded by [`Self::barrier_timeout`].
     pub share_devices: bool,
-    /// Which path the ranks' data takes: [`PathPolicy::Auto`] (P2P where
-    /// every rank reaches every peer's device, else staged),
-    /// [`PathPolicy::P2pOnly`] (else [`Error::P2pUnavailable`]) or
-    /// [`PathPolicy::StagedOnly`]. Staged, every rank's slots, flags and
+    /// Which path the ranks' data takes: [`PathPolicy::Auto`],
+    /// [`PathPolicy::P2pOnly`] or [`PathPolicy::StagedOnly`], decided for
+    /// each pair of ranks as a single-process link decides it
+    /// (`copy::decide`): ranks on one device share its memory; between
+    /// devices, `Auto` takes P2P where the driver reports peer access
+    /// both ways and the doctor's cached verdict for the pair does not
+    /// stage it ([`Self::use_doctor_verdicts`]), and where the creation's
+    /// verification ([`Self::verify`]) then fails on the P2P path, every
+    /// rank falls back to the staged path together and verifies that in
+    /// turn. `P2pOnly` turns each of those into an error
+    /// ([`Error::P2pUnavailable`]). Staged, every rank's slots, flags and
     /// staging buffer live in host memory the processes share (a `memfd`,
     /// page-locked and mapped for each device with `cuMemHostRegister`):
-    /// the kernels and copies reach it over PCIe, no P2P needed. One rank
-    /// that stages makes every rank stage.
+    /// the kernels and copies reach it over PCIe, no P2P needed. One pair
+    /// that stages makes every rank stage; [`Comm::path_reason`] says
+    /// which and why.
     pub path: PathPolicy,
+    /// Under [`PathPolicy::Auto`], follow the verdicts `cuda-peer doctor`
+    /// cached for this machine (default on): a pair of devices it found
+    /// unusable by P2P, or slower by P2P than staged, stages the
+    /// communicator without trying P2P. Off here or with
+    /// `CUDA_PEER_NO_DOCTOR_CACHE=1`. See [`crate::verdict`].
+    pub use_doctor_verdicts: bool,
     /// How long this rank's kernel waits for its peers at the barrier
     /// before it gives up (a peer that died or stopped calling): the kernel
     /// ends cleanly, the context stays usable, and the communicator reports
@@ -208,6 +235,11 @@ pub struct CommOptions {
     /// must pass the same: with [`Self::check_calls`], ranks whose calls
     /// would take different algorithms get [`Error::Mismatch`].
     pub all_reduce: AllReduceAlgorithm,
+    /// For tests of the fallback only: a fault (`(rank, fault)`) that
+    /// rank's first one-shot launch of the creation's verification takes
+    /// on the first path tried.
+    #[doc(hidden)]
+    pub verify_fault: Option<(usize, Fault)>,
 }
 
 /// The all-reduce algorithms of a [`Comm`] ([`CommOptions::all_reduce`]).
@@ -271,6 +303,8 @@ impl Default for CommOptions {
             path: PathPolicy::Auto,
             barrier_timeout: crate::failure::DEFAULT_BARRIER_TIMEOUT,
             all_reduce: AllReduceAlgorithm::Auto,
+            use_doctor_verdicts: true,
+            verify_fault: None,
         }
     }
 }
@@ -323,6 +357,19 @@ impl CommOptions {
         self.all_reduce = all_reduce;
         self
     }
+
+    /// Sets [`Self::use_doctor_verdicts`].
+    pub fn use_doctor_verdicts(mut self, use_doctor_verdicts: bool) -> Self {
+        self.use_doctor_verdicts = use_doctor_verdicts;
+        self
+    }
+
+    /// Sets `verify_fault` (tests of the fallback only).
+    #[doc(hidden)]
+    pub fn verify_fault(mut self, verify_fault: Option<(usize, Fault)>) -> Self {
+        self.verify_fault = verify_fault;
+        self
+    }
 }
 
 /// One lane of the one-shot, as this rank launches it.
@@ -343,7 +390,9 @@ pub struct Comm {
     size: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    exchange: Box<dyn Exchange>,
+    exchange: Arc<dyn Exchange>,
+    /// Why the ranks' memory is where it is ([`Comm::path_reason`]).
+    path_reason: String,
     lanes: Vec<Lane>,
     npush: i32,
     /// The largest grid of this rank's elementwise kernels.
@@ -595,6 +644,62 @@ fn pair_parts(sms: u32, sharing: u32, size: usize) -> usize {
     (sms as usize / blocks_per_part).clamp(1, FUSED_MOST_PARTS)
 }
 
+/// One rank's path for its pair with a peer, before any memory is shared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PairPath {
+    /// Each other's device memory (one device, or P2P between two), with
+    /// the doctor's note for the pair where it has one.
+    Device(Option<String>),
+    /// Staged, for this reason.
+    Staged(String),
+}
+
+/// The path of the pair of this rank (`me`: rank, device) and peer `k`
+/// (`peer`: rank, its device's ordinal here if visible, its bus id), as a
+/// single-process link decides it (`copy::decide::first_step`), except
+/// that [`PathPolicy::StagedOnly`] stages ranks on one device too (their
+/// staged path is then tested on one GPU). `claims` says whether the
+/// driver reports peer access both ways to a device, `doctor` what the
+/// doctor's cache advises for the pair (consulted only where P2P would be
+/// tried under `Auto`).
+fn pair_path(
+    policy: PathPolicy,
+    me: (usize, usize),
+    peer: (usize, Option<usize>, &str),
+    claims: impl FnOnce(usize) -> Result<bool>,
+    doctor: impl FnOnce(usize) -> Option<crate::verdict::Advice>,
+) -> Result<PairPath> {
+    let ((rank, device), (k, ordinal, bus)) = (me, peer);
+    if policy == PathPolicy::StagedOnly {
+        return Ok(PairPath::Staged("staged by policy".into()));
+    }
+    let Some(p) = ordinal else {
+        let reason = format!("rank {k}'s device {bus} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)");
+        return match policy {
+            PathPolicy::P2pOnly => Err(Error::P2pUnavailable { from: device, to: usize::MAX, reason }),
+            _ => Ok(PairPath::Staged(reason)),
+        };
+    };
+    let claims = p == device || claims(p)?;
+    match first_step(policy, p == device, claims) {
+        FirstStep::Local => Ok(PairPath::Device(None)),
+        FirstStep::Staged(reason) => Ok(PairPath::Staged(format!("{reason} between rank {rank} and rank {k}"))),
+        FirstStep::Unsupported => Err(Error::P2pUnavailable { from: device, to: p, reason: format!("no P2P from rank {rank} to rank {k}") }),
+        FirstStep::TryP2p => match (policy == PathPolicy::Auto).then(|| doctor(p)).flatten() {
+            Some(advice) if advice.stage => Ok(PairPath::Staged(advice.reason)),
+            advice => Ok(PairPath::Device(advice.map(|a| a.reason))),
+        },
+    }
+}
+
+/// Whether the creation's check failed with `e` as a broken P2P path
+/// fails it: wrong data, or a barrier that timed out (not a failed launch,
+/// allocation or wait, nor a peer's exit), so that, under
+/// [`PathPolicy::Auto`], the ranks fall back to the staged path.
+fn path_failure(e: &Error) -> bool {
+    matches!(e, Error::P2pUnavailable { .. } | Error::PeerTimeout { .. })
+}
+
 /// The ordinal, in this process, of the device at PCI bus id `bus`.
 fn ordinal_of(bus: &str) -> Result<Option<usize>> {
     for d in 0..crate::driver::device_count()? {
@@ -631,7 +736,84 @@ impl Comm {
         Comm::create(exchange, On::Stream(stream), opts)
     }
 
+    /// Builds the communicator on the path its ranks decide (steps 1-3),
+    /// then verifies it (step 4); where the P2P path fails the check under
+    /// [`PathPolicy::Auto`] on every rank, builds and verifies it again on
+    /// the staged path, every rank together.
     fn create(exchange: Box<dyn Exchange>, on: On, opts: &CommOptions) -> Result<Comm> {
+        let exchange: Arc<dyn Exchange> = Arc::from(exchange);
+        let comm = Comm::build(exchange.clone(), on, opts)?;
+        if !opts.verify {
+            return Ok(comm.numbered_from_here());
+        }
+        if let Some((r, fault)) = opts.verify_fault.filter(|&(r, _)| r == comm.rank) {
+            comm.held.ctl.inject(r, fault);
+        }
+        let checked = comm.verify_agreed(opts.timeout);
+        // A fault the check did not take (a two-shot check) is not left armed.
+        comm.held.ctl.take_fault(comm.rank);
+        let failed = match checked? {
+            None => return Ok(comm.numbered_from_here()),
+            Some(e) if comm.staged => return Err(e),
+            Some(e) => e,
+        };
+        // The check failed on the P2P path as a broken path fails it, seen
+        // alike by every rank: under `Auto` each falls back, and one that
+        // may not fails every rank.
+        let mine = if opts.path == PathPolicy::Auto { Ok(String::new()) } else { Err(failed.clone()) };
+        agree(&*exchange, "communicator: falling back to the staged path", mine)?;
+        log::warn!("cuda-peer: communicator rank {}: the P2P path failed the creation's check ({failed}); using the staged path", comm.rank);
+        let stream = comm.stream.clone();
+        // Its drop waits for its kernels, which end at their barriers' timeout.
+        drop(comm);
+        let mut comm = Comm::build(exchange, On::Stream(stream), &opts.clone().path(PathPolicy::StagedOnly))?;
+        if let Some(e) = comm.verify_agreed(opts.timeout)? {
+            return Err(match e {
+                Error::P2pUnavailable { from, to, reason } => Error::P2pUnavailable {
+                    from,
+                    to,
+                    reason: format!("{reason}, on the staged path, after the P2P path failed the check too ({failed})"),
+                },
+                e => e,
+            });
+        }
+        comm.path_reason = format!("staged after the P2P path failed the creation's check: {failed}");
+        Ok(comm.numbered_from_here())
+    }
+
+    /// The creation's check on every rank (step 4): `None` where it passed
+    /// on every rank; `Some(e)` where it failed on some only as a broken
+    /// path fails it ([`path_failure`]: `e` is this rank's own error, or
+    /// the first failing rank's as an [`Error::Bootstrap`] naming it); an
+    /// error where a rank's failed otherwise.
+    fn verify_agreed(&self, timeout: Duration) -> Result<Option<Error>> {
+        let mine = self.verify(timeout);
+        let word = match &mine {
+            Ok(()) => String::new(),
+            Err(e) if path_failure(e) => format!("path:{e}"),
+            Err(e) => format!("other:{e}"),
+        };
+        let words = agree(&*self.exchange, "communicator: verification", Ok(word))?;
+        let Some((k, first)) = words.iter().enumerate().find(|(_, w)| !w.is_empty()) else { return Ok(None) };
+        let theirs = || Error::Bootstrap {
+            op: "communicator: verification",
+            reason: format!("rank {k} failed: {}", first.split_once(':').map_or(first.as_str(), |w| w.1)),
+        };
+        let e = mine.err().unwrap_or_else(theirs);
+        if words.iter().any(|w| w.starts_with("other:")) {
+            return Err(e);
+        }
+        Ok(Some(e))
+    }
+
+    /// The caller's first call is call 1 (the creation's are not numbered).
+    fn numbered_from_here(self) -> Comm {
+        self.call_number.store(0, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// Steps 1-3 of the creation (see the module docs), and the kernels.
+    fn build(exchange: Arc<dyn Exchange>, on: On, opts: &CommOptions) -> Result<Comm> {
         let ex = &*exchange;
         let (rank, size) = (ex.rank(), ex.size());
         if size == 0 || rank >= size {
@@ -684,33 +866,36 @@ impl Comm {
         }
         let addrs: Vec<PeerAddr> = infos.iter().map(|i| i.fd.clone()).collect();
 
-        // Step 2: P2P to every peer's device (or the staged path).
-        let listened = (|| {
-            let mut verdict = "p2p";
+        // Step 2: each pair's path, decided as a single-process link's
+        // (`pair_path`); one pair that stages stages every rank.
+        let decided = (|| {
+            let mut notes = Vec::new();
             for (k, info) in infos.iter().enumerate().filter(|&(k, _)| k != rank) {
-                if opts.path == PathPolicy::StagedOnly {
-                    verdict = "staged";
-                    break;
-                }
                 let peer = ordinal_of(&info.bus)?;
-                let reason = match peer {
-                    None => Some(format!("rank {k}'s device {} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)", info.bus)),
-                    Some(p) if p != device && !crate::peer::can_access_peer(device, p)? => Some(format!("no P2P from rank {rank} to rank {k}")),
-                    Some(_) => None,
-                };
-                if let Some(reason) = reason {
-                    if opts.path == PathPolicy::P2pOnly {
-                        return Err(Error::P2pUnavailable { from: device, to: peer.unwrap_or(usize::MAX), reason });
-                    }
-                    verdict = "staged";
+                let claims = |p| Ok(crate::peer::can_access_peer(device, p)? && crate::peer::can_access_peer(p, device)?);
+                let doctor = |p| crate::verdict::consult(device, p, opts.use_doctor_verdicts);
+                match pair_path(opts.path, (rank, device), (k, peer, &info.bus), claims, doctor)? {
+                    PairPath::Staged(reason) => return Ok(format!("staged:{reason}")),
+                    PairPath::Device(note) => notes.extend(note),
                 }
             }
-            Ok(verdict)
+            Ok(format!("device:{}", notes.join("; ")))
         })();
-        let verdicts = agree(ex, "communicator: checking P2P", listened.as_ref().map(|v| v.to_string()).map_err(Clone::clone))?;
-        listened?;
-        // One rank without P2P to a peer (or asking for it) stages every rank.
-        let staged = verdicts.iter().any(|v| v == "staged");
+        let verdicts = agree(ex, "communicator: checking P2P", decided.clone())?;
+        let decided = decided?;
+        let staged_by = verdicts.iter().enumerate().find_map(|(k, v)| v.strip_prefix("staged:").map(|why| format!("rank {k}: {why}")));
+        let staged = staged_by.is_some();
+        let crosses = infos.iter().any(|i| i.bus != own_info.bus);
+        let path_reason = staged_by.unwrap_or_else(|| {
+            let what = if crosses { "P2P" } else { "one device" };
+            let checked = if opts.verify { "verified" } else { "not verified" };
+            let notes = decided.strip_prefix("device:").unwrap_or_default();
+            if notes.is_empty() {
+                format!("{what}, {checked}")
+            } else {
+                format!("{what}, {checked}; {notes}")
+            }
+        });
         let sms = infos.iter().map(|i| i.sms).min().unwrap_or(1);
         let (lanes, lane_bytes) = layout(size, !staged, (sms / sharing).max(1));
         // The pair area follows the lanes, the staging buffer the pair area.
@@ -887,6 +1072,7 @@ impl Comm {
             ctx,
             stream,
             exchange,
+            path_reason,
             lanes,
             npush: size as i32 - 1,
             max_blocks: kernels::launch::max_blocks(own_info.sms),
@@ -931,12 +1117,6 @@ impl Comm {
         // such ranks load every kernel they may launch first.
         let loaded = if shares_context { comm.preload() } else { Ok(()) };
         agree(&*comm.exchange, "communicator: loading the kernels", loaded.map(|()| String::new()))?;
-        if opts.verify {
-            let checked = comm.verify(opts.timeout);
-            agree(&*comm.exchange, "communicator: verification", checked.map(|()| String::new()))?;
-        }
-        // The caller's first call is call 1 (the verification's are not numbered).
-        comm.call_number.store(0, std::sync::atomic::Ordering::Relaxed);
         Ok(comm)
     }
 
@@ -1005,6 +1185,15 @@ impl Comm {
             });
         }
         Ok(())
+    }
+
+    /// Why the ranks' memory is where it is ([`Self::path`]): `P2P,
+    /// verified` (or `one device`, `not verified`, with the doctor's notes
+    /// for this rank's pairs), or which rank staged and why (the policy,
+    /// the driver, the doctor's verdict), or the creation's failed check
+    /// that made every rank fall back (see [`CommOptions::path`]).
+    pub fn path_reason(&self) -> &str {
+        &self.path_reason
     }
 
     /// This process's rank.
@@ -1151,6 +1340,11 @@ impl Comm {
         let kernel = Kernel::OneShot(KernelOp::of(op), dtype);
         let f = self.held.funcs.get(kernel, || function(&self.ctx, kernel))?;
         self.hold_for_capture()?;
+        match self.held.ctl.take_fault(self.rank) {
+            Some(Fault::LaunchFails) => return Err(Error::Internal(format!("injected launch failure on rank {}", self.rank))),
+            Some(Fault::NeverArrives) => return Ok(()),
+            None => {}
+        }
         let args = kernels::launch::OneShot {
             blocks: lane.layout.blocks,
             push: &lane.push,
@@ -1367,6 +1561,62 @@ mod tests {
 
     fn malformed(r: Result<RankInfo>) -> bool {
         matches!(r, Err(Error::Bootstrap { .. }))
+    }
+
+    /// `pair_path` for rank 0 on device 0 and rank 1 on `peer`, the driver
+    /// claiming P2P as `claims` says and the doctor advising `doctor`;
+    /// either panics where it is asked but must not be.
+    fn pair(policy: PathPolicy, peer: Option<usize>, claims: Option<bool>, doctor: Option<Option<(bool, &str)>>) -> Result<PairPath> {
+        let claims = |_| claims.map(Ok).expect("the driver was asked");
+        let doctor = |_| doctor.expect("the doctor was asked").map(|(stage, r)| crate::verdict::Advice { stage, reason: r.into() });
+        pair_path(policy, (0, 0), (1, peer, "0000:3b:00.0"), claims, doctor)
+    }
+
+    #[test]
+    fn pair_paths_follow_the_policy_the_driver_and_the_doctor() {
+        use PathPolicy::*;
+        let staged = |r: Result<PairPath>| match r {
+            Ok(PairPath::Staged(why)) => why,
+            other => panic!("expected staged, got {other:?}"),
+        };
+        let refused = |r: Result<PairPath>| matches!(r, Err(Error::P2pUnavailable { from: 0, .. }));
+        // StagedOnly stages ranks on one device too, asking no one.
+        assert_eq!(staged(pair(StagedOnly, Some(0), None, None)), "staged by policy");
+        assert_eq!(staged(pair(StagedOnly, Some(1), None, None)), "staged by policy");
+        // One device: its memory, asking neither the driver nor the doctor.
+        for policy in [Auto, P2pOnly] {
+            assert_eq!(pair(policy, Some(0), None, None).unwrap(), PairPath::Device(None), "{policy:?}");
+        }
+        // A device this process cannot see.
+        assert!(staged(pair(Auto, None, None, None)).contains("rank 1's device 0000:3b:00.0 is not visible to rank 0"));
+        assert!(refused(pair(P2pOnly, None, None, None)));
+        // No peer access: staged under Auto, refused under P2pOnly; no doctor.
+        assert_eq!(staged(pair(Auto, Some(1), Some(false), None)), "driver reports no peer access between rank 0 and rank 1");
+        assert!(matches!(pair(P2pOnly, Some(1), Some(false), None), Err(Error::P2pUnavailable { from: 0, to: 1, .. })));
+        // Peer access claimed: the doctor decides under Auto only.
+        assert_eq!(staged(pair(Auto, Some(1), Some(true), Some(Some((true, "doctor verdict: broken"))))), "doctor verdict: broken");
+        assert_eq!(
+            pair(Auto, Some(1), Some(true), Some(Some((false, "doctor verdict: p2p")))).unwrap(),
+            PairPath::Device(Some("doctor verdict: p2p".into()))
+        );
+        assert_eq!(pair(Auto, Some(1), Some(true), Some(None)).unwrap(), PairPath::Device(None));
+        assert_eq!(pair(P2pOnly, Some(1), Some(true), None).unwrap(), PairPath::Device(None));
+        // The driver's error is the error.
+        let failing = pair_path(Auto, (0, 0), (1, Some(1), "b"), |_| Err(Error::Internal("no driver".into())), |_| None);
+        assert!(matches!(failing, Err(Error::Internal(_))));
+    }
+
+    #[test]
+    fn only_wrong_data_or_a_barrier_timeout_is_a_path_failure() {
+        let wrong = Error::P2pUnavailable { from: 0, to: 0, reason: "verification all-reduce wrong at 0".into() };
+        let timed_out = Error::PeerTimeout { rank: 1, call: 1, after: Duration::from_secs(1) };
+        let others = [
+            Error::Internal("injected launch failure".into()),
+            Error::Timeout { op: "verification", after: Duration::from_secs(1) },
+            Error::Bootstrap { op: "communicator: verification", reason: "rank 1 failed: lost".into() },
+        ];
+        assert!(path_failure(&wrong) && path_failure(&timed_out));
+        assert!(others.iter().all(|e| !path_failure(e)));
     }
 
     #[test]

@@ -461,6 +461,11 @@ impl Tiered {
     pub fn local_path(&self) -> crate::copy::Path {
         self.local.path()
     }
+
+    /// Why the path inside this host is what it is ([`Comm::path_reason`]).
+    pub fn local_path_reason(&self) -> &str {
+        self.local.path_reason()
+    }
 }
 
 #[cfg(test)]

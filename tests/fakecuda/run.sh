@@ -66,8 +66,8 @@ own_tests() {
     peer-unavailable) echo peer_unavailable_falls_back_or_errors ;;
     corrupt-peer-copies) echo corrupt_peer_copies_are_caught corrupt_peer_copies_reach_unverified_p2p ;;
     fail-module-load=*) echo failed_module_load_is_an_error_and_leaves_the_rest_working ;;
-    drop-sm-stores=*) echo dropped_sm_stores_leave_the_ring_or_a_typed_error ;;
-    corrupt-fused-results=*) echo corrupt_fused_results_fail_the_creation_check corrupt_fused_results_reach_an_unchecked_group ;;
+    drop-sm-stores=*) echo dropped_sm_stores_leave_the_ring_or_a_typed_error per_rank_comms_under_lying_fused_kernels_fail_their_check ;;
+    corrupt-fused-results=*) echo corrupt_fused_results_fail_the_creation_check corrupt_fused_results_reach_an_unchecked_group per_rank_comms_under_lying_fused_kernels_fail_their_check ;;
     fail-call=cuMemcpyPeerAsync:*) echo failed_ring_pull_leaves_no_read_of_a_returned_buffer ;;
     fail-call=cuMemcpyDtoHAsync_v2:* | fail-call=cuEventRecord:*) echo failed_verification_frees_nothing_its_copies_touch ;;
     *) return 1 ;;
