@@ -23,8 +23,9 @@
 //!   leave nothing pending that reads or writes memory freed after the
 //!   error is returned.
 //!
-//! Under each, links and groups (every algorithm, Auto and forced; every
-//! path policy) must give either exact results (checked against the CPU),
+//! Under each, links, groups (every algorithm, Auto and forced; every
+//! path policy) and per-rank communicators (`cuda_peer::Comm`, every path
+//! policy) must give either exact results (checked against the CPU),
 //! through a verified fallback where the lie is found, or a typed error:
 //! never a wrong answer, a panic or a hang (each test runs under a
 //! watchdog). Each case is judged on what the library reports, not only
@@ -682,6 +683,115 @@ fn corrupt_peer_copies_are_caught() {
         if sweep(T, &shim, &ctxs, &cases, Isolation::Process, |c, o, f| judge_p2p_lie(P2pLie::CorruptCopies, c, o, f)) == Ran::One {
             return;
         }
+        finished(T, &shim);
+    });
+}
+
+/// Two per-rank ranks' sum all-reduce (in place) and all-gather of fresh
+/// random u32, each rank's results against the CPU: `None` where every
+/// result is exact, else what was wrong (a call's error, or its first
+/// wrong element).
+fn per_rank_wrong(comms: &[Comm]) -> Option<String> {
+    let n = 40_009;
+    let ins: Vec<Vec<u32>> = comms.iter().map(|_| random_u32(n)).collect();
+    let sum: Vec<u32> = (0..n).map(|i| ins.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect();
+    let gathered: Vec<u32> = ins.concat();
+    let wrong: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&ins)
+            .enumerate()
+            .map(|(r, (c, x))| {
+                let (sum, gathered) = (&sum, &gathered);
+                s.spawn(move || -> Option<String> {
+                    let st = c.stream();
+                    let mut buf = st.clone_htod(x).unwrap();
+                    let mut all = st.alloc_zeros::<u32>(gathered.len()).unwrap();
+                    let run = c.all_reduce_in_place(&mut buf, ReduceOp::Sum).and_then(|()| c.all_gather(&st.clone_htod(x).unwrap(), &mut all));
+                    if let Err(e) = run.and_then(|()| c.synchronize()) {
+                        return Some(format!("rank {r}: {e}"));
+                    }
+                    let (got, got_all) = (st.clone_dtoh(&buf).unwrap(), st.clone_dtoh(&all).unwrap());
+                    let first = |a: &[u32], b: &[u32]| (0..a.len()).find(|&i| a[i] != b[i]);
+                    match (first(&got, sum), first(&got_all, gathered)) {
+                        (None, None) => None,
+                        (a, g) => Some(format!("rank {r}: all-reduce first wrong at {a:?}, all-gather at {g:?}")),
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().expect("a rank's thread")).collect()
+    });
+    (!wrong.is_empty()).then(|| wrong.join("; "))
+}
+
+/// Per-rank communicators (thread ranks on devices 0 and 1) under peer
+/// copies that land wrong: under `Auto` the creation's check (its
+/// all-gather copies from the peer's device) fails on P2P, every rank
+/// falls back to the staged path, says so, and is exact; `P2pOnly` fails
+/// with the check's error; `StagedOnly` never meets the fault and is
+/// exact. The control: with the check off, the corruption reaches the
+/// per-rank all-gather over P2P.
+#[test]
+fn per_rank_comms_under_corrupt_peer_copies_fall_back_to_staged() {
+    const T: &str = "per_rank_comms_under_corrupt_peer_copies_fall_back_to_staged";
+    let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
+    if !common::has_gpus(T, "peer copies between two devices", ctxs.len(), 2) {
+        return;
+    }
+    bounded(T, move || {
+        let streams = vec![ctxs[0].new_stream().unwrap(), ctxs[1].new_stream().unwrap()];
+        let opts = |policy| CommOptions::default().path(policy).use_doctor_verdicts(false);
+        let made = |policy, opts: &CommOptions| {
+            let before = shim.fired();
+            let made = per_rank_made(&streams, opts);
+            let fired = shim.fired() - before;
+            let short: Vec<String> =
+                made.iter().map(|m| m.as_ref().map_or_else(|e| format!("{e}"), |c| format!("{:?}: {:?}", c.engine(), c.path_reason()))).collect();
+            say(&format!("  [corrupt-peer-copies] per-rank {policy:?}: {short:?} (faults fired: {fired})"));
+            (made, fired)
+        };
+        let (auto, fired) = made(PathPolicy::Auto, &opts(PathPolicy::Auto));
+        fired_in_case(fired).unwrap_or_else(|e| panic!("{T}: Auto: {e}"));
+        let comms: Vec<Comm> = auto.into_iter().map(|m| m.unwrap_or_else(|e| panic!("{T}: Auto: {e}"))).collect();
+        for (r, c) in comms.iter().enumerate() {
+            let why = c.path_reason().unwrap_or_default();
+            assert!(
+                c.engine() == cuda_peer::comm::Engine::Host(Path::Staged) && why.starts_with("staged after the P2P path failed the creation's check"),
+                "{T}: Auto, rank {r}: {:?}: {why}",
+                c.engine()
+            );
+        }
+        if let Some(w) = per_rank_wrong(&comms) {
+            panic!("{T}: Auto, after the fallback: {w}");
+        }
+        drop(comms);
+
+        let (p2p_only, fired) = made(PathPolicy::P2pOnly, &opts(PathPolicy::P2pOnly));
+        fired_in_case(fired).unwrap_or_else(|e| panic!("{T}: P2pOnly: {e}"));
+        for (r, m) in p2p_only.iter().enumerate() {
+            assert!(
+                matches!(m, Err(Error::P2pUnavailable { .. } | Error::Bootstrap { op: "communicator: verification", .. })),
+                "{T}: P2pOnly, rank {r}: {:?}",
+                m.as_ref().map(|c| c.engine())
+            );
+        }
+
+        let (staged, fired) = made(PathPolicy::StagedOnly, &opts(PathPolicy::StagedOnly));
+        quiet_in_case(fired, "StagedOnly copies through host memory").unwrap_or_else(|e| panic!("{T}: StagedOnly: {e}"));
+        let comms: Vec<Comm> = staged.into_iter().map(|m| m.unwrap_or_else(|e| panic!("{T}: StagedOnly: {e}"))).collect();
+        if let Some(w) = per_rank_wrong(&comms) {
+            panic!("{T}: StagedOnly: {w}");
+        }
+        drop(comms);
+
+        let (unchecked, _) = made(PathPolicy::Auto, &opts(PathPolicy::Auto).verify(false));
+        let comms: Vec<Comm> = unchecked.into_iter().map(|m| m.unwrap_or_else(|e| panic!("{T}: unchecked: {e}"))).collect();
+        assert!(comms.iter().all(|c| c.engine() == cuda_peer::comm::Engine::Host(Path::P2p)), "{T}: unchecked: not P2P");
+        let wrong = per_rank_wrong(&comms);
+        say(&format!("  [corrupt-peer-copies] per-rank, check off: {wrong:?}"));
+        assert!(wrong.is_some(), "{T}: unchecked, the corrupt peer copies did not reach the per-rank all-gather");
+        drop(comms);
         finished(T, &shim);
     });
 }

@@ -64,7 +64,7 @@ run() {  # name, timeout seconds, command...
 own_tests() {
   case $1 in
     peer-unavailable) echo peer_unavailable_falls_back_or_errors ;;
-    corrupt-peer-copies) echo corrupt_peer_copies_are_caught corrupt_peer_copies_reach_unverified_p2p ;;
+    corrupt-peer-copies) echo corrupt_peer_copies_are_caught corrupt_peer_copies_reach_unverified_p2p per_rank_comms_under_corrupt_peer_copies_fall_back_to_staged ;;
     fail-module-load=*) echo failed_module_load_is_an_error_and_leaves_the_rest_working ;;
     drop-sm-stores=*) echo dropped_sm_stores_leave_the_ring_or_a_typed_error per_rank_comms_under_lying_fused_kernels_fail_their_check ;;
     corrupt-fused-results=*) echo corrupt_fused_results_fail_the_creation_check corrupt_fused_results_reach_an_unchecked_group per_rank_comms_under_lying_fused_kernels_fail_their_check ;;
