@@ -532,7 +532,7 @@ fn a_failed_check_at_creation_falls_back_to_the_staged_path_under_auto_only() {
             .path(policy)
             .share_devices(true)
             .buffer_bytes(BUFFER_BYTES)
-            .barrier_timeout(Duration::from_millis(500))
+            .barrier_timeout(if fault.is_some() { Duration::from_secs(2) } else { cuda_peer::DEFAULT_BARRIER_TIMEOUT })
             .verify_fault(fault.map(|f| (1, f)))
     };
     let device_path = expected_path(T, 2, ctxs.len(), PathPolicy::Auto);
