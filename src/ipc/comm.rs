@@ -700,6 +700,16 @@ fn path_failure(e: &Error) -> bool {
     matches!(e, Error::P2pUnavailable { .. } | Error::PeerTimeout { .. })
 }
 
+/// How the creation's check failed with `e`, for a path's reason: the
+/// wrong data, the barrier that timed out, or the error.
+fn what_failed(e: &Error) -> String {
+    match e {
+        Error::P2pUnavailable { reason, .. } => reason.clone(),
+        Error::PeerTimeout { rank, after, .. } => format!("rank {rank}'s kernel waited {after:?} at a barrier for its peers"),
+        e => e.to_string(),
+    }
+}
+
 /// The ordinal, in this process, of the device at PCI bus id `bus`.
 fn ordinal_of(bus: &str) -> Result<Option<usize>> {
     for d in 0..crate::driver::device_count()? {
@@ -762,7 +772,11 @@ impl Comm {
         // may not fails every rank.
         let mine = if opts.path == PathPolicy::Auto { Ok(String::new()) } else { Err(failed.clone()) };
         agree(&*exchange, "communicator: falling back to the staged path", mine)?;
-        log::warn!("cuda-peer: communicator rank {}: the P2P path failed the creation's check ({failed}); using the staged path", comm.rank);
+        log::warn!(
+            "cuda-peer: communicator rank {}: the P2P path failed the creation's check ({}); using the staged path",
+            comm.rank,
+            what_failed(&failed)
+        );
         let stream = comm.stream.clone();
         // Its drop waits for its kernels, which end at their barriers' timeout.
         drop(comm);
@@ -772,12 +786,12 @@ impl Comm {
                 Error::P2pUnavailable { from, to, reason } => Error::P2pUnavailable {
                     from,
                     to,
-                    reason: format!("{reason}, on the staged path, after the P2P path failed the check too ({failed})"),
+                    reason: format!("{reason}, on the staged path, after the P2P path failed the check too ({})", what_failed(&failed)),
                 },
                 e => e,
             });
         }
-        comm.path_reason = format!("staged after the P2P path failed the creation's check: {failed}");
+        comm.path_reason = format!("staged after the P2P path failed the creation's check: {}", what_failed(&failed));
         Ok(comm.numbered_from_here())
     }
 
@@ -1604,6 +1618,16 @@ mod tests {
         // The driver's error is the error.
         let failing = pair_path(Auto, (0, 0), (1, Some(1), "b"), |_| Err(Error::Internal("no driver".into())), |_| None);
         assert!(matches!(failing, Err(Error::Internal(_))));
+    }
+
+    #[test]
+    fn a_failed_check_reads_as_what_failed() {
+        let wrong = Error::P2pUnavailable { from: 0, to: 0, reason: "verification all-gather of 1000 u32 per rank wrong at 7".into() };
+        assert_eq!(what_failed(&wrong), "verification all-gather of 1000 u32 per rank wrong at 7");
+        let timed_out = Error::PeerTimeout { rank: 1, call: 1, after: Duration::from_secs(2) };
+        assert_eq!(what_failed(&timed_out), "rank 1's kernel waited 2s at a barrier for its peers");
+        let other = Error::Bootstrap { op: "communicator: verification", reason: "rank 1 failed: x".into() };
+        assert_eq!(what_failed(&other), other.to_string());
     }
 
     #[test]
