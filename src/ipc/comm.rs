@@ -890,7 +890,8 @@ impl Comm {
                 let doctor = |p| crate::verdict::consult(device, p, opts.use_doctor_verdicts);
                 match pair_path(opts.path, (rank, device), (k, peer, &info.bus), claims, doctor)? {
                     PairPath::Staged(reason) => return Ok(format!("staged:{reason}")),
-                    PairPath::Device(note) => notes.extend(note),
+                    PairPath::Device(Some(note)) if !notes.contains(&note) => notes.push(note),
+                    PairPath::Device(_) => {}
                 }
             }
             Ok(format!("device:{}", notes.join("; ")))
