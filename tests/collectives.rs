@@ -19,7 +19,7 @@ use common::num::{self, Num};
 use common::{chain, gpus};
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView};
 use cuda_peer::float8::{F8E4M3, F8E5M2};
-use cuda_peer::{Algorithm, Error, Group, GroupOptions, PathPolicy, ReduceOp, Selected};
+use cuda_peer::{Algorithm, Error, Group, GroupOptions, Path, PathPolicy, ReduceOp, Selected};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -315,8 +315,9 @@ fn counts(n: usize) -> Vec<usize> {
 /// between devices: staged (Auto), a ring mixing P2P and staged (Auto),
 /// the one-shot through host memory and the staged ring forced (Auto picks
 /// the host one-shot there). Ranks share devices where there are more than
-/// GPUs. On one GPU every link is local whatever its policy (and the
-/// one-shot never goes through host memory), so the first three only.
+/// GPUs. On one GPU the first three only: every `Auto` link there is
+/// local; the staged links on one device (`StagedOnly` stages them too)
+/// run in `staged_links_within_one_device`, at fewer types and sizes.
 fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
     if gpus == 1 {
         return vec![
@@ -342,7 +343,10 @@ fn path_sets(n: usize, gpus: usize) -> Vec<PathSet> {
 fn say_uncovered(test: &str, n: usize, gpus: usize) {
     common::has_gpus(
         test,
-        &format!("n={n}: the P2P, staged and mixed links between devices and the host one-shot (the ring, mesh and one-shot ran on one)"),
+        &format!(
+            "n={n}: the P2P, staged and mixed links between devices and the host one-shot (the ring, mesh and one-shot ran on one; \
+             staged_links_within_one_device runs the staged sets there)"
+        ),
         gpus,
         2,
     );
@@ -420,6 +424,44 @@ fn every_op_and_type_on_two_and_three_ranks() {
             for_types!(run_moves, s, count, tag);
         }
     });
+}
+
+/// The staged path sets on one device (`StagedOnly` stages ranks that
+/// share one, through pinned host memory as between two devices): staged
+/// Auto, a ring mixing local and staged links, the one-shot through host
+/// memory and the staged ring, on 2 and 3 ranks, every collective at a
+/// few types and ops and at sizes that cross the host one-shot's lanes
+/// and the staging chunks. Where there are two GPUs or more,
+/// `every_op_and_type_on_two_and_three_ranks` runs these sets between
+/// devices at every type, so this runs on one only.
+#[test]
+fn staged_links_within_one_device() {
+    let test = "staged_links_within_one_device";
+    let Some(ctx) = gpus(test, 1) else { return };
+    if ctx.len() > 1 {
+        return;
+    }
+    for n in [2, 3] {
+        let mixed: Vec<PathPolicy> = (0..n).map(|r| if r % 2 == 0 { PathPolicy::P2pOnly } else { PathPolicy::StagedOnly }).collect();
+        let sets: [PathSet; 4] = [
+            ("one-device-staged", vec![PathPolicy::StagedOnly; n], Algorithm::Auto),
+            ("one-device-mixed", mixed, Algorithm::Auto),
+            ("one-device-host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot),
+            ("one-device-staged-ring", vec![PathPolicy::StagedOnly; n], Algorithm::Ring),
+        ];
+        for set in sets {
+            let tag = set.0;
+            let s = setup(&ctx, n, set);
+            let staged = (0..n).filter(|&r| s.group.link_status(r).is_some_and(|st| st.path == Path::Staged)).count();
+            assert!(staged >= 1, "{tag} n={n}: no staged link");
+            for count in [1, n + 1, 300_007, (5 << 20) + 3] {
+                run_all::<u32>(&s, ReduceOp::Sum, count, tag);
+                run_all::<f32>(&s, ReduceOp::Avg, count, tag);
+                run_all::<bf16>(&s, ReduceOp::Max, count, tag);
+                run_moves::<u32>(&s, count, tag);
+            }
+        }
+    }
 }
 
 /// Every pair of fp8 values as the inputs of a two-rank all-reduce of
@@ -647,7 +689,7 @@ fn hundred_back_to_back_all_reduces() {
 /// u32 sums (`common::chain`) make any race between them exact. Each set
 /// runs with launcher threads spinning, without them, and with them parked
 /// at every call. On one GPU both ranks share it (the one-shot and Auto
-/// over local routes); the host one-shot and staged Auto need two.
+/// over local routes, and over staged ones: `StagedOnly` stages them).
 #[test]
 fn interleaved_sizes_back_to_back() {
     let test = "interleaved_sizes_back_to_back";
@@ -656,10 +698,8 @@ fn interleaved_sizes_back_to_back() {
     // 4 KB, 40 KB, 240 KB, 4 MB and 40 MB per rank.
     let sizes = [1_000, 10_000, 60_000, 1_000_003, 10_000_000];
     let mut sets = vec![("p2p-oneshot", Vec::new(), Algorithm::OneShot), ("p2p-auto", Vec::new(), Algorithm::Auto)];
-    if common::has_gpus(test, "the host one-shot and staged Auto (staged links between devices)", ctx.len(), 2) {
-        sets.push(("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot));
-        sets.push(("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto));
-    }
+    sets.push(("host-oneshot", vec![PathPolicy::StagedOnly; n], Algorithm::OneShot));
+    sets.push(("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto));
     // Launcher threads as by default, none, and parked before every call
     // (spin 0: the calling thread launches every rank and wakes them).
     let spins = [GroupOptions::default().launch_spin, None, Some(Duration::ZERO)];
@@ -772,16 +812,13 @@ fn single_rank_group_is_identity() {
 /// chains of wrapping u32 sums (`common::chain`, over the whole buffer or
 /// the view's elements) show any slot reused too early or any race between
 /// algorithms exactly. On one GPU both ranks share it (Auto over local
-/// routes); staged Auto needs two.
+/// routes, and staged Auto over staged ones).
 #[test]
 fn interleaved_sizes_and_algorithms() {
     let test = "interleaved_sizes_and_algorithms";
     let Some(ctx) = gpus(test, 1) else { return };
     let n = 2;
-    let mut sets: Vec<PathSet> = vec![("p2p-auto", Vec::new(), Algorithm::Auto)];
-    if common::has_gpus(test, "staged Auto (staged links between devices)", ctx.len(), 2) {
-        sets.push(("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto));
-    }
+    let sets: Vec<PathSet> = vec![("p2p-auto", Vec::new(), Algorithm::Auto), ("staged-auto", vec![PathPolicy::StagedOnly; n], Algorithm::Auto)];
     for set in sets {
         let tag = set.0;
         let s = setup(&ctx, n, set);

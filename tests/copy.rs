@@ -1,7 +1,9 @@
 //! GPU tests of peer access and copies. Each skips with a `SKIPPED` line
 //! when the machine has too few CUDA devices (and fails instead with
 //! CUDA_PEER_REQUIRE_GPU=1 where it has none); a case the machine cannot
-//! set up is named in a `SKIPPED` line too.
+//! set up is named in a `SKIPPED` line too. The staged copies run within
+//! device 0 where there is one GPU (`StagedOnly` stages a link within one
+//! device too).
 
 mod common;
 
@@ -13,15 +15,28 @@ use cuda_peer::{driver, Error};
 
 const SIZES: &[usize] = &[1, 3, 4097, (1 << 20) + 7, 1 << 20, 256 << 20];
 
+/// The directions a staged test copies in: both ways between devices 0
+/// and 1, or within device 0 where there is one GPU (a staged link within
+/// one device goes through host memory as between two), which it says.
+fn staged_pairs(test: &str, gpus: usize) -> Vec<(usize, usize)> {
+    if common::has_gpus(test, "the staged copies between two devices (within device 0 instead)", gpus, 2) {
+        vec![(0, 1), (1, 0)]
+    } else {
+        vec![(0, 0)]
+    }
+}
+
 fn copy_roundtrip(test: &str, policy: PathPolicy, opts_chunk: Option<usize>) {
-    let Some(ctx) = gpus(test, 2) else { return };
+    let staged = policy == PathPolicy::StagedOnly;
+    let Some(ctx) = gpus(test, if staged { 1 } else { 2 }) else { return };
     let mut opts = LinkOptions::with_policy(policy);
     if let Some(c) = opts_chunk {
         opts.staging_chunk_bytes = c;
     }
-    for (a, b) in [(0, 1), (1, 0)] {
+    let pairs = if staged { staged_pairs(test, ctx.len()) } else { vec![(0, 1), (1, 0)] };
+    for (a, b) in pairs {
         let mut link = Link::open(&ctx[a], &ctx[b], &opts).expect("open link");
-        let want = if policy == PathPolicy::StagedOnly { Path::Staged } else { Path::P2p };
+        let want = if staged { Path::Staged } else { Path::P2p };
         assert_eq!(link.path(), want, "{:?}", link.status());
         let (sa, sb) = (ctx[a].default_stream(), ctx[b].new_stream().unwrap());
         for &n in SIZES {
@@ -61,9 +76,10 @@ fn staged_copies_back_to_back_on_several_streams() {
     // streams, and sources rewritten between the copies that read them:
     // each destination must hold exactly the data its source held when its
     // copy was enqueued.
-    let Some(ctx) = gpus("staged_copies_back_to_back_on_several_streams", 2) else { return };
+    let test = "staged_copies_back_to_back_on_several_streams";
+    let Some(ctx) = gpus(test, 1) else { return };
     const SIZES: &[usize] = &[(4 << 20) + 13, 1 << 20, (16 << 20) + 256, 300 << 10, 12 << 20, 5, (2 << 20) + 1];
-    for (a, b) in [(0, 1), (1, 0)] {
+    for (a, b) in staged_pairs(test, ctx.len()) {
         for buffers in [2, 3] {
             let opts = LinkOptions::with_policy(PathPolicy::StagedOnly).staging_buffers(buffers);
             let mut link = Link::open(&ctx[a], &ctx[b], &opts).expect("open link");

@@ -6,15 +6,14 @@
 //! further calls, and a new group on the same contexts must give exact
 //! results. Faults are injected with the hidden `Group::inject_fault`.
 //! The two ranks are laid round robin over the GPUs: on one GPU they share
-//! it (the fused kernels divide its multiprocessors), and the one-shot
-//! through host memory, which only a staged link between two devices
-//! takes, says SKIPPED. Skips without a GPU; fails then with
-//! CUDA_PEER_REQUIRE_GPU=1.
+//! it (the fused kernels divide its multiprocessors; `StagedOnly` stages
+//! them too, so the one-shot through host memory runs there as well).
+//! Skips without a GPU; fails then with CUDA_PEER_REQUIRE_GPU=1.
 
 mod common;
 
 use common::gpus;
-use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cuda_peer::cudarc::driver::{CudaSlice, CudaStream};
 use cuda_peer::failure::Fault;
 use cuda_peer::{Algorithm, Error, Group, GroupOptions, PathPolicy, ReduceOp};
 use std::sync::Arc;
@@ -24,18 +23,16 @@ fn random_u32(n: usize) -> Vec<u32> {
     common::random_bytes(n * 4).chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
-/// The fused configurations, with a message size that takes them, that
-/// `gpus` GPUs allow (the one-shot through host memory needs two: within
-/// one device every link is local).
-fn configs(test: &str, gpus: usize) -> Vec<(&'static str, GroupOptions, usize)> {
+/// The fused configurations, with a message size that takes them: the
+/// one-shot over P2P (local on one device), the mesh, and the one-shot
+/// through host memory (staged links, on one device too).
+fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
     let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions::with_policy(policy).algorithm(algorithm);
     let mut configs = vec![
         ("one-shot over P2P", with(PathPolicy::P2pOnly, Algorithm::Auto), 1024),
         ("mesh", with(PathPolicy::P2pOnly, Algorithm::Mesh), (1 << 20) + 3),
     ];
-    if common::has_gpus(test, "the one-shot through host memory (a staged link between two devices)", gpus, 2) {
-        configs.push(("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099));
-    }
+    configs.push(("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099));
     configs
 }
 
@@ -55,21 +52,18 @@ fn exact_all_reduce(streams: &[Arc<CudaStream>], opts: &GroupOptions, count: usi
     }
 }
 
-/// The test's contexts and one new stream per rank, rank r on device
-/// r % count (both on device 0 where there is one GPU).
-type Setup = (Vec<Arc<CudaContext>>, Vec<Arc<CudaStream>>);
-
-fn setup(test: &str) -> Option<Setup> {
+/// One new stream per rank, rank r on device r % count (both on device 0
+/// where there is one GPU).
+fn setup(test: &str) -> Option<Vec<Arc<CudaStream>>> {
     let ctxs = gpus(test, 1)?;
-    let streams = (0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
-    Some((ctxs, streams))
+    Some((0..2).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect())
 }
 
 #[test]
 fn a_launch_that_fails_on_one_rank_frees_the_others() {
     let test = "a_launch_that_fails_on_one_rank_frees_the_others";
-    let Some((ctxs, streams)) = setup(test) else { return };
-    for (what, mut opts, count) in configs(test, ctxs.len()) {
+    let Some(streams) = setup(test) else { return };
+    for (what, mut opts, count) in configs() {
         // Long enough that only the abort word can free rank 0 in time.
         opts.barrier_timeout = Duration::from_secs(60);
         let group = Group::new(streams.clone(), &opts).unwrap();
@@ -93,8 +87,8 @@ fn a_launch_that_fails_on_one_rank_frees_the_others() {
 #[test]
 fn a_rank_that_never_arrives_times_out() {
     let test = "a_rank_that_never_arrives_times_out";
-    let Some((ctxs, streams)) = setup(test) else { return };
-    for (what, mut opts, count) in configs(test, ctxs.len()) {
+    let Some(streams) = setup(test) else { return };
+    for (what, mut opts, count) in configs() {
         opts.barrier_timeout = Duration::from_millis(200);
         let group = Group::new(streams.clone(), &opts).unwrap();
         let mut bufs: Vec<CudaSlice<u32>> = (0..2).map(|r| streams[r].clone_htod(&random_u32(count)).unwrap()).collect();
@@ -133,7 +127,7 @@ fn a_rank_that_never_arrives_times_out() {
 /// group keeps its fused algorithms.
 #[test]
 fn fused_paths_that_fail_their_check_fall_back_to_the_ring() {
-    let Some((_ctxs, streams)) = setup("fused_paths_that_fail_their_check_fall_back_to_the_ring") else { return };
+    let Some(streams) = setup("fused_paths_that_fail_their_check_fall_back_to_the_ring") else { return };
     let opts = |algorithm: Algorithm, fault: Option<(usize, Fault)>| {
         GroupOptions::with_policy(PathPolicy::P2pOnly).algorithm(algorithm).barrier_timeout(Duration::from_millis(300)).check_fault(fault)
     };

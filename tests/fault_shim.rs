@@ -876,17 +876,16 @@ fn wrong_data(reason: &str) -> Option<[usize; 5]> {
     Some([n(rank)?, n(wrong)?, n(count)?, n(first)?, n(elements)?])
 }
 
-/// The verdict for a fault on the fused kernels, per group case
-/// (`distinct`: the ranks are on two devices). The ring runs no fused
+/// The verdict for a fault on the fused kernels, per group case. The ring runs no fused
 /// kernel: exact, and the fault never fires. Under `Auto` the creation
 /// check meets the fault and the group keeps only the ring: exact. A
 /// forced mesh or one-shot fails its check with `FusedUnverified` naming
 /// it (for a corruption: the check's wrong-data reason, exactly one
-/// element wrong, at 0, on the faulted rank), except a mesh between two
-/// devices on staged links, refused before any kernel runs.
-fn judge_fused_fault(fault: FusedFault, distinct: bool, case: Case, o: &Outcome, fired: i64) -> Result<(), String> {
+/// element wrong, at 0, on the faulted rank), except a mesh on staged
+/// links (`StagedOnly`, on one device too), refused before any kernel runs.
+fn judge_fused_fault(fault: FusedFault, case: Case, o: &Outcome, fired: i64) -> Result<(), String> {
     let Case::Group(policy, algorithm) = case else { return Err(format!("{} is not a group case", case.name())) };
-    let no_mesh = policy == PathPolicy::StagedOnly && distinct;
+    let no_mesh = policy == PathPolicy::StagedOnly;
     match (algorithm, o) {
         (Algorithm::Ring, Outcome::Correct(how)) => {
             quiet_in_case(fired, "the ring runs no fused kernel")?;
@@ -932,10 +931,7 @@ fn dropped_sm_stores_leave_the_ring_or_a_typed_error() {
     const T: &str = "dropped_sm_stores_leave_the_ring_or_a_typed_error";
     let Some((shim, ctxs, _)) = under_device(T, "drop-sm-stores=", None) else { return };
     bounded(T, move || {
-        let distinct = ctxs.len() >= 2;
-        if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, |c, o, f| judge_fused_fault(FusedFault::Dropped, distinct, c, o, f))
-            == Ran::One
-        {
+        if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, |c, o, f| judge_fused_fault(FusedFault::Dropped, c, o, f)) == Ran::One {
             return;
         }
         say(&format!("  [{}] launches dropped: {}", shim.mode, shim.fired()));
@@ -962,9 +958,9 @@ fn corrupt_fused_results_fail_the_creation_check() {
     const T: &str = "corrupt_fused_results_fail_the_creation_check";
     let Some((shim, ctxs, device)) = under_device(T, "corrupt-fused-results=", Some(2)) else { return };
     bounded(T, move || {
-        let (distinct, rank) = (ctxs.len() >= 2, first_rank_on(device, ctxs.len()));
+        let rank = first_rank_on(device, ctxs.len());
         let fault = FusedFault::Corrupted { rank };
-        if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, |c, o, f| judge_fused_fault(fault, distinct, c, o, f)) == Ran::One {
+        if sweep(T, &shim, &ctxs, &group_cases(), Isolation::InProcess, |c, o, f| judge_fused_fault(fault, c, o, f)) == Ran::One {
             return;
         }
         finished(T, &shim);
@@ -1336,12 +1332,12 @@ fn the_fault_judges_reject_cases_that_prove_nothing() {
     let c = FusedFault::Corrupted { rank: 1 };
     let d = FusedFault::Dropped;
     for fault in [c, d] {
-        assert_eq!(judge_fused_fault(fault, true, Case::Group(PathPolicy::Auto, Auto), &ring, 2), Ok(()));
-        assert_eq!(judge_fused_fault(fault, true, Case::Group(StagedOnly, Ring), &ring, 0), Ok(()));
-        assert_eq!(judge_fused_fault(fault, true, Case::Group(StagedOnly, Mesh), &no_mesh, 0), Ok(()));
-        assert_eq!(judge_fused_fault(fault, true, Case::Group(P2pOnly, OneShot), &wrong_one, 1), Ok(()));
+        assert_eq!(judge_fused_fault(fault, Case::Group(PathPolicy::Auto, Auto), &ring, 2), Ok(()));
+        assert_eq!(judge_fused_fault(fault, Case::Group(StagedOnly, Ring), &ring, 0), Ok(()));
+        assert_eq!(judge_fused_fault(fault, Case::Group(StagedOnly, Mesh), &no_mesh, 0), Ok(()));
+        assert_eq!(judge_fused_fault(fault, Case::Group(P2pOnly, OneShot), &wrong_one, 1), Ok(()));
     }
-    assert_eq!(judge_fused_fault(d, true, Case::Group(P2pOnly, Mesh), &timeout, 2), Ok(()));
+    assert_eq!(judge_fused_fault(d, Case::Group(P2pOnly, Mesh), &timeout, 2), Ok(()));
     let rejects = [
         (c, Case::Group(PathPolicy::Auto, Auto), &ring, 0, "Auto on the ring without having met the fault"),
         (c, Case::Group(PathPolicy::Auto, Ring), &ring, 1, "the ring meeting a fault of fused kernels"),
@@ -1370,15 +1366,14 @@ fn the_fault_judges_reject_cases_that_prove_nothing() {
     ];
     for (fault, case, o, fired, what) in rejects {
         assert!(
-            judge_fused_fault(fault, true, case, o, fired).is_err(),
+            judge_fused_fault(fault, case, o, fired).is_err(),
             "judge_fused_fault accepted {what}: {fault:?} {} {} (fired {fired})",
             case.name(),
             o.short()
         );
     }
-    // One device (both ranks on it): a StagedOnly group is local, so a forced mesh is checked, not refused.
-    assert_eq!(judge_fused_fault(d, false, Case::Group(StagedOnly, Mesh), &timeout, 2), Ok(()));
-    assert!(judge_fused_fault(d, false, Case::Group(StagedOnly, Mesh), &no_mesh, 0).is_err());
+    // A StagedOnly group (on one device too) refuses a forced mesh: a check of it proves nothing.
+    assert!(judge_fused_fault(d, Case::Group(StagedOnly, Mesh), &timeout, 2).is_err());
     // The check's reason, as src/algorithms/check.rs writes it.
     assert_eq!(wrong_data("rank 1: 1 of 16387 results wrong, first at 0 (16387 elements)"), Some([1, 1, 16387, 0, 16387]));
     assert_eq!(wrong_data("launching the check failed: x (16387 elements)"), None);

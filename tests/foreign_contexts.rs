@@ -8,9 +8,10 @@
 //! ordered after it reads stale data or is read back too early: the results,
 //! compared exactly against a CPU reference (wrapping u32 sums), then come
 //! out wrong. The two ranks are laid round robin over the GPUs (rank r on
-//! device r % count): on one GPU both are on it, and the parts that need
-//! two devices (staged links, a group on the default streams of two
-//! devices, memory unmapped for a peer device) say SKIPPED. Skips without
+//! device r % count): on one GPU both are on it (staged links too, under
+//! `StagedOnly`), and the parts that need two devices (a group on the
+//! default streams of two devices, memory unmapped for a peer device) say
+//! SKIPPED. Skips without
 //! a GPU; fails then with CUDA_PEER_REQUIRE_GPU=1.
 
 mod common;
@@ -66,20 +67,17 @@ fn devices(gpus: usize) -> [usize; 2] {
     [0, 1 % gpus]
 }
 
-/// The group configurations: every all-reduce algorithm the GPUs run
-/// (over P2P between two, or local on one; the staged ones need two: on
-/// one device every link is local).
-fn configs(test: &str, gpus: usize) -> Vec<(&'static str, GroupOptions, usize)> {
+/// The group configurations: every all-reduce algorithm, over P2P between
+/// two GPUs (local on one) and staged (`StagedOnly`, on one device too).
+fn configs() -> Vec<(&'static str, GroupOptions, usize)> {
     let with = |policy: PathPolicy, algorithm: Algorithm| GroupOptions::with_policy(policy).algorithm(algorithm);
     let mut configs = vec![
         ("one-shot over P2P", with(PathPolicy::Auto, Algorithm::OneShot), 1024),
         ("mesh", with(PathPolicy::Auto, Algorithm::Mesh), 1 << 18),
         ("ring over P2P", with(PathPolicy::Auto, Algorithm::Ring), (1 << 18) + 3),
     ];
-    if common::has_gpus(test, "the one-shot through host memory and the staged ring (staged links between two devices)", gpus, 2) {
-        configs.push(("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099));
-        configs.push(("staged ring", with(PathPolicy::StagedOnly, Algorithm::Ring), (1 << 18) + 5));
-    }
+    configs.push(("one-shot through host memory", with(PathPolicy::StagedOnly, Algorithm::OneShot), 4099));
+    configs.push(("staged ring", with(PathPolicy::StagedOnly, Algorithm::Ring), (1 << 18) + 5));
     configs
 }
 
@@ -94,7 +92,7 @@ fn single_stream_buffers_of_other_context_objects_are_ordered() {
     };
     let user = fresh_objects(ctxs.len());
     let mut delays: Vec<Delay> = user.iter().map(Delay::new).collect();
-    for (name, opts, count) in configs(test, ctxs.len()) {
+    for (name, opts, count) in configs() {
         let group = Group::from_devices(&devices(ctxs.len()), &opts).unwrap();
         for in_place in [true, false] {
             let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
@@ -155,7 +153,7 @@ fn event_tracked_buffers_on_a_group_of_default_streams() {
     let group_streams = fresh_objects(ctxs.len());
     let mut delays: Vec<Delay> = group_streams.iter().map(Delay::new).collect();
     let user: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
-    for (name, opts, count) in configs(test, ctxs.len()) {
+    for (name, opts, count) in configs() {
         let group = Group::new(group_streams.clone(), &opts).unwrap();
         let inputs: Vec<Vec<u32>> = (0..2).map(|_| random_u32(count)).collect();
         let expected = wrapping_sum(&inputs);
@@ -176,9 +174,9 @@ fn event_tracked_buffers_on_a_group_of_default_streams() {
 
 /// A verified link copies between buffers of single-stream objects on a
 /// stream of its own: the copy waits for the source's writer and the
-/// destination's stream waits for the copy. On one GPU the link is local
-/// (device 0 to itself, the two objects' default streams one stream); the
-/// staged link needs two devices.
+/// destination's stream waits for the copy, under `Auto` and staged. On one
+/// GPU the link is within device 0 (local under `Auto`; the two objects'
+/// default streams one stream).
 #[test]
 fn link_copies_order_single_stream_buffers() {
     let test = "link_copies_order_single_stream_buffers";
@@ -189,11 +187,7 @@ fn link_copies_order_single_stream_buffers() {
     let user = fresh_objects(ctxs.len());
     let mut delay = Delay::new(&user[0]);
     let link_stream = ctxs[d1].new_stream().unwrap();
-    let mut policies = vec![PathPolicy::Auto];
-    if common::has_gpus(test, "the staged link (between two devices)", ctxs.len(), 2) {
-        policies.push(PathPolicy::StagedOnly);
-    }
-    for policy in policies {
+    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
         let mut link = Link::open(&ctxs[d0], &ctxs[d1], &LinkOptions::with_policy(policy)).unwrap();
         let count = (3 << 20) + 7;
         let data = random_u32(count);

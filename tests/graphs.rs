@@ -8,9 +8,9 @@
 //! once eagerly before it is captured (its first use loads kernels).
 //! Ranks are laid round robin over the GPUs (rank r on device r % count):
 //! on one GPU two ranks share it, the ring, the mesh and the one-shot
-//! included. Skips without a GPU (fails with CUDA_PEER_REQUIRE_GPU=1
-//! then); the parts that need staged links between two devices (the
-//! one-shot through host memory, the staged ring) say SKIPPED on one.
+//! included, and the staged links (`StagedOnly`: the one-shot through host
+//! memory, the staged ring) too. Skips without a GPU (fails with
+//! CUDA_PEER_REQUIRE_GPU=1 then).
 
 mod common;
 
@@ -124,9 +124,7 @@ fn fused_all_reduces_replay_from_a_graph() {
     let n = if ctxs.len() == 1 { 2 } else { ctxs.len().min(8) };
     capture_and_replay(&ctxs, n, "p2p-auto", PathPolicy::P2pOnly, Algorithm::Auto, &COUNTS);
     capture_and_replay(&ctxs, n, "p2p-mesh", PathPolicy::P2pOnly, Algorithm::Mesh, &COUNTS[..2]);
-    if common::has_gpus(test, "the one-shot through host memory (staged links between two devices)", ctxs.len(), 2) {
-        capture_and_replay(&ctxs, n, "host-oneshot", PathPolicy::StagedOnly, Algorithm::OneShot, &COUNTS);
-    }
+    capture_and_replay(&ctxs, n, "host-oneshot", PathPolicy::StagedOnly, Algorithm::OneShot, &COUNTS);
 }
 
 #[test]
@@ -166,7 +164,6 @@ fn pool_used(ctx: &Arc<CudaContext>) -> u64 {
 fn graphs_outlive_their_group() {
     let test = "graphs_outlive_their_group";
     let Some(ctxs) = untracked(test, 1) else { return };
-    let staged = common::has_gpus(test, "the one-shot through host memory and the staged ring (staged links between two devices)", ctxs.len(), 2);
     let cases = [
         ("one-shot over P2P", PathPolicy::P2pOnly, Algorithm::Auto, 1024, true),
         ("mesh (Auto, 8 MiB)", PathPolicy::P2pOnly, Algorithm::Auto, 1 << 21, true),
@@ -176,9 +173,6 @@ fn graphs_outlive_their_group() {
     ];
     let n = 2;
     for (what, policy, algorithm, count, device_slots) in cases {
-        if policy == PathPolicy::StagedOnly && !staged {
-            continue;
-        }
         let streams: Vec<_> = (0..n).map(|r| ctxs[r % ctxs.len()].new_stream().unwrap()).collect();
         let mut send: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
         let mut recv: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();

@@ -10,10 +10,10 @@
 //! bound (inputs in [1, 2), so that a dropped rank lies outside it); calls
 //! back to back are chains (`common::chain`) whose every call's error
 //! reaches the end. Ranks are laid round robin over the GPUs (rank r on
-//! device r % count): on one GPU they share it, every algorithm included.
-//! Skips without a GPU (fails with CUDA_PEER_REQUIRE_GPU=1 then); where a
-//! part needs two GPUs (staged links, buffers or streams of the wrong
-//! device) and one is present, says so.
+//! device r % count): on one GPU they share it, every algorithm and the
+//! staged links included. Skips without a GPU (fails with
+//! CUDA_PEER_REQUIRE_GPU=1 then); where a part needs two GPUs (buffers or
+//! streams of the wrong device) and one is present, says so.
 mod common;
 
 use common::chain;
@@ -199,11 +199,11 @@ fn raw_all_reduce_every_algorithm() {
     let p2p = auto.group.uses_mesh();
     assert_eq!(auto.group.all_reduce_algorithm(4096), Algorithm::OneShot);
     sizes_and_types(&auto, "auto", &[4096, 16 << 20, (4 << 20) + 4]);
-    let mut forced = vec![("ring", GroupOptions::default().algorithm(Algorithm::Ring))];
-    if common::has_gpus(test, "the staged ring and the host one-shot (staged links between two devices)", gpus.len(), 2) {
-        forced.push(("staged-ring", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::Ring)));
-        forced.push(("host-oneshot", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::OneShot)));
-    }
+    let forced = [
+        ("ring", GroupOptions::default().algorithm(Algorithm::Ring)),
+        ("staged-ring", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::Ring)),
+        ("host-oneshot", GroupOptions::with_policy(PathPolicy::StagedOnly).algorithm(Algorithm::OneShot)),
+    ];
     for (tag, opts) in forced {
         let s = setup(two, 2, &opts);
         sizes_and_types(&s, tag, &[4096, 1 << 20]);

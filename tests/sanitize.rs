@@ -460,17 +460,10 @@ fn oneshot_every_lane() {
         assert_eq!(g.group.oneshot_on_host(), Some(false), "{}: slots in device memory", g.tag);
         batch(&g, &lane_specs(&[64 << 10, 1 << 20], ((32 << 20) / (4 * n)) & !255));
     }
-    if common::has_gpus(
-        test,
-        "the one-shot through host memory (staged links between devices; the two-process staged test runs its lanes)",
-        ctx.len(),
-        2,
-    ) {
-        let opts = GroupOptions::default().pull_policies(vec![PathPolicy::StagedOnly; 2]).algorithm(Algorithm::OneShot);
-        let g = group(&ctx, 2, &opts, "host-oneshot");
-        assert_eq!(g.group.oneshot_on_host(), Some(true), "{}: slots in host memory", g.tag);
-        batch(&g, &lane_specs(&[16 << 10, 256 << 10, 8 << 20], 1 << 20));
-    }
+    let opts = GroupOptions::default().pull_policies(vec![PathPolicy::StagedOnly; 2]).algorithm(Algorithm::OneShot);
+    let g = group(&ctx, 2, &opts, "host-oneshot");
+    assert_eq!(g.group.oneshot_on_host(), Some(true), "{}: slots in host memory", g.tag);
+    batch(&g, &lane_specs(&[16 << 10, 256 << 10, 8 << 20], 1 << 20));
 }
 
 /// Cases above 4 MiB per rank, where `Auto` leaves the one-shot of two
@@ -509,22 +502,14 @@ fn mesh_above_4_mib() {
     }
 }
 
-/// The staged ring (two GPUs: on one every link is local) with 64 KiB
-/// staging chunks: every step of these sizes takes many chunks through the
-/// links' three pinned buffers, which rotate within a call and across the
-/// calls enqueued back to back.
+/// The staged ring (`StagedOnly`: on one device too) with 64 KiB staging
+/// chunks: every step of these sizes takes many chunks through the links'
+/// three pinned buffers, which rotate within a call and across the calls
+/// enqueued back to back.
 #[test]
 fn staged_ring_rotation() {
     let test = "staged_ring_rotation";
     let Some(ctx) = gpus(test, 1) else { return };
-    if !common::has_gpus(
-        test,
-        "the staged ring (links between devices; tests/sanitizer.sh's `staged` run covers the Comm's staged path on one)",
-        ctx.len(),
-        2,
-    ) {
-        return;
-    }
     for n in [2, 3] {
         let link = LinkOptions::with_policy(PathPolicy::StagedOnly).staging_chunk_bytes(64 << 10);
         let opts = GroupOptions::default().link(link).pull_policies(vec![PathPolicy::StagedOnly; n]).algorithm(Algorithm::Ring);

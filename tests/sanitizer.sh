@@ -23,12 +23,12 @@
 #            collective, back to back
 #   oneshot  tests/sanitize.rs: the one-shot forced on 2 and 4 ranks, every
 #            lane's edges, the large lane over 5 rounds (20 MiB per rank for
-#            2 ranks); with 2 GPUs also the host lanes
+#            2 ranks), and the host lanes (staged links, on one GPU too)
 #   mesh     tests/sanitize.rs: the mesh above 4 MiB (2 ranks under Auto, 3
 #            and 4 forced), 4 to 6 MiB per rank
 #   staged   the staged path's chunks: the Comm's, 2 to 4 thread ranks on a
-#            4 KiB staging buffer (tests/comm.rs), and, with 2 GPUs, the
-#            group's staged ring with 64 KiB chunks (tests/sanitize.rs)
+#            4 KiB staging buffer (tests/comm.rs), and the group's staged
+#            ring with 64 KiB chunks (tests/sanitize.rs)
 #   mp       tests/sanitize.rs: two processes, on the P2P and the staged path,
 #            the one-shot on every lane of each and the other collectives over
 #            several chunks (4 children in all)

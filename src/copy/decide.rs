@@ -45,7 +45,9 @@ pub enum PathPolicy {
     Auto,
     /// P2P or an error ([`Error::P2pUnavailable`], [`Error::PeerUnsupported`], ...).
     P2pOnly,
-    /// Always staged through host memory, even where P2P works.
+    /// Always staged through host memory, even where P2P works and
+    /// between ranks on one device (so that a machine with one GPU runs
+    /// the staged paths too).
     StagedOnly,
 }
 
@@ -185,7 +187,9 @@ pub struct LinkStatus {
 
 /// The first step of deciding a pair's path, from what is known before
 /// any peer access is enabled: the policy, whether both ends are one
-/// device, and whether the driver claims P2P both ways.
+/// device, and whether the driver claims P2P both ways. Both engines
+/// decide their pairs through it (this module's links and groups, and
+/// `ipc::Comm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum FirstStep {
     /// One device: a local route.
@@ -200,11 +204,9 @@ pub(crate) enum FirstStep {
 
 /// The pure first step of the path decision (see [`FirstStep`]).
 pub(crate) fn first_step(policy: PathPolicy, same_device: bool, claims: bool) -> FirstStep {
-    if same_device {
-        return FirstStep::Local;
-    }
     match policy {
         PathPolicy::StagedOnly => FirstStep::Staged("staged by policy"),
+        _ if same_device => FirstStep::Local,
         PathPolicy::P2pOnly if !claims => FirstStep::Unsupported,
         PathPolicy::Auto if !claims => FirstStep::Staged("driver reports no peer access"),
         PathPolicy::Auto | PathPolicy::P2pOnly => FirstStep::TryP2p,
@@ -289,9 +291,10 @@ mod tests {
     fn the_first_step_follows_the_policy_and_the_driver() {
         use FirstStep::*;
         use PathPolicy::*;
-        for policy in [Auto, P2pOnly, StagedOnly] {
+        for policy in [Auto, P2pOnly] {
             assert_eq!(first_step(policy, true, false), Local, "{policy:?}");
         }
+        assert_eq!(first_step(StagedOnly, true, true), Staged("staged by policy"));
         assert_eq!(first_step(StagedOnly, false, true), Staged("staged by policy"));
         assert_eq!(first_step(Auto, false, false), Staged("driver reports no peer access"));
         assert_eq!(first_step(P2pOnly, false, false), Unsupported);

@@ -656,10 +656,9 @@ enum PairPath {
 
 /// The path of the pair of this rank (`me`: rank, device) and peer `k`
 /// (`peer`: rank, its device's ordinal here if visible, its bus id), as a
-/// single-process link decides it (`copy::decide::first_step`), except
-/// that [`PathPolicy::StagedOnly`] stages ranks on one device too (their
-/// staged path is then tested on one GPU). `claims` says whether the
-/// driver reports peer access both ways to a device, `doctor` what the
+/// single-process link decides it (`copy::decide::first_step`). `claims`
+/// says whether the driver reports peer access both ways to a device
+/// (asked only where the policy leaves the answer open), `doctor` what the
 /// doctor's cache advises for the pair (consulted only where P2P would be
 /// tried under `Auto`).
 fn pair_path(
@@ -670,9 +669,6 @@ fn pair_path(
     doctor: impl FnOnce(usize) -> Option<crate::verdict::Advice>,
 ) -> Result<PairPath> {
     let ((rank, device), (k, ordinal, bus)) = (me, peer);
-    if policy == PathPolicy::StagedOnly {
-        return Ok(PairPath::Staged("staged by policy".into()));
-    }
     let Some(p) = ordinal else {
         let reason = format!("rank {k}'s device {bus} is not visible to rank {rank} (CUDA_VISIBLE_DEVICES?)");
         return match policy {
@@ -680,7 +676,7 @@ fn pair_path(
             _ => Ok(PairPath::Staged(reason)),
         };
     };
-    let claims = p == device || claims(p)?;
+    let claims = p == device || policy == PathPolicy::StagedOnly || claims(p)?;
     match first_step(policy, p == device, claims) {
         FirstStep::Local => Ok(PairPath::Device(None)),
         FirstStep::Staged(reason) => Ok(PairPath::Staged(format!("{reason} between rank {rank} and rank {k}"))),
@@ -1596,8 +1592,9 @@ mod tests {
         };
         let refused = |r: Result<PairPath>| matches!(r, Err(Error::P2pUnavailable { from: 0, .. }));
         // StagedOnly stages ranks on one device too, asking no one.
-        assert_eq!(staged(pair(StagedOnly, Some(0), None, None)), "staged by policy");
-        assert_eq!(staged(pair(StagedOnly, Some(1), None, None)), "staged by policy");
+        assert_eq!(staged(pair(StagedOnly, Some(0), None, None)), "staged by policy between rank 0 and rank 1");
+        assert_eq!(staged(pair(StagedOnly, Some(1), None, None)), "staged by policy between rank 0 and rank 1");
+        assert!(staged(pair(StagedOnly, None, None, None)).contains("not visible"));
         // One device: its memory, asking neither the driver nor the doctor.
         for policy in [Auto, P2pOnly] {
             assert_eq!(pair(policy, Some(0), None, None).unwrap(), PairPath::Device(None), "{policy:?}");
