@@ -9,12 +9,13 @@
 //! share a device run the fused algorithms too, each rank's grid on a share
 //! of the device's multiprocessors). Each has one stream per rank,
 //! P2P-or-staged links (`PathPolicy::Auto`, verified) or staged links
-//! (`StagedOnly`); where every rank has its own GPU, groups with each
-//! algorithm forced (ring, mesh, one-shot over P2P and through host memory)
-//! are added. A group that cannot be built fails the run, except a forced
-//! mesh or P2P one-shot where the driver claims no P2P between some pair of
-//! the devices: that group is left out with a `SKIPPED soak group ...` line
-//! (as are the forced groups on one GPU), and the summary lists it.
+//! (`StagedOnly`, which stages ranks on one device too), and groups with
+//! each algorithm forced (ring, mesh, one-shot over P2P and through host
+//! memory), a rank per GPU (two ranks sharing it where there is one). A
+//! group that cannot be built fails the run, except a forced mesh or P2P
+//! one-shot where the driver claims no P2P between some pair of the
+//! devices: that group is left out with a `SKIPPED soak group ...` line,
+//! and the summary lists it.
 //!
 //! Each iteration picks a group, an element type (all twelve), a collective
 //! (all-reduce in place and out of place, reduce-scatter, all-gather,
@@ -946,21 +947,15 @@ fn groups(ctxs: &[Arc<CudaContext>], max_ranks: usize) -> (Vec<Soak>, Vec<String
         specs.push((n, PathPolicy::Auto, Algorithm::Auto));
         specs.push((n, PathPolicy::StagedOnly, Algorithm::Auto));
     }
-    if gpus >= 2 {
-        let n = gpus.min(max_ranks);
-        for (p, a) in [
-            (PathPolicy::Auto, Algorithm::Ring),
-            (PathPolicy::Auto, Algorithm::Mesh),
-            (PathPolicy::Auto, Algorithm::OneShot),
-            (PathPolicy::StagedOnly, Algorithm::OneShot),
-            (PathPolicy::StagedOnly, Algorithm::Ring),
-        ] {
-            specs.push((n, p, a));
-        }
-    } else {
-        let why = "the groups with a forced algorithm (ring, mesh, one-shots) need 2 GPUs, 1 present";
-        println!("SKIPPED soak groups: {why}");
-        left_out.push(why.to_string());
+    let n = gpus.min(max_ranks).max(2);
+    for (p, a) in [
+        (PathPolicy::Auto, Algorithm::Ring),
+        (PathPolicy::Auto, Algorithm::Mesh),
+        (PathPolicy::Auto, Algorithm::OneShot),
+        (PathPolicy::StagedOnly, Algorithm::OneShot),
+        (PathPolicy::StagedOnly, Algorithm::Ring),
+    ] {
+        specs.push((n, p, a));
     }
     let mut out = Vec::new();
     for (n, policy, algorithm) in specs {
