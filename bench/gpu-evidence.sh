@@ -20,7 +20,7 @@
 #   soak       10,000 randomized collectives (examples/soak), ~2 min
 #   b2b        examples/soak --back-to-back: batches enqueued with no synchronisation, real floats, ~1-2 min
 #              (one H200, ranks sharing it: ~3.5 min for the default 120 batches), glibc's arenas bounded
-#              as for rb2b (the groups' launcher threads fill them: soak-b2b-arenas/ in the H200 results)
+#              as for rb2b (with its many threads they keep peaks: soak-b2b-arenas/ in the H200 results)
 #   rsoak      examples/soak --per-rank: RSOAK_ITERS (default 3000) randomized calls over per-rank Comms
 #   rb2b       examples/soak --per-rank --back-to-back: RB2B_ITERS (default 60) batches of 16
 #              (both with 32 hardware work queues, as thread ranks sharing a device want, and glibc's
