@@ -499,18 +499,6 @@ fn threads_every_collective_type_and_op_on_the_staged_path() {
 
 // ---- the path's fallback after a failed check at creation ----
 
-/// Two thread ranks on `streams`, made through their own exchanges with
-/// `opts`: each rank's own outcome (`from_devices_with` returns only the
-/// first error).
-fn made_each(streams: &[Arc<CudaStream>], opts: &CommOptions) -> Vec<cuda_peer::Result<Comm>> {
-    let exchanges = cuda_peer::ipc::ThreadExchange::new(streams.len(), opts.timeout).expect("thread exchanges");
-    std::thread::scope(|s| {
-        let hs: Vec<_> =
-            streams.iter().cloned().zip(exchanges).map(|(stream, ex)| s.spawn(move || Comm::from_exchange(stream, Box::new(ex), opts))).collect();
-        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
-    })
-}
-
 /// The creation's check failing on the device path, as a broken P2P path
 /// fails it: rank 1's first one-shot launch of the check never runs (the
 /// hidden `CommOptions::verify_fault`), so its result is wrong and rank
@@ -540,7 +528,8 @@ fn a_failed_check_at_creation_falls_back_to_the_staged_path_under_auto_only() {
         return;
     }
 
-    let plain: Vec<Comm> = made_each(&streams, &opts(PathPolicy::Auto, None)).into_iter().map(|c| c.expect("no fault: creation")).collect();
+    let plain: Vec<Comm> =
+        common::ranks::made_each(&streams, &opts(PathPolicy::Auto, None)).into_iter().map(|c| c.expect("no fault: creation")).collect();
     for (r, c) in plain.iter().enumerate() {
         let why = c.path_reason().unwrap_or_default();
         assert_eq!(c.engine(), Engine::Host(Path::P2p), "no fault, rank {r}: {why}");
@@ -549,7 +538,7 @@ fn a_failed_check_at_creation_falls_back_to_the_staged_path_under_auto_only() {
     drop(plain);
 
     let start = Instant::now();
-    let comms: Vec<Comm> = made_each(&streams, &opts(PathPolicy::Auto, Some(Fault::NeverArrives)))
+    let comms: Vec<Comm> = common::ranks::made_each(&streams, &opts(PathPolicy::Auto, Some(Fault::NeverArrives)))
         .into_iter()
         .enumerate()
         .map(|(r, c)| c.unwrap_or_else(|e| panic!("Auto, rank 1 never arrives: rank {r}: {e}")))
@@ -568,7 +557,7 @@ fn a_failed_check_at_creation_falls_back_to_the_staged_path_under_auto_only() {
     }
     drop(comms);
 
-    for (r, made) in made_each(&streams, &opts(PathPolicy::P2pOnly, Some(Fault::NeverArrives))).into_iter().enumerate() {
+    for (r, made) in common::ranks::made_each(&streams, &opts(PathPolicy::P2pOnly, Some(Fault::NeverArrives))).into_iter().enumerate() {
         match made {
             Err(Error::P2pUnavailable { .. } | Error::PeerTimeout { .. } | Error::Bootstrap { op: "communicator: verification", .. }) => {}
             other => panic!("P2pOnly, rank 1 never arrives: rank {r}: expected the check's error, got {:?}", other.map(|c| c.engine())),
@@ -576,7 +565,7 @@ fn a_failed_check_at_creation_falls_back_to_the_staged_path_under_auto_only() {
     }
     // Rank 1 reports its launch's error; rank 0 its own, the barrier its
     // kernel gave up at.
-    for (r, made) in made_each(&streams, &opts(PathPolicy::Auto, Some(Fault::LaunchFails))).into_iter().enumerate() {
+    for (r, made) in common::ranks::made_each(&streams, &opts(PathPolicy::Auto, Some(Fault::LaunchFails))).into_iter().enumerate() {
         match (r, made) {
             (1, Err(Error::Internal(m))) if m.contains("injected launch failure on rank 1") => {}
             (0, Err(Error::PeerTimeout { .. })) => {}

@@ -744,7 +744,7 @@ fn per_rank_comms_under_corrupt_peer_copies_fall_back_to_staged() {
         let opts = |policy| CommOptions::default().path(policy).use_doctor_verdicts(false);
         let made = |policy, opts: &CommOptions| {
             let before = shim.fired();
-            let made = per_rank_made(&streams, opts);
+            let made = common::ranks::made_each(&streams, opts);
             let fired = shim.fired() - before;
             let short: Vec<String> =
                 made.iter().map(|m| m.as_ref().map_or_else(|e| format!("{e}"), |c| format!("{:?}: {:?}", c.engine(), c.path_reason()))).collect();
@@ -994,18 +994,6 @@ fn corrupt_fused_results_reach_an_unchecked_group() {
     });
 }
 
-/// Two per-rank communicators' outcomes (threads, round robin over the
-/// devices: both on device 0 where there is one), each made through its
-/// own exchange with `opts`, each rank's own result.
-fn per_rank_made(streams: &[Arc<CudaStream>], opts: &CommOptions) -> Vec<cuda_peer::Result<Comm>> {
-    let exchanges = cuda_peer::ipc::ThreadExchange::new(streams.len(), opts.timeout).expect("thread exchanges");
-    std::thread::scope(|s| {
-        let hs: Vec<_> =
-            streams.iter().cloned().zip(exchanges).map(|(stream, ex)| s.spawn(move || Comm::from_exchange(stream, Box::new(ex), opts))).collect();
-        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
-    })
-}
-
 /// The verdict on per-rank communicators made under `policy` while the
 /// fused kernels of one device lie (dropped, or a wrong byte behind a
 /// clean barrier): the creation's check runs the one-shot on every path,
@@ -1054,7 +1042,7 @@ fn per_rank_comms_under_lying_fused_kernels_fail_their_check() {
         let mut failures = Vec::new();
         for policy in POLICIES {
             let before = shim.fired();
-            let made: Vec<Result<(), Error>> = per_rank_made(&streams, &opts(policy)).into_iter().map(|m| m.map(drop)).collect();
+            let made: Vec<Result<(), Error>> = common::ranks::made_each(&streams, &opts(policy)).into_iter().map(|m| m.map(drop)).collect();
             let fired = shim.fired() - before;
             say(&format!("  [{}] per-rank {policy:?}: {made:?} (faults fired: {fired})", shim.mode));
             if let Err(why) = judge_per_rank(policy, &made, fired) {
@@ -1064,8 +1052,10 @@ fn per_rank_comms_under_lying_fused_kernels_fail_their_check() {
         assert!(failures.is_empty(), "[{}] per-rank cases:\n  {}", shim.mode, failures.join("\n  "));
 
         // The control: unchecked, the faulted device's ranks get wrong results.
-        let comms: Vec<Comm> =
-            per_rank_made(&streams, &opts(PathPolicy::Auto).verify(false)).into_iter().map(|m| m.expect("an unchecked communicator")).collect();
+        let comms: Vec<Comm> = common::ranks::made_each(&streams, &opts(PathPolicy::Auto).verify(false))
+            .into_iter()
+            .map(|m| m.expect("an unchecked communicator"))
+            .collect();
         let n = 1000;
         let ins: Vec<Vec<u32>> = (0..2).map(|_| random_u32(n)).collect();
         let want: Vec<u32> = (0..n).map(|i| ins[0][i].wrapping_add(ins[1][i])).collect();

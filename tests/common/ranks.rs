@@ -3,6 +3,7 @@
 //! device at a time.
 
 use cuda_peer::cudarc::driver::{CudaContext, CudaStream};
+use cuda_peer::{Comm, CommOptions};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// `n` streams over the devices present, round robin.
@@ -33,4 +34,16 @@ pub fn each<C: Sync, R: Send>(comms: &[C], f: impl Fn(usize, &C) -> R + Sync) ->
 pub fn exclusive() -> MutexGuard<'static, ()> {
     static GPU: Mutex<()> = Mutex::new(());
     GPU.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One per-rank `Comm` per stream, each made on a thread of its own through
+/// its own `ThreadExchange` with `opts`: each rank's own outcome
+/// (`Comm::from_devices_with` returns only the first error).
+pub fn made_each(streams: &[Arc<CudaStream>], opts: &CommOptions) -> Vec<cuda_peer::Result<Comm>> {
+    let exchanges = cuda_peer::ipc::ThreadExchange::new(streams.len(), opts.timeout).expect("thread exchanges");
+    std::thread::scope(|s| {
+        let hs: Vec<_> =
+            streams.iter().cloned().zip(exchanges).map(|(stream, ex)| s.spawn(move || Comm::from_exchange(stream, Box::new(ex), opts))).collect();
+        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
+    })
 }
