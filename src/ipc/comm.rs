@@ -212,7 +212,8 @@ pub struct CommOptions {
     /// stage it ([`Self::use_doctor_verdicts`]), and where the creation's
     /// verification ([`Self::verify`]) then fails on the P2P path, every
     /// rank falls back to the staged path together and verifies that in
-    /// turn. `P2pOnly` turns each of those into an error
+    /// turn. `P2pOnly` ignores the doctor's verdicts and makes a pair
+    /// without peer access, or a failed check, an error
     /// ([`Error::P2pUnavailable`]). Staged, every rank's slots, flags and
     /// staging buffer live in host memory the processes share (a `memfd`,
     /// page-locked and mapped for each device with `cuMemHostRegister`):
