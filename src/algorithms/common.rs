@@ -79,8 +79,8 @@ impl PartialEq<Algorithm> for Selected {
 /// docs/measurements.md).
 pub(crate) const ONESHOT_AUTO_MAX_BYTES: usize = 4 << 20;
 
-/// Under [`Algorithm::Auto`], a group without P2P everywhere (ranks on
-/// distinct devices, 2 to 8) uses the one-shot through host memory while
+/// Under [`Algorithm::Auto`], a group of 2 to 8 ranks with a staged link
+/// (no P2P, or `StagedOnly`) uses the one-shot through host memory while
 /// each rank reads at most this many bytes from it (message bytes times
 /// ranks - 1), the staged ring above (measured; see docs/measurements.md).
 pub(crate) const HOST_ONESHOT_AUTO_MAX_BYTES: usize = 16 << 20;
