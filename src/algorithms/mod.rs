@@ -148,7 +148,7 @@ mod tests {
         // Without P2P: one-shot through host memory to 16 MiB, then the ring.
         assert_eq!(s(Auto, 2, host, false, 16 * mib), Selected::OneShot);
         assert_eq!(s(Auto, 2, host, false, 16 * mib + 1), Selected::Ring);
-        // Groups with neither (shared devices, one rank): the ring.
+        // Groups with neither (one rank, more than 8): the ring.
         assert_eq!(s(Auto, 3, None, false, 4096), Selected::Ring);
         // Forced algorithms hold at every size where the group has them.
         assert_eq!(s(OneShot, 2, p2p, false, 1 << 30), Selected::OneShot);
