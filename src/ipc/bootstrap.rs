@@ -479,11 +479,17 @@ pub(crate) fn agree<E: Exchange + ?Sized>(ex: &E, step: &'static str, mine: Resu
     for (r, b) in all.into_iter().enumerate() {
         match b.split_first() {
             Some((b'+', v)) => values.push(v.to_vec()),
-            Some((b'-', why)) => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} failed: {}", String::from_utf8_lossy(why)) }),
+            Some((b'-', why)) => return Err(peer_failed(step, r, &String::from_utf8_lossy(why))),
             _ => return Err(Error::Bootstrap { op: step, reason: format!("rank {r} sent a malformed reply") }),
         }
     }
     Ok(values)
+}
+
+/// The error of a step that rank `r` reported failed, `why` (every rank
+/// but `r` returns it).
+pub(crate) fn peer_failed(step: &'static str, r: usize, why: &str) -> Error {
+    Error::Bootstrap { op: step, reason: format!("rank {r} failed: {why}") }
 }
 
 /// The TCP rendezvous of a job (see the module docs): rank 0 holds one

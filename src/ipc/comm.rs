@@ -88,7 +88,7 @@
 //! the launch and that it waits for after); one that overlaps another call
 //! can time out at a barrier or give wrong results.
 
-use super::bootstrap::{Bootstrap, Exchange};
+use super::bootstrap::{peer_failed, Bootstrap, Exchange};
 use super::fdpass::{send_fd, FdListener, PeerAddr};
 use super::shm::{board_bytes, region_len, CallBoard, CallDesc, Kind, RegisteredMemory, SharedMemory};
 use super::vmm::DeviceRegion;
@@ -645,11 +645,12 @@ fn pair_parts(sms: u32, sharing: u32, size: usize) -> usize {
     (sms as usize / blocks_per_part).clamp(1, FUSED_MOST_PARTS)
 }
 
-/// One rank's path for its pair with a peer, before any memory is shared.
+/// One rank's path for its pair with a peer, before any memory is shared
+/// (and, over all its peers, its path with them: step 2 of the creation).
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum PairPath {
     /// Each other's device memory (one device, or P2P between two), with
-    /// the doctor's note for the pair where it has one.
+    /// the doctor's notes where it has some.
     Device(Option<String>),
     /// Staged, for this reason.
     Staged(String),
@@ -804,13 +805,10 @@ impl Comm {
             Err(e) if path_failure(e) => format!("path:{e}"),
             Err(e) => format!("other:{e}"),
         };
-        let words = agree(&*self.exchange, "communicator: verification", Ok(word))?;
+        const STEP: &str = "communicator: verification";
+        let words = agree(&*self.exchange, STEP, Ok(word))?;
         let Some((k, first)) = words.iter().enumerate().find(|(_, w)| !w.is_empty()) else { return Ok(None) };
-        let theirs = || Error::Bootstrap {
-            op: "communicator: verification",
-            reason: format!("rank {k} failed: {}", first.split_once(':').map_or(first.as_str(), |w| w.1)),
-        };
-        let e = mine.err().unwrap_or_else(theirs);
+        let e = mine.err().unwrap_or_else(|| peer_failed(STEP, k, first.split_once(':').map_or(first.as_str(), |w| w.1)));
         if words.iter().any(|w| w.starts_with("other:")) {
             return Err(e);
         }
@@ -878,22 +876,28 @@ impl Comm {
         let addrs: Vec<PeerAddr> = infos.iter().map(|i| i.fd.clone()).collect();
 
         // Step 2: each pair's path, decided as a single-process link's
-        // (`pair_path`); one pair that stages stages every rank.
+        // (`pair_path`); one pair that stages stages every rank. This
+        // rank's path with all its peers: staged for the first pair that
+        // stages, else the device path with the doctor's notes of its pairs.
         let decided = (|| {
-            let mut notes = Vec::new();
+            let mut notes: Vec<String> = Vec::new();
             for (k, info) in infos.iter().enumerate().filter(|&(k, _)| k != rank) {
                 let peer = ordinal_of(&info.bus)?;
                 let claims = |p| Ok(crate::peer::can_access_peer(device, p)? && crate::peer::can_access_peer(p, device)?);
                 let doctor = |p| crate::verdict::consult(device, p, opts.use_doctor_verdicts);
                 match pair_path(opts.path, (rank, device), (k, peer, &info.bus), claims, doctor)? {
-                    PairPath::Staged(reason) => return Ok(format!("staged:{reason}")),
+                    staged @ PairPath::Staged(_) => return Ok(staged),
                     PairPath::Device(Some(note)) if !notes.contains(&note) => notes.push(note),
                     PairPath::Device(_) => {}
                 }
             }
-            Ok(format!("device:{}", notes.join("; ")))
+            Ok(PairPath::Device((!notes.is_empty()).then(|| notes.join("; "))))
         })();
-        let verdicts = agree(ex, "communicator: checking P2P", decided.clone())?;
+        let word = decided.as_ref().map_err(Clone::clone).map(|d| match d {
+            PairPath::Staged(why) => format!("staged:{why}"),
+            PairPath::Device(_) => "device".to_string(),
+        });
+        let verdicts = agree(ex, "communicator: checking P2P", word)?;
         let decided = decided?;
         let staged_by = verdicts.iter().enumerate().find_map(|(k, v)| v.strip_prefix("staged:").map(|why| format!("rank {k}: {why}")));
         let staged = staged_by.is_some();
@@ -901,11 +905,9 @@ impl Comm {
         let path_reason = staged_by.unwrap_or_else(|| {
             let what = if crosses { "P2P" } else { "one device" };
             let checked = if opts.verify { "verified" } else { "not verified" };
-            let notes = decided.strip_prefix("device:").unwrap_or_default();
-            if notes.is_empty() {
-                format!("{what}, {checked}")
-            } else {
-                format!("{what}, {checked}; {notes}")
+            match decided {
+                PairPath::Device(Some(notes)) => format!("{what}, {checked}; {notes}"),
+                _ => format!("{what}, {checked}"),
             }
         });
         let sms = infos.iter().map(|i| i.sms).min().unwrap_or(1);
