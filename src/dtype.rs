@@ -90,9 +90,9 @@ impl std::fmt::Display for DType {
 }
 
 impl std::str::FromStr for DType {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> crate::Result<Self> {
-        DType::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| crate::Error::InvalidArgument(format!("unknown element type {s:?}")))
+    type Err = crate::error::Error;
+    fn from_str(s: &str) -> crate::error::Result<Self> {
+        DType::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| crate::error::Error::InvalidArgument(format!("unknown element type {s:?}")))
     }
 }
 
@@ -115,7 +115,7 @@ pub enum ReduceOp {
     /// overflows in a partial sum (two ranks of 40,000 in f16, say); every
     /// rank gets the same bits, while another algorithm (another summation
     /// order) may round the last bit differently. On integer types it is refused with
-    /// [`crate::Error::UnsupportedOp`] (integer division would silently
+    /// [`crate::error::Error::UnsupportedOp`] (integer division would silently
     /// truncate; sum and divide yourself if that is what you want).
     Avg,
 }
@@ -136,9 +136,9 @@ impl ReduceOp {
     }
 
     /// Checks that the operation is defined for `dtype`.
-    pub fn check(self, dtype: DType) -> crate::Result<()> {
+    pub fn check(self, dtype: DType) -> crate::error::Result<()> {
         if self == ReduceOp::Avg && !dtype.is_float() {
-            return Err(crate::Error::UnsupportedOp { op: self.name(), dtype: dtype.name() });
+            return Err(crate::error::Error::UnsupportedOp { op: self.name(), dtype: dtype.name() });
         }
         Ok(())
     }
@@ -151,9 +151,9 @@ impl std::fmt::Display for ReduceOp {
 }
 
 impl std::str::FromStr for ReduceOp {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> crate::Result<Self> {
-        ReduceOp::ALL.into_iter().find(|o| o.name() == s).ok_or_else(|| crate::Error::InvalidArgument(format!("unknown reduction {s:?}")))
+    type Err = crate::error::Error;
+    fn from_str(s: &str) -> crate::error::Result<Self> {
+        ReduceOp::ALL.into_iter().find(|o| o.name() == s).ok_or_else(|| crate::error::Error::InvalidArgument(format!("unknown reduction {s:?}")))
     }
 }
 

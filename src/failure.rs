@@ -25,7 +25,7 @@
 //! ranks' device-side counters are out of step: the communicator is marked
 //! failed, and every later call on it returns the error (make a new one).
 //! The host learns of a failure at the next call or synchronisation
-//! ([`crate::Group::synchronize`], [`crate::Comm::synchronize`]), which read
+//! ([`crate::Group::synchronize`], [`crate::comm::Comm::synchronize`]), which read
 //! the control block (host memory: no driver call). A replayed graph's
 //! launch reports success whatever its kernels found: the failure shows at
 //! that synchronisation, or at the next eager call.

@@ -22,7 +22,7 @@ use crate::driver::{event_record, raw_context, raw_event, raw_stream, raw_stream
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{check, cudarc_err, Error, Result};
 use crate::group::{Group, RawEvents};
-use crate::sys;
+use cuda_peer_sys as sys;
 use cudarc::driver::sys as cusys;
 
 /// One rank's buffer: a raw device pointer (`CUdeviceptr`), e.g. from

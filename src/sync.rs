@@ -267,7 +267,7 @@ pub(crate) fn wait_bounded(event: &CudaEvent, op: &'static str, timeout: Duratio
             return Ok(());
         }
         if start.elapsed() > timeout {
-            return Err(crate::Error::Timeout { op, after: timeout });
+            return Err(crate::error::Error::Timeout { op, after: timeout });
         }
         std::thread::sleep(nap);
         nap = (nap * 2).min(Duration::from_millis(5));

@@ -93,10 +93,10 @@ pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
 }
 
 /// The driver's answer for `from` accessing `to`'s memory. `from == to` is
-/// [`crate::Error::SameDevice`].
+/// [`crate::error::Error::SameDevice`].
 pub fn link_info(from: usize, to: usize) -> Result<LinkInfo> {
     if from == to {
-        return Err(crate::Error::SameDevice(from));
+        return Err(crate::error::Error::SameDevice(from));
     }
     let (a, b) = (device(from)?, device(to)?);
     let api = api()?;

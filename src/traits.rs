@@ -1,6 +1,6 @@
 //! [`Collectives`]: what one rank's communicator does, with the names and
 //! argument order of `cudarc::nccl::Comm`. Every per-rank communicator
-//! implements it ([`crate::Comm`], and the engines under it), so a new
+//! implements it ([`crate::comm::Comm`], and the engines under it), so a new
 //! collective is a method here and the compiler lists every engine that
 //! must carry it.
 
@@ -72,12 +72,12 @@ pub trait Collectives {
     /// that never comes times out). Alone, a send returns once enqueued,
     /// but its data moves only while the peer's receive runs: two ranks
     /// that each send to the other must put the send and the receive in
-    /// one [`crate::Comm::group`] on both sides.
+    /// one [`crate::comm::Comm::group`] on both sides.
     ///
     /// Between the ranks of one host, a call's (or a group's) messages
     /// with one peer are matched with the peer's call or group as a whole:
     /// the lengths, in order, must be the same on both sides, else both
-    /// ranks' communicators fail with [`crate::Error::GroupFailed`] (two
+    /// ranks' communicators fail with [`crate::error::Error::GroupFailed`] (two
     /// plain sends that cross fail so, at once). Between hosts (NCCL),
     /// lengths that differ are a timeout.
     fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()>;
@@ -191,7 +191,7 @@ pub(crate) struct Transfer {
 
 /// What an engine gives the point-to-point calls, which are written once
 /// over it ([`send`], [`recv`], [`all_to_all_v`], [`all_gather_v`] and the
-/// grouped calls of [`crate::Comm::group`]).
+/// grouped calls of [`crate::comm::Comm::group`]).
 pub(crate) trait PointToPoint: Collectives {
     /// This rank's device context (every buffer's).
     fn p2p_context(&self) -> &Arc<CudaContext>;

@@ -267,7 +267,7 @@ impl CacheKey {
         if let Some(k) = CURRENT_KEY.get() {
             return Ok(k.clone());
         }
-        let no_key = |e: crate::Error| CacheError::NoKey(e.to_string());
+        let no_key = |e: crate::error::Error| CacheError::NoKey(e.to_string());
         let driver_version = match module_version(Path::new("/")) {
             Some(v) => v,
             None => format!("cuda {}", crate::driver::driver_version().map_err(no_key)?),
@@ -278,7 +278,7 @@ impl CacheKey {
         let n = crate::driver::device_count().map_err(no_key)?;
         let bus_ids = (0..n)
             .map(|i| crate::topology::device_info(i).map(|d| normalize_bus_id(&d.pci_bus_id)))
-            .collect::<crate::Result<Vec<_>>>()
+            .collect::<crate::error::Result<Vec<_>>>()
             .map_err(no_key)?;
         Ok(CURRENT_KEY.get_or_init(|| CacheKey { driver_version, boot_id, bus_ids }).clone())
     }

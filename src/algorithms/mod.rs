@@ -3,7 +3,7 @@
 //!
 //! Each algorithm opens on a communicator (where it applies to the group;
 //! a forced one that cannot is
-//! [`crate::Error::AlgorithmUnavailable`]) and
+//! [`crate::error::Error::AlgorithmUnavailable`]) and
 //! enqueues `outs[r] = reduce(ins)` on every rank ([`AllReduce`]). Which
 //! one a call takes is [`Algorithms::pick`]: first availability (what the
 //! group opened), then the size thresholds, then the pick; a call

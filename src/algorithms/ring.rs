@@ -269,9 +269,9 @@ mod tests {
         let mut first = Ok(());
         keep_first(&mut first, Ok(()));
         assert_eq!(first, Ok(()));
-        keep_first(&mut first, Err(crate::Error::driver("cuMemcpyPeerAsync", 999)));
-        keep_first(&mut first, Err(crate::Error::driver("cuStreamSynchronize", 999)));
+        keep_first(&mut first, Err(crate::error::Error::driver("cuMemcpyPeerAsync", 999)));
+        keep_first(&mut first, Err(crate::error::Error::driver("cuStreamSynchronize", 999)));
         keep_first(&mut first, Ok(()));
-        assert!(matches!(first, Err(crate::Error::Driver { op: "cuMemcpyPeerAsync", .. })), "{first:?}");
+        assert!(matches!(first, Err(crate::error::Error::Driver { op: "cuMemcpyPeerAsync", .. })), "{first:?}");
     }
 }

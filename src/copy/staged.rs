@@ -121,7 +121,7 @@ impl Drop for PinnedBuffer {
             // copy through it was ordered before the Staging's final sync.
             let r = unsafe { api.cuMemFreeHost(self.ptr.cast()) };
             if r != sys::CUresult::CUDA_SUCCESS {
-                log::warn!("cuMemFreeHost: {}", crate::Error::driver("cuMemFreeHost", r.0));
+                log::warn!("cuMemFreeHost: {}", crate::error::Error::driver("cuMemFreeHost", r.0));
             }
         }
     }

@@ -96,7 +96,7 @@ enum Settled {
     Complete(Result<()>),
     /// The copies may still run: the memory is never freed, and this is
     /// the error (the enqueueing's if it failed, else the wait's).
-    Leak(crate::Error),
+    Leak(crate::error::Error),
 }
 
 /// Wait or leak, as a pure decision: memory is freed only where the wait
@@ -201,7 +201,7 @@ pub fn verify_pair(a: &Arc<CudaContext>, b: &Arc<CudaContext>, timeout: Duration
 /// a verdict, or a copy that did not complete in time; not an error that
 /// another attempt may not meet (memory, a driver call failing).
 fn cacheable(v: &Result<Verdict>) -> bool {
-    matches!(v, Ok(_) | Err(crate::Error::Timeout { .. }))
+    matches!(v, Ok(_) | Err(crate::error::Error::Timeout { .. }))
 }
 
 #[cfg(test)]
@@ -221,22 +221,22 @@ mod tests {
     fn only_verdicts_and_hung_copies_are_cached() {
         assert!(cacheable(&Ok(Verdict::Ok)));
         assert!(cacheable(&Ok(Verdict::Corrupt { wrong: 1, first: 0 })));
-        assert!(cacheable(&Err(crate::Error::Timeout { op: "link verification", after: Duration::from_secs(1) })));
-        let oom = crate::Error::driver("cuMemAlloc", 2); // CUDA_ERROR_OUT_OF_MEMORY
+        assert!(cacheable(&Err(crate::error::Error::Timeout { op: "link verification", after: Duration::from_secs(1) })));
+        let oom = crate::error::Error::driver("cuMemAlloc", 2); // CUDA_ERROR_OUT_OF_MEMORY
         assert!(!cacheable(&Err(oom)), "an out-of-memory error downgraded the pair for good");
     }
 
     #[test]
     fn memory_is_freed_only_once_the_copies_are_confirmed_complete() {
-        let failed = || crate::Error::driver("cuMemcpyDtoHAsync", 999);
-        let timeout = || crate::Error::Timeout { op: "link verification", after: Duration::from_secs(1) };
+        let failed = || crate::error::Error::driver("cuMemcpyDtoHAsync", 999);
+        let timeout = || crate::error::Error::Timeout { op: "link verification", after: Duration::from_secs(1) };
         assert_eq!(settle(Ok(()), Ok(())), Settled::Complete(Ok(())));
         // A failed enqueue whose earlier copies completed: freed, the enqueue's error.
         assert_eq!(settle(Err(failed()), Ok(())), Settled::Complete(Err(failed())));
         // Not confirmed complete: leaked, with the first error.
         assert_eq!(settle(Ok(()), Err(timeout())), Settled::Leak(timeout()));
         assert_eq!(settle(Err(failed()), Err(timeout())), Settled::Leak(failed()));
-        let query = crate::Error::driver("link verification", 700); // CUDA_ERROR_ILLEGAL_ADDRESS
+        let query = crate::error::Error::driver("link verification", 700); // CUDA_ERROR_ILLEGAL_ADDRESS
         assert_eq!(settle(Ok(()), Err(query.clone())), Settled::Leak(query));
     }
 

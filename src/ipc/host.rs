@@ -24,7 +24,7 @@ pub fn host_identity() -> String {
 /// [`host_identity`] differ), all-gathered: every rank must call it, and
 /// every rank gets the same answer. Between hosts the collectives run on
 /// NCCL ([`super::NcclComm`]); within one, on cuda-peer's own paths ([`super::Comm`]).
-pub fn spans_hosts(exchange: &dyn Exchange) -> crate::Result<bool> {
+pub fn spans_hosts(exchange: &dyn Exchange) -> crate::error::Result<bool> {
     let all = bootstrap::gather(exchange, host_identity().as_bytes())?;
     Ok(all.iter().any(|h| *h != all[0]))
 }

@@ -22,7 +22,7 @@
 //! * [`ThreadExchange`]: the exchange of ranks that are threads of one
 //!   process.
 //!
-//! These are the engines under [`crate::Comm`], the per-rank communicator
+//! These are the engines under [`crate::comm::Comm`], the per-rank communicator
 //! applications use: [`Comm`] within one host; across hosts, two tiers
 //! (cuda-peer inside each host, NCCL across) or [`NcclComm`] alone.
 //!

@@ -248,9 +248,9 @@ impl Drop for RegisteredMemory {
 pub(crate) struct CallDesc {
     /// The collective (its name).
     pub kind: Kind,
-    /// The element type's index in [`crate::DType::ALL`].
+    /// The element type's index in [`crate::dtype::DType::ALL`].
     pub dtype: u8,
-    /// The op's index in [`crate::ReduceOp::ALL`], or 255 for none.
+    /// The op's index in [`crate::dtype::ReduceOp::ALL`], or 255 for none.
     pub op: u8,
     /// The root, or `u32::MAX` for none.
     pub root: u32,
@@ -309,7 +309,7 @@ impl std::fmt::Display for CallDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ty = crate::dtype::movable_name(self.dtype);
         write!(f, "{}({} x {ty}", self.kind.name(), self.count)?;
-        if let Some(op) = crate::ReduceOp::ALL.get(self.op as usize) {
+        if let Some(op) = crate::dtype::ReduceOp::ALL.get(self.op as usize) {
             write!(f, ", {}", op.name())?;
         }
         if self.root != u32::MAX {

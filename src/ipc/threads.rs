@@ -1,6 +1,6 @@
 //! [`ThreadExchange`]: the [`Exchange`] of ranks that are threads of one
 //! process, through memory they share: no socket, nothing another process
-//! can reach. [`crate::Comm::from_devices`] meets its ranks through it.
+//! can reach. [`crate::comm::Comm::from_devices`] meets its ranks through it.
 
 use super::bootstrap::Exchange;
 use crate::error::{Error, Result};

@@ -14,7 +14,7 @@
 //! Layout: every host runs the same number of ranks, numbered
 //! contiguously (host h has ranks h·L to h·L + L − 1, as torchrun and
 //! `cuda-peer-run` number them). Where a job's hosts do not fit,
-//! [`crate::Comm`] uses NCCL alone.
+//! [`crate::comm::Comm`] uses NCCL alone.
 //!
 //! The per-index NCCL communicators join only ranks of one local index, so
 //! they cannot carry a transfer between any two ranks. A third
@@ -76,7 +76,7 @@ fn nccl_ids(ids: &[Vec<u8>], local: usize) -> std::result::Result<([u8; 128], [u
 }
 
 /// A communicator of ranks on several hosts in two tiers (see the module
-/// docs); made by [`crate::Comm`].
+/// docs); made by [`crate::comm::Comm`].
 pub struct Tiered {
     // The NCCL communicators are dropped first: a bounded wait for the
     // shared stream, then each aborted, so that NCCL work stuck on a dead

@@ -91,7 +91,7 @@ impl Collectives for Comm {
     /// The root's `send` is copied into its `recv`, then broadcast in place;
     /// a root without `send`, or with one of another length, is an error on
     /// the root before anything is enqueued (its peers then wait for its
-    /// call: [`crate::Error::Timeout`] with `check_calls`).
+    /// call: [`crate::error::Error::Timeout`] with `check_calls`).
     fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         let send = args::broadcast(&self.ctx, self.size, self.rank, send, recv, root)?;
         let count = recv.len();
