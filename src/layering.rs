@@ -1,8 +1,10 @@
 //! The crate's import graph, read from every source file, held against an
 //! explicit table of layers: each file (a module, or one file of a folder
 //! module) may import only files of its own layer or of layers below, the
-//! graph has no circle (a folder's `mod.rs` and its children included), and
-//! no file of the transport layer launches a kernel.
+//! graph has no circle (a folder's `mod.rs` and its children included),
+//! no file of the transport layer launches a kernel, and no file names an
+//! item through the root's re-exports (`crate::Error` for
+//! `crate::error::Error`): that would import the root from below it.
 //!
 //! An import is any `crate::path` (resolved to the longest path that names
 //! a file, or through the root's re-exports such as `crate::Error`), any
@@ -323,6 +325,27 @@ fn the_transport_launches_no_kernel() {
             }
         }
     }
+}
+
+#[test]
+fn files_name_the_module_an_item_lives_in_not_the_roots_reexports() {
+    let Some(src) = source_dir() else { return };
+    let Some((modules, _, reexports)) = graph() else { return };
+    let mut paths = Vec::new();
+    files(&src, &mut paths);
+    let mut through_root = Vec::new();
+    for p in paths.iter().filter(|p| !p.ends_with("src/lib.rs")) {
+        let text = std::fs::read_to_string(p).expect("a readable source file");
+        for line in code_lines(&text) {
+            for (i, _) in line.match_indices("crate::") {
+                let path = path_after(line, i + "crate::".len());
+                if let Some(first) = path.first().filter(|f| !modules.contains(**f) && reexports.contains_key(**f)) {
+                    through_root.push(format!("{}: crate::{first}", module_of(&src, p)));
+                }
+            }
+        }
+    }
+    assert!(through_root.is_empty(), "name the module instead of the root's re-export: {through_root:#?}");
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! `cudarc::nccl`'s paths and signatures (cudarc 0.19) over [`crate::Comm`],
+//! `cudarc::nccl`'s paths and signatures (cudarc 0.19) over [`crate::comm::Comm`],
 //! so that a program written against cudarc's NCCL bindings (mistral.rs's
 //! distributed module, candle's `llama_multiprocess` example) switches to
 //! cuda-peer by changing one `use` line:
@@ -12,11 +12,11 @@
 //! here, as `cudarc::nccl` re-exports its `safe`) has [`Comm`], [`Id`],
 //! [`ReduceOp`], [`NcclType`] and [`group_start`]/[`group_end`];
 //! [`result`] has [`result::NcclError`] (a tuple struct: `e.0` is the
-//! [`crate::Error`]) and [`result::NcclStatus`]. Every collective of
+//! [`crate::error::Error`]) and [`result::NcclStatus`]. Every collective of
 //! cudarc's `Comm` is here with cudarc's generic parameters, argument types
 //! and order (`&ReduceOp`, `root: i32`, `Option<&S>`), and returns what
 //! cudarc's returns. Nothing here moves data itself: each call is one call
-//! of [`crate::Comm`].
+//! of [`crate::comm::Comm`].
 //!
 //! ```no_run
 //! use cuda_peer::compat::nccl::safe::{Comm, Id, ReduceOp};
@@ -43,7 +43,7 @@
 //!
 //! - The ranks: 2 to 8 ranks of one host run on cuda-peer's own paths;
 //!   ranks on several hosts use NCCL between the hosts (loaded at run time;
-//!   see [`crate::Comm`]). An [`Id`] holds rank 0's rendezvous address and
+//!   see [`crate::comm::Comm`]). An [`Id`] holds rank 0's rendezvous address and
 //!   a job secret, not an `ncclUniqueId`: it is made by this module's
 //!   [`Id::new`] and read by this module's `Comm::from_rank`, never mixed
 //!   with NCCL's.
@@ -52,14 +52,14 @@
 //!   rank's). cudarc's are driven from one thread inside `group_start` /
 //!   `group_end`, which this module does not have.
 //! - [`ReduceOp::Avg`] on integer types is refused
-//!   ([`crate::Error::UnsupportedOp`]), where NCCL divides with truncation.
+//!   ([`crate::error::Error::UnsupportedOp`]), where NCCL divides with truncation.
 //! - [`NcclType`] is implemented for the ten element types cudarc and
-//!   cuda-peer share ([`crate::DType`] but fp8, which cudarc's lacks): not
+//!   cuda-peer share ([`crate::dtype::DType`] but fp8, which cudarc's lacks): not
 //!   for `char`, which cudarc maps to NCCL's one-byte `ncclUint8` although a
 //!   Rust `char` is four bytes.
 //! - Errors are values: no call panics (cudarc's `from_rank` panics on a
 //!   rank that does not fit an `i32`, its `Drop` on a failed
-//!   `ncclCommAbort`). [`result::NcclError`]'s `.0` is a [`crate::Error`]
+//!   `ncclCommAbort`). [`result::NcclError`]'s `.0` is a [`crate::error::Error`]
 //!   (cudarc's is an `ncclResult_t`); it also implements `Display` and
 //!   `std::error::Error`.
 //! - [`Comm`] is `Send + Sync` (cudarc's holds a raw pointer and is
@@ -71,32 +71,32 @@
 //!   call on it returns an error (see its docs for what it does not stop).
 //! - [`Comm::async_error`]: the failure already recorded, without waiting.
 //! - A `Drop` that never panics.
-//! - [`Comm::inner`] and `From<crate::Comm>`: the cuda-peer communicator
+//! - [`Comm::inner`] and `From<crate::comm::Comm>`: the cuda-peer communicator
 //!   underneath, for what cudarc's API has no name for (`from_env`, options,
 //!   `synchronize`, `engine`).
 //!
 //! # What is missing
 //!
 //! - Point-to-point: [`Comm::send`] and [`Comm::recv`] are cuda-peer's
-//!   ([`crate::Comm::send`]), matched in order as NCCL's are.
+//!   ([`crate::comm::Comm::send`]), matched in order as NCCL's are.
 //! - Groups: [`group_start`] and [`group_end`] return
-//!   [`crate::Error::Unsupported`] ([`Comm::group`] and [`Group`], cudarc's
+//!   [`crate::error::Error::Unsupported`] ([`Comm::group`] and [`Group`], cudarc's
 //!   shape, are here).
 //! - cudarc's `nccl::result`'s raw calls (`comm_init_rank`, ...) and
 //!   `nccl::sys`, and the `group!` macro.
 
 pub mod result {
     //! `cudarc::nccl::result`'s error and status types: [`NcclError`], whose
-    //! `.0` is the [`crate::Error`] a call failed with, and [`NcclStatus`].
+    //! `.0` is the [`crate::error::Error`] a call failed with, and [`NcclStatus`].
     //! Also [`group_start`] and [`group_end`], which cuda-peer does not have
-    //! (they return [`crate::Error::Unsupported`]).
+    //! (they return [`crate::error::Error::Unsupported`]).
 
     /// A failed call: `.0` is cuda-peer's error (cudarc's holds an
     /// `ncclResult_t` there). `Display` and `source` are the inner error's, so
-    /// `{e}`, `{:?}` of `e.0` and `?` into [`crate::Error`] all say what went
+    /// `{e}`, `{:?}` of `e.0` and `?` into [`crate::error::Error`] all say what went
     /// wrong.
     #[derive(Debug, Clone, PartialEq)]
-    pub struct NcclError(pub crate::Error);
+    pub struct NcclError(pub crate::error::Error);
 
     impl std::fmt::Display for NcclError {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -110,13 +110,13 @@ pub mod result {
         }
     }
 
-    impl From<crate::Error> for NcclError {
-        fn from(e: crate::Error) -> Self {
+    impl From<crate::error::Error> for NcclError {
+        fn from(e: crate::error::Error) -> Self {
             NcclError(e)
         }
     }
 
-    impl From<NcclError> for crate::Error {
+    impl From<NcclError> for crate::error::Error {
         fn from(e: NcclError) -> Self {
             e.0
         }
@@ -139,20 +139,20 @@ pub mod result {
 
     /// The error of what cuda-peer does not have (yet): `what` names the call.
     pub(super) fn unsupported(what: &str) -> NcclError {
-        NcclError(crate::Error::Unsupported(format!(
+        NcclError(crate::error::Error::Unsupported(format!(
             "{what}: cuda-peer has no ncclGroupStart/ncclGroupEnd (one thread driving several ranks' calls); group one rank's sends and receives with Comm::group (cuda_peer::compat::nccl); nothing was enqueued"
         )))
     }
 
     /// NCCL's `ncclGroupStart`, which cuda-peer does not have: always
-    /// [`crate::Error::Unsupported`], so that code that groups calls fails
+    /// [`crate::error::Error::Unsupported`], so that code that groups calls fails
     /// here, not later in a wait for calls the group would have merged.
     pub fn group_start() -> Result<NcclStatus, NcclError> {
         Err(unsupported("group_start"))
     }
 
     /// NCCL's `ncclGroupEnd`, which cuda-peer does not have: always
-    /// [`crate::Error::Unsupported`] (see [`group_start`]).
+    /// [`crate::error::Error::Unsupported`] (see [`group_start`]).
     pub fn group_end() -> Result<NcclStatus, NcclError> {
         Err(unsupported("group_end"))
     }
@@ -163,15 +163,15 @@ pub mod result {
 
         #[test]
         fn the_error_is_a_tuple_struct_around_cuda_peers() {
-            let e = NcclError(crate::Error::NoDevice);
-            let inner: &crate::Error = &e.0;
-            assert_eq!(inner, &crate::Error::NoDevice);
-            assert_eq!(e.to_string(), crate::Error::NoDevice.to_string());
+            let e = NcclError(crate::error::Error::NoDevice);
+            let inner: &crate::error::Error = &e.0;
+            assert_eq!(inner, &crate::error::Error::NoDevice);
+            assert_eq!(e.to_string(), crate::error::Error::NoDevice.to_string());
             assert!(format!("{:?}", e.0).contains("NoDevice"));
             assert!(format!("{e:?}").starts_with("NcclError(NoDevice"));
-            let back: crate::Error = e.clone().into();
-            assert_eq!(back, crate::Error::NoDevice);
-            assert_eq!(NcclError::from(crate::Error::EmptyGroup).0, crate::Error::EmptyGroup);
+            let back: crate::error::Error = e.clone().into();
+            assert_eq!(back, crate::error::Error::NoDevice);
+            assert_eq!(NcclError::from(crate::error::Error::EmptyGroup).0, crate::error::Error::EmptyGroup);
             fn boxes(e: NcclError) -> Box<dyn std::error::Error + Send + Sync + 'static> {
                 Box::new(e)
             }
@@ -180,26 +180,26 @@ pub mod result {
 
         #[test]
         fn question_mark_converts_both_ways() {
-            fn peer() -> crate::Result<()> {
-                Err(crate::Error::EmptyGroup)
+            fn peer() -> crate::error::Result<()> {
+                Err(crate::error::Error::EmptyGroup)
             }
             fn compat() -> Result<(), NcclError> {
                 peer()?;
                 Ok(())
             }
-            fn back() -> crate::Result<()> {
+            fn back() -> crate::error::Result<()> {
                 compat()?;
                 Ok(())
             }
-            assert_eq!(compat().unwrap_err().0, crate::Error::EmptyGroup);
-            assert_eq!(back().unwrap_err(), crate::Error::EmptyGroup);
+            assert_eq!(compat().unwrap_err().0, crate::error::Error::EmptyGroup);
+            assert_eq!(back().unwrap_err(), crate::error::Error::EmptyGroup);
         }
 
         #[test]
         fn groups_are_refused_with_a_typed_error() {
             for (name, r) in [("group_start", group_start()), ("group_end", group_end())] {
                 match r {
-                    Err(NcclError(crate::Error::Unsupported(why))) => assert!(why.starts_with(name), "{why}"),
+                    Err(NcclError(crate::error::Error::Unsupported(why))) => assert!(why.starts_with(name), "{why}"),
                     other => panic!("{name}: {other:?}"),
                 }
             }
@@ -208,7 +208,7 @@ pub mod result {
 }
 
 pub mod safe {
-    //! `cudarc::nccl::safe` over [`crate::Comm`]: [`Comm`], [`Id`],
+    //! `cudarc::nccl::safe` over [`crate::comm::Comm`]: [`Comm`], [`Id`],
     //! [`ReduceOp`], [`NcclType`], with cudarc 0.19's names, generic
     //! parameters, argument types and order (see [`super`] for what differs).
 
@@ -223,10 +223,10 @@ pub mod safe {
 
     /// Bytes of an [`Id`], as of NCCL's `ncclUniqueId`.
     const ID_BYTES: usize = 128;
-    const _: () = assert!(crate::Id::BYTES == ID_BYTES, "compat::nccl::Id carries a cuda_peer::Id's bytes");
+    const _: () = assert!(crate::ipc::Id::BYTES == ID_BYTES, "compat::nccl::Id carries a cuda_peer::Id's bytes");
 
     /// Where a job's ranks meet, as cudarc's `Id`: the 128 bytes of a
-    /// [`crate::Id`] (rank 0's rendezvous address and port, and a new job
+    /// [`crate::ipc::Id`] (rank 0's rendezvous address and port, and a new job
     /// secret) as `c_char`s. Rank 0 makes it with [`Id::new`] and sends
     /// [`Id::internal`] to the other ranks by the application's own channel;
     /// they rebuild it with [`Id::uninit`]. Anyone who holds the bytes can join
@@ -238,19 +238,19 @@ pub mod safe {
     }
 
     impl Id {
-        /// A new id for a job whose rank 0 is this process ([`crate::Id::new`]):
+        /// A new id for a job whose rank 0 is this process ([`crate::ipc::Id::new`]):
         /// a listener is bound now (so no other process can take its port before
         /// the ranks meet) on `CUDA_PEER_BIND_ADDR`, or else this host's first
         /// non-loopback address, and kept for this process's
         /// [`Comm::from_rank`] as rank 0. Needs no GPU and no NCCL.
         pub fn new() -> Result<Self, NcclError> {
-            Ok(Id::from(crate::Id::new()?))
+            Ok(Id::from(crate::ipc::Id::new()?))
         }
 
         /// The id whose bytes rank 0 sent ([`Id::internal`]). Not checked here
         /// (cudarc's does not check either, and returns no `Result`):
         /// [`Comm::from_rank`] refuses bytes that are not a cuda-peer id
-        /// ([`crate::Error::InvalidArgument`]), an `ncclUniqueId` among them.
+        /// ([`crate::error::Error::InvalidArgument`]), an `ncclUniqueId` among them.
         pub fn uninit(internal: [c_char; 128]) -> Self {
             Id { internal }
         }
@@ -266,24 +266,24 @@ pub mod safe {
         }
     }
 
-    impl From<crate::Id> for Id {
-        fn from(id: crate::Id) -> Self {
+    impl From<crate::ipc::Id> for Id {
+        fn from(id: crate::ipc::Id) -> Self {
             Id { internal: id.as_bytes().map(|b| c_char::from_ne_bytes([b])) }
         }
     }
 
-    impl TryFrom<Id> for crate::Id {
+    impl TryFrom<Id> for crate::ipc::Id {
         type Error = NcclError;
 
-        /// The cuda-peer id these bytes are, or [`crate::Error::InvalidArgument`].
+        /// The cuda-peer id these bytes are, or [`crate::error::Error::InvalidArgument`].
         fn try_from(id: Id) -> Result<Self, NcclError> {
-            Ok(crate::Id::from_bytes(&id.bytes())?)
+            Ok(crate::ipc::Id::from_bytes(&id.bytes())?)
         }
     }
 
     impl std::fmt::Debug for Id {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            match crate::Id::try_from(*self) {
+            match crate::ipc::Id::try_from(*self) {
                 Ok(id) => write!(f, "Id({})", id.addr()),
                 Err(_) => f.write_str("Id(not a cuda-peer id)"),
             }
@@ -291,57 +291,57 @@ pub mod safe {
     }
 
     /// A reduction, as cudarc's `ReduceOp` (each variant is the
-    /// [`crate::ReduceOp`] of the same name).
+    /// [`crate::dtype::ReduceOp`] of the same name).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum ReduceOp {
-        /// Sum ([`crate::ReduceOp::Sum`]; integers wrap).
+        /// Sum ([`crate::dtype::ReduceOp::Sum`]; integers wrap).
         Sum,
-        /// Product ([`crate::ReduceOp::Prod`]; integers wrap).
+        /// Product ([`crate::dtype::ReduceOp::Prod`]; integers wrap).
         Prod,
-        /// Maximum ([`crate::ReduceOp::Max`]; NaN in any input gives NaN).
+        /// Maximum ([`crate::dtype::ReduceOp::Max`]; NaN in any input gives NaN).
         Max,
-        /// Minimum ([`crate::ReduceOp::Min`]; NaN in any input gives NaN).
+        /// Minimum ([`crate::dtype::ReduceOp::Min`]; NaN in any input gives NaN).
         Min,
-        /// Mean over the ranks ([`crate::ReduceOp::Avg`]): floating-point types
-        /// only; on integers a call returns [`crate::Error::UnsupportedOp`]
+        /// Mean over the ranks ([`crate::dtype::ReduceOp::Avg`]): floating-point types
+        /// only; on integers a call returns [`crate::error::Error::UnsupportedOp`]
         /// (NCCL's `ncclAvg` truncates).
         Avg,
     }
 
-    impl From<&ReduceOp> for crate::ReduceOp {
+    impl From<&ReduceOp> for crate::dtype::ReduceOp {
         fn from(op: &ReduceOp) -> Self {
             match op {
-                ReduceOp::Sum => crate::ReduceOp::Sum,
-                ReduceOp::Prod => crate::ReduceOp::Prod,
-                ReduceOp::Max => crate::ReduceOp::Max,
-                ReduceOp::Min => crate::ReduceOp::Min,
-                ReduceOp::Avg => crate::ReduceOp::Avg,
+                ReduceOp::Sum => crate::dtype::ReduceOp::Sum,
+                ReduceOp::Prod => crate::dtype::ReduceOp::Prod,
+                ReduceOp::Max => crate::dtype::ReduceOp::Max,
+                ReduceOp::Min => crate::dtype::ReduceOp::Min,
+                ReduceOp::Avg => crate::dtype::ReduceOp::Avg,
             }
         }
     }
 
-    impl From<ReduceOp> for crate::ReduceOp {
+    impl From<ReduceOp> for crate::dtype::ReduceOp {
         fn from(op: ReduceOp) -> Self {
-            crate::ReduceOp::from(&op)
+            crate::dtype::ReduceOp::from(&op)
         }
     }
 
-    impl From<crate::ReduceOp> for ReduceOp {
-        fn from(op: crate::ReduceOp) -> Self {
+    impl From<crate::dtype::ReduceOp> for ReduceOp {
+        fn from(op: crate::dtype::ReduceOp) -> Self {
             match op {
-                crate::ReduceOp::Sum => ReduceOp::Sum,
-                crate::ReduceOp::Prod => ReduceOp::Prod,
-                crate::ReduceOp::Max => ReduceOp::Max,
-                crate::ReduceOp::Min => ReduceOp::Min,
-                crate::ReduceOp::Avg => ReduceOp::Avg,
+                crate::dtype::ReduceOp::Sum => ReduceOp::Sum,
+                crate::dtype::ReduceOp::Prod => ReduceOp::Prod,
+                crate::dtype::ReduceOp::Max => ReduceOp::Max,
+                crate::dtype::ReduceOp::Min => ReduceOp::Min,
+                crate::dtype::ReduceOp::Avg => ReduceOp::Avg,
             }
         }
     }
 
     /// The element types of the collectives, in the place of cudarc's
-    /// `NcclType`: the ten it shares with cudarc ([`crate::DType`]: `f32`,
+    /// `NcclType`: the ten it shares with cudarc ([`crate::dtype::DType`]: `f32`,
     /// `f64`, `f16`, `bf16`, `i8`, `i32`, `i64`, `u8`, `u32`, `u64`; not fp8,
-    /// which cudarc's lacks: use [`crate::Comm`] for fp8), each an
+    /// which cudarc's lacks: use [`crate::comm::Comm`] for fp8), each an
     /// [`Element`]. (Not `char`, which cudarc lists as NCCL's one-byte
     /// `ncclUint8` though a Rust `char` is four bytes.) Every type here is
     /// also valid as zero bits, so that [`Comm::reduce`] can give a rank that
@@ -413,7 +413,7 @@ pub mod safe {
 
         /// A call's result as cudarc's, recording the first failure that
         /// leaves the communicator unusable.
-        fn outcome(&self, r: crate::Result<()>) -> Result<NcclStatus, NcclError> {
+        fn outcome(&self, r: crate::error::Result<()>) -> Result<NcclStatus, NcclError> {
             match r {
                 Ok(()) => Ok(NcclStatus::Success),
                 Err(e) => {
@@ -436,16 +436,16 @@ pub mod safe {
     }
 
     /// A collective's root rank as cuda-peer's: refused when negative.
-    fn root_rank(root: i32) -> crate::Result<usize> {
+    fn root_rank(root: i32) -> crate::error::Result<usize> {
         usize::try_from(root).map_err(|_| Error::InvalidArgument(format!("root rank {root} is negative")))
     }
 
     /// A peer's rank from cudarc's `i32`.
-    fn peer_rank(peer: i32) -> crate::Result<usize> {
+    fn peer_rank(peer: i32) -> crate::error::Result<usize> {
         usize::try_from(peer).map_err(|_| Error::InvalidArgument(format!("peer rank {peer} is negative")))
     }
 
-    /// One rank's communicator, as cudarc's `Comm`, over a [`crate::Comm`]: the
+    /// One rank's communicator, as cudarc's `Comm`, over a [`crate::comm::Comm`]: the
     /// same engine (cuda-peer between the ranks of one host, NCCL across hosts)
     /// with cudarc's method names and signatures. Every collective enqueues on
     /// [`Comm::stream`] and returns [`NcclStatus::Success`]; buffers written or
@@ -465,26 +465,26 @@ pub mod safe {
     /// (`ncclCommAbort`), never destroyed with a wait on a dead peer.
     #[derive(Debug)]
     pub struct Comm {
-        inner: crate::Comm,
+        inner: crate::comm::Comm,
         state: State,
     }
 
-    impl From<crate::Comm> for Comm {
+    impl From<crate::comm::Comm> for Comm {
         /// The cudarc-shaped communicator over `inner` (made with
-        /// [`crate::Comm::from_env`], with options, ...).
-        fn from(inner: crate::Comm) -> Self {
+        /// [`crate::comm::Comm::from_env`], with options, ...).
+        fn from(inner: crate::comm::Comm) -> Self {
             Comm { inner, state: State::default() }
         }
     }
 
     impl Comm {
         /// One communicator per stream, rank r on `streams[r]`, for one process
-        /// driving every rank ([`crate::Comm::from_devices`]). Unlike cudarc's,
+        /// driving every rank ([`crate::comm::Comm::from_devices`]). Unlike cudarc's,
         /// each must be called from a thread of its own, concurrently with the
         /// others: a call waits for every rank's (this module has no
         /// `group_start`/`group_end` for one thread to drive them all).
         pub fn from_devices(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Self>, NcclError> {
-            Ok(crate::Comm::from_devices(streams)?.into_iter().map(Comm::from).collect())
+            Ok(crate::comm::Comm::from_devices(streams)?.into_iter().map(Comm::from).collect())
         }
 
         /// The stream every collective is enqueued on (a clone of the `Arc`, as
@@ -514,26 +514,26 @@ pub mod safe {
         }
 
         /// Rank `rank` of `world_size`, meeting the others where `id` says
-        /// ([`crate::Comm::from_rank`]), every collective enqueued on `stream`.
+        /// ([`crate::comm::Comm::from_rank`]), every collective enqueued on `stream`.
         /// Blocks until every rank has joined, bounded (60 s by default). Bytes
         /// in `id` that are not a cuda-peer [`Id`] are
-        /// [`crate::Error::InvalidArgument`].
+        /// [`crate::error::Error::InvalidArgument`].
         pub fn from_rank(stream: Arc<CudaStream>, rank: usize, world_size: usize, id: Id) -> Result<Self, NcclError> {
-            let id = crate::Id::try_from(id)?;
-            Ok(Comm::from(crate::Comm::from_rank(stream, rank, world_size, id)?))
+            let id = crate::ipc::Id::try_from(id)?;
+            Ok(Comm::from(crate::comm::Comm::from_rank(stream, rank, world_size, id)?))
         }
 
         /// The cuda-peer communicator underneath, for what cudarc's API has no
-        /// name for ([`crate::Comm::synchronize`], [`crate::Comm::engine`],
-        /// [`crate::Comm::exchange`]). Calls made on it directly are not
+        /// name for ([`crate::comm::Comm::synchronize`], [`crate::comm::Comm::engine`],
+        /// [`crate::comm::Comm::exchange`]). Calls made on it directly are not
         /// refused after [`Self::abort`] nor recorded for
         /// [`Self::async_error`].
-        pub fn inner(&self) -> &crate::Comm {
+        pub fn inner(&self) -> &crate::comm::Comm {
             &self.inner
         }
 
         /// Marks this communicator failed, on this rank: from now on every call
-        /// on it returns [`crate::Error::GroupFailed`] (saying it was aborted)
+        /// on it returns [`crate::error::Error::GroupFailed`] (saying it was aborted)
         /// without reaching the communicator underneath, and
         /// [`Self::async_error`] reports it. It cannot be undone: make a new
         /// communicator (on every rank).
@@ -562,7 +562,7 @@ pub mod safe {
         ///
         /// A failure that no call has returned yet is asked of the
         /// communicator underneath, without waiting
-        /// ([`crate::Comm::async_error`]: a peer that gave up on the device,
+        /// ([`crate::comm::Comm::async_error`]: a peer that gave up on the device,
         /// NCCL's asynchronous error), and recorded like a call's.
         pub fn async_error(&self) -> Result<(), NcclError> {
             self.state.async_error()?;
@@ -571,13 +571,13 @@ pub mod safe {
 
         /// Runs one call of the communicator underneath, unless aborted, and
         /// records its failure.
-        pub(crate) fn call(&self, f: impl FnOnce(&crate::Comm) -> crate::Result<()>) -> Result<NcclStatus, NcclError> {
+        pub(crate) fn call(&self, f: impl FnOnce(&crate::comm::Comm) -> crate::error::Result<()>) -> Result<NcclStatus, NcclError> {
             self.state.admit()?;
             self.state.outcome(f(&self.inner))
         }
 
         /// Sends `data` to rank `peer`, matched in order with that rank's
-        /// [`Self::recv`] from this one ([`crate::Comm::send`]). Alone, a send
+        /// [`Self::recv`] from this one ([`crate::comm::Comm::send`]). Alone, a send
         /// moves its data only while the peer's receive runs: two ranks that
         /// send to each other put their sends and receives in one
         /// [`Self::group`].
@@ -586,14 +586,14 @@ pub mod safe {
         }
 
         /// Receives into `buff` what rank `peer` sends this one
-        /// ([`crate::Comm::recv`]).
+        /// ([`crate::comm::Comm::recv`]).
         pub fn recv<R: DevicePtrMut<T>, T: NcclType>(&self, buff: &mut R, peer: i32) -> Result<NcclStatus, NcclError> {
             self.call(|c| c.recv::<T, R>(buff, peer_rank(peer)?))
         }
 
         /// Every rank's `recvbuff` becomes rank `root`'s `sendbuff`, which only
         /// the root passes (`None` elsewhere; `None` on the root is an error,
-        /// where cudarc only debug-asserts) ([`crate::Comm::broadcast`]).
+        /// where cudarc only debug-asserts) ([`crate::comm::Comm::broadcast`]).
         pub fn broadcast<S: DevicePtr<T>, R: DevicePtrMut<T>, T: NcclType>(
             &self,
             sendbuff: Option<&S>,
@@ -604,19 +604,19 @@ pub mod safe {
         }
 
         /// In place version of [`Self::broadcast`]: every rank's `recvbuff`
-        /// becomes rank `root`'s ([`crate::Comm::broadcast_in_place`]).
+        /// becomes rank `root`'s ([`crate::comm::Comm::broadcast_in_place`]).
         pub fn broadcast_in_place<R: DevicePtrMut<T>, T: NcclType>(&self, recvbuff: &mut R, root: i32) -> Result<NcclStatus, NcclError> {
             self.call(|c| c.broadcast_in_place::<T, R>(recvbuff, root_rank(root)?))
         }
 
         /// `recvbuff` (`world_size()` times `sendbuff`'s length) becomes every
-        /// rank's `sendbuff` in rank order ([`crate::Comm::all_gather`]).
+        /// rank's `sendbuff` in rank order ([`crate::comm::Comm::all_gather`]).
         pub fn all_gather<S: DevicePtr<T>, R: DevicePtrMut<T>, T: NcclType>(&self, sendbuff: &S, recvbuff: &mut R) -> Result<NcclStatus, NcclError> {
             self.call(|c| c.all_gather::<T, S, R>(sendbuff, recvbuff))
         }
 
         /// `recvbuff` becomes the reduction, in rank order, of every rank's
-        /// `sendbuff` ([`crate::Comm::all_reduce`]).
+        /// `sendbuff` ([`crate::comm::Comm::all_reduce`]).
         pub fn all_reduce<S: DevicePtr<T>, R: DevicePtrMut<T>, T: NcclType>(
             &self,
             sendbuff: &S,
@@ -627,13 +627,13 @@ pub mod safe {
         }
 
         /// In place version of [`Self::all_reduce`]
-        /// ([`crate::Comm::all_reduce_in_place`]).
+        /// ([`crate::comm::Comm::all_reduce_in_place`]).
         pub fn all_reduce_in_place<R: DevicePtrMut<T>, T: NcclType>(&self, buff: &mut R, reduce_op: &ReduceOp) -> Result<NcclStatus, NcclError> {
             self.call(|c| c.all_reduce_in_place::<T, R>(buff, reduce_op.into()))
         }
 
         /// Rank `root`'s `recvbuff` becomes the reduction of every rank's
-        /// `sendbuff` ([`crate::Comm::reduce`]). The root passes a receive
+        /// `sendbuff` ([`crate::comm::Comm::reduce`]). The root passes a receive
         /// buffer (`None` there is an error, where cudarc only debug-asserts);
         /// another rank may pass `None`, and then gets one allocated on the
         /// stream for the call (as long as `sendbuff`; cuda-peer's reduce takes
@@ -664,7 +664,7 @@ pub mod safe {
 
         /// In place version of [`Self::reduce`]: rank `root`'s `recvbuff`
         /// becomes the reduction of every rank's; the others' are not written
-        /// ([`crate::Comm::reduce_in_place`]).
+        /// ([`crate::comm::Comm::reduce_in_place`]).
         pub fn reduce_in_place<R: DevicePtrMut<T>, T: NcclType>(
             &self,
             recvbuff: &mut R,
@@ -676,7 +676,7 @@ pub mod safe {
 
         /// `recvbuff` (c elements) becomes block `rank()` of the reduction of
         /// every rank's `sendbuff` (`world_size()` times c elements)
-        /// ([`crate::Comm::reduce_scatter`]).
+        /// ([`crate::comm::Comm::reduce_scatter`]).
         pub fn reduce_scatter<S: DevicePtr<T>, R: DevicePtrMut<T>, T: NcclType>(
             &self,
             sendbuff: &S,
@@ -702,7 +702,7 @@ pub mod safe {
     /// A send or a receive a [`Group`] holds until it ends.
     trait Pending {
         /// Adds it to `group`, borrowing its view for as long as the group.
-        fn add<'x>(&'x mut self, group: &mut crate::comm::group::Group<'x>) -> crate::Result<()>;
+        fn add<'x>(&'x mut self, group: &mut crate::comm::group::Group<'x>) -> crate::error::Result<()>;
     }
 
     enum Transfer<'v, T> {
@@ -711,7 +711,7 @@ pub mod safe {
     }
 
     impl<T: NcclType> Pending for Transfer<'_, T> {
-        fn add<'x>(&'x mut self, group: &mut crate::comm::group::Group<'x>) -> crate::Result<()> {
+        fn add<'x>(&'x mut self, group: &mut crate::comm::group::Group<'x>) -> crate::error::Result<()> {
             match self {
                 Transfer::Send(view, peer) => group.send::<T, _>(view, *peer),
                 Transfer::Recv(view, peer) => group.recv::<T, _>(view, *peer),
@@ -898,32 +898,32 @@ pub mod safe {
         #[test]
         fn every_reduce_op_is_cuda_peers_of_the_same_name() {
             let pairs = [
-                (ReduceOp::Sum, crate::ReduceOp::Sum),
-                (ReduceOp::Prod, crate::ReduceOp::Prod),
-                (ReduceOp::Max, crate::ReduceOp::Max),
-                (ReduceOp::Min, crate::ReduceOp::Min),
-                (ReduceOp::Avg, crate::ReduceOp::Avg),
+                (ReduceOp::Sum, crate::dtype::ReduceOp::Sum),
+                (ReduceOp::Prod, crate::dtype::ReduceOp::Prod),
+                (ReduceOp::Max, crate::dtype::ReduceOp::Max),
+                (ReduceOp::Min, crate::dtype::ReduceOp::Min),
+                (ReduceOp::Avg, crate::dtype::ReduceOp::Avg),
             ];
             for (ours, theirs) in pairs {
-                assert_eq!(crate::ReduceOp::from(&ours), theirs);
-                assert_eq!(crate::ReduceOp::from(ours), theirs);
+                assert_eq!(crate::dtype::ReduceOp::from(&ours), theirs);
+                assert_eq!(crate::dtype::ReduceOp::from(ours), theirs);
                 assert_eq!(ReduceOp::from(theirs), ours);
             }
-            let mapped: Vec<crate::ReduceOp> = pairs.iter().map(|(o, _)| o.into()).collect();
-            assert_eq!(mapped.len(), crate::ReduceOp::ALL.len());
-            assert!(crate::ReduceOp::ALL.iter().all(|o| mapped.contains(o)), "every cuda-peer op is reached");
+            let mapped: Vec<crate::dtype::ReduceOp> = pairs.iter().map(|(o, _)| o.into()).collect();
+            assert_eq!(mapped.len(), crate::dtype::ReduceOp::ALL.len());
+            assert!(crate::dtype::ReduceOp::ALL.iter().all(|o| mapped.contains(o)), "every cuda-peer op is reached");
         }
 
         #[test]
         fn an_id_round_trips_through_its_c_chars() {
-            let peer = crate::Id::with_addr(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+            let peer = crate::ipc::Id::with_addr(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
             let id = Id::from(peer);
             assert_eq!(id.bytes(), *peer.as_bytes());
             // What a rank sends and what the other ranks rebuild from it.
             let sent: [c_char; 128] = *id.internal();
             let got = Id::uninit(sent);
             assert_eq!(got, id);
-            assert_eq!(crate::Id::try_from(got).unwrap(), peer);
+            assert_eq!(crate::ipc::Id::try_from(got).unwrap(), peer);
             assert_eq!(format!("{got:?}"), format!("Id({})", peer.addr()));
             assert!(!format!("{got:?}").contains(&peer.secret().expose()[..8]), "Debug hides the secret");
             crate::ipc::id::take_listener(peer.addr()).expect("the listener kept for rank 0");
@@ -932,7 +932,7 @@ pub mod safe {
         #[test]
         fn id_new_needs_only_a_socket() {
             let id = Id::new().unwrap();
-            let peer = crate::Id::try_from(id).unwrap();
+            let peer = crate::ipc::Id::try_from(id).unwrap();
             assert_ne!(peer.addr().port(), 0);
             assert_eq!(Id::uninit(*id.internal()), id);
             crate::ipc::id::take_listener(peer.addr()).expect("the listener kept for rank 0");
@@ -953,7 +953,7 @@ pub mod safe {
         #[test]
         fn bytes_that_are_not_a_cuda_peer_id_are_refused_when_used() {
             let nccl_like = Id::uninit([1 as c_char; 128]);
-            match crate::Id::try_from(nccl_like) {
+            match crate::ipc::Id::try_from(nccl_like) {
                 Err(NcclError(Error::InvalidArgument(why))) => assert!(why.contains("not a cuda-peer Id"), "{why}"),
                 other => panic!("{other:?}"),
             }
