@@ -158,6 +158,44 @@ fn a_flood_of_connections_does_not_stop_the_job() {
     drop(flood);
 }
 
+/// Outsiders that connect without pause, faster than rank 0 can hand each
+/// connection to its handshake, keep its accept queue from ever running
+/// dry: rank 0 must still give up at its own timeout (a typed error), not
+/// when the flood ends.
+#[test]
+fn a_flood_that_never_pauses_does_not_hold_rank_0_past_its_timeout() {
+    let (port, key) = (free_port(), secret());
+    let timeout = Duration::from_secs(2);
+    let start = Instant::now();
+    let server = rank0(port, 2, &key, timeout);
+    drop(connect_when_up(port));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooders: Vec<_> = (0..4)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut made = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                        made += 1;
+                    }
+                }
+                made
+            })
+        })
+        .collect();
+    let flood_ends = start + Duration::from_secs(12);
+    while !server.is_finished() && Instant::now() < flood_ends {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let held = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let made: u64 = flooders.into_iter().map(|f| f.join().unwrap()).sum();
+    let result = server.join().unwrap();
+    assert!(matches!(result, Err(Error::Timeout { .. })), "{result:?}");
+    assert!(held < timeout + Duration::from_secs(3), "rank 0 gave up after {held:?} (timeout {timeout:?}; {made} connections)");
+}
+
 /// A process listening on MASTER_PORT before rank 0, playing rank 0: rank
 /// 0 fails with a typed error naming the port, and a joiner never takes
 /// the squatter for rank 0 (it never receives the squatter's job id).

@@ -29,6 +29,7 @@ use super::id::Id;
 use super::secret::{self, JobSecret};
 use super::wire::{self, Link, Refusal};
 use crate::error::{Error, Result};
+use std::collections::VecDeque;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
@@ -54,6 +55,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// closes the oldest (a flood of silent connections cannot keep the ranks
 /// out until their deadlines pass).
 const MAX_PENDING: usize = 64;
+/// The most connections rank 0 takes from its queue between two looks at
+/// the finished handshakes and its deadline.
+const ACCEPTS_PER_ROUND: usize = 64;
 
 /// One process's place in a job and where its rank 0 listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -329,43 +333,57 @@ impl Bootstrap {
         let secret = key.current().map_err(Error::Internal)?;
         listener.set_nonblocking(true).map_err(io_err("rendezvous: listener"))?;
         let mut links: Vec<Option<Link>> = (0..self.world_size).map(|_| None).collect();
-        let (tx, rx) = mpsc::channel::<(u64, SocketAddr, std::result::Result<(usize, Link), Refusal>)>();
+        let (tx, rx) = mpsc::channel::<Handshake>();
         // The connections being authenticated, oldest first (a handle each, to close it).
-        let mut pending: std::collections::VecDeque<(u64, TcpStream)> = Default::default();
+        let mut pending: VecDeque<(u64, TcpStream)> = VecDeque::new();
         let mut next = 0u64;
         while links.iter().skip(1).any(Option::is_none) {
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    if pending.len() >= MAX_PENDING {
-                        if let Some((_, oldest)) = pending.pop_front() {
-                            let _ = oldest.shutdown(std::net::Shutdown::Both);
-                        }
+            // A bounded number of connections per round, so that a flood
+            // that never lets the queue run dry still leaves time for the
+            // results and the deadline below.
+            for _ in 0..ACCEPTS_PER_ROUND {
+                let (stream, from) = match listener.accept() {
+                    Ok(c) => c,
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => break,
+                    Err(e) => {
+                        log::warn!("cuda-peer rendezvous: accept: {e}");
+                        break;
                     }
-                    let handle = stream.try_clone().map_err(io_err("rendezvous: socket"))?;
-                    let (tx, secret, world, id) = (tx.clone(), secret.clone(), self.world_size, next);
-                    next += 1;
-                    pending.push_back((id, handle));
-                    let until = deadline.min(wire::deadline(HANDSHAKE_TIMEOUT));
-                    std::thread::spawn(move || {
-                        let _ = tx.send((id, from, wire::accept(stream, &secret, world, until)));
-                    });
-                    continue;
-                }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
-                Err(e) => log::warn!("cuda-peer rendezvous: accept: {e}"),
-            }
-            while let Ok((id, from, got)) = rx.try_recv() {
-                pending.retain(|(p, _)| *p != id);
-                match got {
-                    Ok((rank, link)) => {
-                        if links[rank].replace(link).is_some() {
-                            log::warn!("cuda-peer rendezvous: rank {rank} connected again (from {from}); the newer connection is kept");
-                        }
+                };
+                // Finished handshakes first: only connections still proving
+                // the secret are closed to make room.
+                take_results(&rx, &mut pending, &mut links)?;
+                if pending.len() >= MAX_PENDING {
+                    if let Some((_, oldest)) = pending.pop_front() {
+                        let _ = oldest.shutdown(std::net::Shutdown::Both);
                     }
-                    Err(Refusal::Stranger(why)) => log::warn!("cuda-peer rendezvous: dropped a connection from {from}: {why}"),
-                    Err(Refusal::Job(e)) => return Err(e),
+                }
+                // A connection that cannot be handed on (no descriptor or
+                // thread left) is dropped, not the rendezvous.
+                let handle = match stream.try_clone() {
+                    Ok(h) => h,
+                    Err(e) => {
+                        log::warn!("cuda-peer rendezvous: dropped a connection from {from}: {e}");
+                        continue;
+                    }
+                };
+                let (tx, secret, world, id) = (tx.clone(), secret.clone(), self.world_size, next);
+                let until = deadline.min(wire::deadline(HANDSHAKE_TIMEOUT));
+                let spawned = std::thread::Builder::new()
+                    .name("cuda-peer-handshake".into())
+                    .spawn(move || drop(tx.send((id, from, wire::accept(stream, &secret, world, until)))));
+                match spawned {
+                    Ok(_) => {
+                        next += 1;
+                        pending.push_back((id, handle));
+                    }
+                    Err(e) => {
+                        log::warn!("cuda-peer rendezvous: dropped a connection from {from}: {e}");
+                        let _ = handle.shutdown(std::net::Shutdown::Both);
+                    }
                 }
             }
+            take_results(&rx, &mut pending, &mut links)?;
             if Instant::now() >= deadline {
                 let missing: Vec<usize> = (1..self.world_size).filter(|&r| links[r].is_none()).collect();
                 log::warn!("cuda-peer rendezvous: ranks {missing:?} did not connect");
@@ -415,6 +433,35 @@ impl Bootstrap {
         let job = String::from_utf8(job).map_err(|_| Error::Bootstrap { op: "rendezvous", reason: "job id is not UTF-8".into() })?;
         Ok(Rendezvous { rank: self.rank, size: self.world_size, job, timeout: self.timeout, links: Mutex::new(vec![link]) })
     }
+}
+
+/// A handshake's outcome, from its thread: the connection's number, its
+/// address, and the rank it proved with its link, or why it was refused.
+type Handshake = (u64, SocketAddr, std::result::Result<(usize, Link), Refusal>);
+
+/// Takes the handshakes finished so far: a rank that proved the secret
+/// gets its link (a newer connection replaces an older one), a stranger is
+/// dropped, and a job member that disagrees with the job fails it. A
+/// handshake whose connection was closed to make room is dropped too (its
+/// link is shut).
+fn take_results(rx: &mpsc::Receiver<Handshake>, pending: &mut VecDeque<(u64, TcpStream)>, links: &mut [Option<Link>]) -> Result<()> {
+    while let Ok((id, from, got)) = rx.try_recv() {
+        let Some(at) = pending.iter().position(|(p, _)| *p == id) else {
+            log::warn!("cuda-peer rendezvous: a connection from {from} was closed while it proved the secret");
+            continue;
+        };
+        pending.remove(at);
+        match got {
+            Ok((rank, link)) => {
+                if links[rank].replace(link).is_some() {
+                    log::warn!("cuda-peer rendezvous: rank {rank} connected again (from {from}); the newer connection is kept");
+                }
+            }
+            Err(Refusal::Stranger(why)) => log::warn!("cuda-peer rendezvous: dropped a connection from {from}: {why}"),
+            Err(Refusal::Job(e)) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Removes a file when dropped.
