@@ -19,8 +19,8 @@
 #   edges      tests/edges.rs and the three-process abort test alone (their timing bounds), ~1 min
 #   soak       10,000 randomized collectives (examples/soak), ~2 min
 #   b2b        examples/soak --back-to-back: batches enqueued with no synchronisation, real floats, ~1-2 min
-#              (one H200, ranks sharing it: ~3.5 min for the default 120 batches), glibc's arenas bounded
-#              as for rb2b (with its many threads they keep peaks: soak-b2b-arenas/ in the H200 results)
+#              (one H200, ranks sharing it: ~3.5 min for the default 120 batches); the soak measures its
+#              resident set after malloc_trim, so glibc's per-thread arenas do not count (soak-b2b-arenas/)
 #   rsoak      examples/soak --per-rank: RSOAK_ITERS (default 3000) randomized calls over per-rank Comms
 #   rb2b       examples/soak --per-rank --back-to-back: RB2B_ITERS (default 60) batches of 16
 #              (both with 32 hardware work queues, as thread ranks sharing a device want, and glibc's
@@ -70,7 +70,7 @@ for p in "$@"; do
     edges) CUDA_PEER_REQUIRE_GPU=1 phase edges 200 bash -c 'for t in .gpu/tests/*-edges-test; do "$t" --test-threads=1 --nocapture || exit 1; done; for t in .gpu/tests/*-multiprocess-test; do "$t" --exact a_timeout_between_processes_frees_the_peers_early --nocapture || exit 1; done' ;;
     fault) FAKECUDA_TIMEOUT=70 phase fault 420 tests/fakecuda/run.sh ;;
     soak) phase soak 200 .gpu/examples/soak --iters 10000 --seed 16 --max-ranks 8 ;;
-    b2b) MALLOC_ARENA_MAX=4 phase b2b 300 .gpu/examples/soak --back-to-back --iters "${B2B_ITERS:-120}" --batch 16 ;;
+    b2b) phase b2b 300 .gpu/examples/soak --back-to-back --iters "${B2B_ITERS:-120}" --batch 16 ;;
     rsoak) CUDA_DEVICE_MAX_CONNECTIONS=32 MALLOC_ARENA_MAX=4 phase rsoak 240 .gpu/examples/soak --per-rank --iters "${RSOAK_ITERS:-3000}" --seed 16 --max-ranks 8 ;;
     rb2b) CUDA_DEVICE_MAX_CONNECTIONS=32 MALLOC_ARENA_MAX=4 phase rb2b 300 .gpu/examples/soak --per-rank --back-to-back --iters "${RB2B_ITERS:-60}" --batch 16 ;;
     sanitizer) SANITIZER_TIMEOUT=150 phase sanitizer "${SANITIZER_PHASE:-900}" tests/sanitizer.sh ;;

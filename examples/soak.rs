@@ -85,7 +85,8 @@
 //! reaches its size), and at
 //! the end, each device's default pool is trimmed and its used bytes
 //! (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`), `cuMemGetInfo`'s free bytes and the
-//! process's resident set (pinned host memory is resident) are recorded;
+//! process's resident set (pinned host memory is resident; measured after
+//! `malloc_trim`, so that glibc's free heap does not count) are recorded;
 //! growth beyond 1 MiB used, 64 MiB device or 64 MiB host fails the run.
 //! Back to back with 20 batches or more, the host's growth counts from the
 //! tenth batch instead: a batch holds its calls' host buffers at once, more
@@ -866,8 +867,18 @@ fn memory(ctxs: &[Arc<CudaContext>]) -> Result<(Vec<(u64, usize)>, u64), String>
     Ok((per, resident()))
 }
 
-/// This process's resident set in bytes (0 where /proc says nothing).
+/// This process's resident set in bytes (0 where /proc says nothing),
+/// after glibc has handed its free heap back to the system: what is left is
+/// memory in use (pinned host memory included), not the peaks that the
+/// allocator's per-thread arenas keep (the soak runs a launcher thread per
+/// rank of each group).
 fn resident() -> u64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` only returns free memory of glibc's heap to the
+    // system; it may be called at any time, from any thread.
+    unsafe {
+        libc::malloc_trim(0);
+    }
     let kib = std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
