@@ -1752,7 +1752,10 @@ fn the_pairwise_exchange_pairs_every_rank() {
 /// `cuda_peer::compat::nccl`'s `Comm::group`, cudarc's shape (views by
 /// value): a ring shift of fresh random words and an all-reduce through
 /// one group, on 2 and 3 thread ranks, every result exact against the CPU;
-/// a peer out of range is a typed error and leaves the group usable.
+/// a peer out of range, and a receive into a buffer of another context
+/// (refused at the call, as cudarc's are, not when the group ends), are
+/// typed errors and leave the group usable. Then an empty reduce whose
+/// ranks but the root pass no receive buffer (cudarc passes none there).
 #[test]
 fn compat_groups_take_views_as_cudarcs_do() {
     use cuda_peer::compat::nccl::safe::{Comm as NcclComm, ReduceOp as NcclOp};
@@ -1765,21 +1768,40 @@ fn compat_groups_take_views_as_cudarcs_do() {
         let comms = NcclComm::from_devices(streams(&ctxs, n)).unwrap_or_else(|e| panic!("{what}: from_devices: {e}"));
         let count = 4099;
         let inputs: Vec<Vec<u32>> = (0..n).map(|_| (0..count).map(|_| fresh.next() as u32).collect()).collect();
+        // Made before any rank calls, so that no context is made while a
+        // peer's kernels wait.
+        let other = CudaContext::new_non_primary(ctxs[0].ordinal(), 0).unwrap();
+        let foreign: Vec<std::sync::Mutex<_>> =
+            (0..n).map(|_| std::sync::Mutex::new(other.default_stream().alloc_zeros::<u32>(count).unwrap())).collect();
         let outs = each(&comms, |r, c| {
             let s = c.stream();
             let mine = s.clone_htod(&inputs[r]).unwrap();
             let mut from_prev = s.clone_htod(&vec![0xDEAD_BEEFu32; count]).unwrap();
             let mut sum = s.clone_htod(&vec![0xDEAD_BEEFu32; count]).unwrap();
+            let mut foreign = foreign[r].lock().unwrap();
             {
                 let mut g = c.group();
                 g.send(mine.slice(..), next(r, n) as i32).unwrap_or_else(|e| panic!("{what}: rank {r}: send: {e}"));
                 let bad = g.send(mine.slice(..), n as i32);
                 assert!(matches!(&bad, Err(e) if matches!(e.0, Error::InvalidArgument(_))), "{what}: rank {r}: a send to rank {n}: {bad:?}");
+                let bad = g.recv(foreign.slice_mut(..), prev(r, n) as i32);
+                assert!(
+                    matches!(&bad, Err(e) if matches!(e.0, Error::WrongContext { .. })),
+                    "{what}: rank {r}: a receive of another context: {bad:?}"
+                );
                 g.recv(from_prev.slice_mut(..), prev(r, n) as i32).unwrap_or_else(|e| panic!("{what}: rank {r}: recv: {e}"));
                 g.all_reduce(mine.slice(..), sum.slice_mut(..), &NcclOp::Sum).unwrap_or_else(|e| panic!("{what}: rank {r}: all_reduce: {e}"));
                 g.end().unwrap_or_else(|e| panic!("{what}: rank {r}: end: {e}"));
             }
             c.async_error().unwrap_or_else(|e| panic!("{what}: rank {r}: async_error: {e}"));
+            let empty = mine.slice(0..0);
+            let reduced = if r == 0 {
+                c.reduce(&empty, Some(&mut sum.slice_mut(0..0)), &NcclOp::Sum, 0)
+            } else {
+                c.reduce(&empty, None::<&mut cuda_peer::cudarc::driver::CudaViewMut<u32>>, &NcclOp::Sum, 0)
+            };
+            reduced.unwrap_or_else(|e| panic!("{what}: rank {r}: an empty reduce: {e}"));
+            c.async_error().unwrap_or_else(|e| panic!("{what}: rank {r}: async_error after the empty reduce: {e}"));
             (s.clone_dtoh(&from_prev).unwrap(), s.clone_dtoh(&sum).unwrap())
         });
         let want_sum: Vec<u32> = (0..count).map(|i| inputs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect();

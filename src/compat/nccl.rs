@@ -216,7 +216,7 @@ pub mod safe {
     use super::result::{NcclError, NcclStatus};
     use crate::dtype::{DType, Element};
     use crate::error::{cudarc_err, Error};
-    use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, ValidAsZeroBits};
+    use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, ValidAsZeroBits};
     use std::ffi::c_char;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, OnceLock};
@@ -652,11 +652,14 @@ pub mod safe {
                     Some(recv) => c.reduce::<T, S, R>(sendbuff, recv, op, root),
                     None if root == c.rank() => Err(Error::InvalidArgument(format!("reduce: rank {root} is the root and passes no receive buffer"))),
                     None => {
+                        // At least one element: the driver refuses to
+                        // allocate none; the call sees `len` of them.
+                        let len = sendbuff.len();
                         let mut recv = c
                             .stream()
-                            .alloc_zeros::<T>(sendbuff.len())
+                            .alloc_zeros::<T>(len.max(1))
                             .map_err(cudarc_err("reduce: a receive buffer for a rank that is not the root"))?;
-                        c.reduce::<T, S, _>(sendbuff, &mut recv, op, root)
+                        c.reduce::<T, S, _>(sendbuff, &mut recv.slice_mut(0..len), op, root)
                     }
                 }
             })
@@ -770,6 +773,7 @@ pub mod safe {
         /// the group ends.
         pub fn send<'s: 'g, T: NcclType>(&mut self, data: CudaView<'s, T>, peer: i32) -> Result<(), NcclError> {
             let peer = peer_of(self.comm, peer)?;
+            crate::copy::check_context("send", "send", self.comm.inner().context(), data.stream().context())?;
             self.pending.push(Box::new(Transfer::Send(data, peer)));
             Ok(())
         }
@@ -778,6 +782,7 @@ pub mod safe {
         /// moves when the group ends.
         pub fn recv<'r: 'g, T: NcclType>(&mut self, buff: CudaViewMut<'r, T>, peer: i32) -> Result<NcclStatus, NcclError> {
             let peer = peer_of(self.comm, peer)?;
+            crate::copy::check_context("recv", "recv", self.comm.inner().context(), buff.stream().context())?;
             self.pending.push(Box::new(Transfer::Recv(buff, peer)));
             Ok(NcclStatus::Success)
         }

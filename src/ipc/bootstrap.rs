@@ -49,6 +49,10 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 pub use super::id::BIND_ADDR_ENV;
 
+/// The most ranks of one job: rank 0 holds a connection to every other
+/// rank (a star), which does not serve more.
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
 /// The longest a new connection may take to prove the secret.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most connections rank 0 authenticates at once: a new one past it
@@ -114,10 +118,12 @@ const INSECURE_KEY: &str = "cuda-peer: no job secret (insecure)";
 
 impl Bootstrap {
     /// Checks and takes the given places (for frameworks that know them
-    /// from their own launcher).
+    /// from their own launcher): a rank outside the world, or a world of
+    /// none or of more than [`MAX_WORLD_SIZE`] ranks, is
+    /// [`Error::InvalidArgument`].
     pub fn new(rank: usize, world_size: usize, local_rank: usize, local_world_size: usize, master_addr: &str, master_port: u16) -> Result<Bootstrap> {
-        if world_size == 0 {
-            return Err(Error::InvalidArgument("world size 0".into()));
+        if world_size == 0 || world_size > MAX_WORLD_SIZE {
+            return Err(Error::InvalidArgument(format!("world size {world_size} (1 to {MAX_WORLD_SIZE})")));
         }
         if rank >= world_size {
             return Err(Error::InvalidArgument(format!("rank {rank} out of range for a world of {world_size}")));
@@ -166,8 +172,8 @@ impl Bootstrap {
         let local_world_size: usize = num(&get, "LOCAL_WORLD_SIZE", Some(world_size))?;
         let master_port: u16 = num(&get, "MASTER_PORT", None)?;
         let master_addr = get("MASTER_ADDR").ok_or(Error::Env { var: "MASTER_ADDR", problem: "not set".into() })?;
-        if world_size == 0 {
-            return Err(Error::Env { var: "WORLD_SIZE", problem: "must be at least 1".into() });
+        if world_size == 0 || world_size > MAX_WORLD_SIZE {
+            return Err(Error::Env { var: "WORLD_SIZE", problem: format!("{world_size} is not in 1..={MAX_WORLD_SIZE}") });
         }
         if rank >= world_size {
             return Err(Error::Env { var: "RANK", problem: format!("{rank} is not below WORLD_SIZE {world_size}") });
@@ -692,10 +698,12 @@ mod tests {
                 other => panic!("{missing}: {other:?}"),
             }
         }
-        let cases: [(&str, &str, &str); 6] = [
+        let too_many = (MAX_WORLD_SIZE + 1).to_string();
+        let cases: [(&str, &str, &str); 7] = [
             ("RANK", "x", "RANK"),
             ("RANK", "2", "RANK"),
             ("WORLD_SIZE", "0", "WORLD_SIZE"),
+            ("WORLD_SIZE", &too_many, "WORLD_SIZE"),
             ("MASTER_PORT", "70000", "MASTER_PORT"),
             ("LOCAL_RANK", "-1", "LOCAL_RANK"),
             ("LOCAL_WORLD_SIZE", "3", "LOCAL_WORLD_SIZE"),
@@ -709,6 +717,12 @@ mod tests {
         }
         assert!(matches!(Bootstrap::new(2, 2, 0, 1, "h", 1), Err(Error::InvalidArgument(_))));
         assert!(Bootstrap::new(1, 2, 0, 1, "h", 1).is_ok());
+        // Rank 0 holds a slot per rank: a world it cannot serve is refused
+        // before anything is sized by it.
+        for world in [MAX_WORLD_SIZE + 1, usize::MAX] {
+            assert!(matches!(Bootstrap::new(0, world, 0, 1, "h", 1), Err(Error::InvalidArgument(_))), "{world}");
+        }
+        assert!(Bootstrap::new(0, MAX_WORLD_SIZE, 0, 1, "h", 1).is_ok());
     }
 
     #[test]
