@@ -555,6 +555,58 @@ fn several_messages_to_one_peer_and_to_itself_match_in_order() {
     }
 }
 
+/// A rank's messages to itself are matched one with one, in order, as a
+/// peer's are: a send of 8 words against two receives of 4 (or two sends
+/// against one receive) is an error before anything moves, which leaves
+/// the receives poisoned and the communicator usable; sends of 5 and 3
+/// words against receives of 5 and 3 land each in its own. Two ranks
+/// sharing the GPUs there are, P2P and staged.
+#[test]
+fn messages_to_itself_are_matched_one_by_one() {
+    let test = "messages_to_itself_are_matched_one_by_one";
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus(test, 1) else { return };
+    let (mut fresh, seed) = Fresh::new();
+    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+        let (comms, path) = make(test, &ctxs, 2, &options(policy));
+        let tag = format!("{path:?} (seed {seed:#x})");
+        let words: Vec<Vec<u32>> = (0..2).map(|_| (0..8).map(|_| fresh.next() as u32).collect()).collect();
+        let got = each(&comms, |r, c| {
+            let s = c.stream();
+            let send = s.clone_htod(&words[r]).unwrap();
+            let (mut x, mut y) = (poisoned::<u32>(s, 4), poisoned::<u32>(s, 4));
+            let mut g = c.group();
+            g.send(&send, r).unwrap();
+            g.recv(&mut x, r).unwrap();
+            g.recv(&mut y, r).unwrap();
+            let split = g.end();
+            assert!(matches!(&split, Err(Error::InvalidArgument(_))), "{tag}: rank {r}: one send of 8 into receives of 4 and 4: {split:?}");
+            let (a, b) = (send.slice(0..5), send.slice(5..8));
+            let mut whole = poisoned::<u32>(s, 8);
+            let mut g = c.group();
+            g.send(&a, r).unwrap();
+            g.send(&b, r).unwrap();
+            g.recv(&mut whole, r).unwrap();
+            let joined = g.end();
+            assert!(matches!(&joined, Err(Error::InvalidArgument(_))), "{tag}: rank {r}: sends of 5 and 3 into one receive of 8: {joined:?}");
+            let (mut five, mut three) = (poisoned::<u32>(s, 5), poisoned::<u32>(s, 3));
+            let mut g = c.group();
+            g.send(&a, r).unwrap();
+            g.send(&b, r).unwrap();
+            g.recv(&mut five, r).unwrap();
+            g.recv(&mut three, r).unwrap();
+            g.end().unwrap_or_else(|e| panic!("{tag}: rank {r}: sends of 5 and 3 into receives of 5 and 3: {e}"));
+            c.synchronize().unwrap_or_else(|e| panic!("{tag}: rank {r}: synchronize: {e}"));
+            [x, y, whole, five, three].map(|b| s.clone_dtoh(&b).unwrap())
+        });
+        for (r, [x, y, whole, five, three]) in got.iter().enumerate() {
+            assert_bits(&format!("{tag}: rank {r}'s refused receives"), &[x.as_slice(), y, whole].concat(), &poison::<u32>(16));
+            assert_bits(&format!("{tag}: rank {r}'s receive of 5"), five, &words[r][..5]);
+            assert_bits(&format!("{tag}: rank {r}'s receive of 3"), three, &words[r][5..]);
+        }
+    }
+}
+
 // ---- 3. all-to-all, all-to-all-v, all-gather-v, reduce-scatter-v ----
 
 /// `count` elements of `T` to and from every rank: block `j` of rank `r`'s

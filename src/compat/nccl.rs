@@ -62,6 +62,17 @@
 //!   `ncclCommAbort`). [`result::NcclError`]'s `.0` is a [`crate::error::Error`]
 //!   (cudarc's is an `ncclResult_t`); it also implements `Display` and
 //!   `std::error::Error`.
+//! - Buffer lengths: where cudarc takes the count from one buffer and lets
+//!   the other be longer, a collective here needs the lengths its
+//!   collective defines (all-reduce and broadcast: equal; all-gather and
+//!   reduce-scatter: one `world_size()` times the other) and refuses
+//!   others with [`crate::error::Error::LengthMismatch`]; pass views of
+//!   the lengths meant. A rank but the root of `reduce` ignores its
+//!   receive buffer, as NCCL does.
+//! - A [`Group`] groups the calls made through it: a `send` or `recv` made
+//!   on the [`Comm`] itself while a group is open runs at once (cudarc's
+//!   group is NCCL's per-thread state, which takes every call of the
+//!   thread).
 //! - [`Comm`] is `Send + Sync` (cudarc's holds a raw pointer and is
 //!   neither).
 //!
@@ -649,9 +660,11 @@ pub mod safe {
             self.call(|c| {
                 let (op, root) = (reduce_op.into(), root_rank(root)?);
                 match recvbuff {
-                    Some(recv) => c.reduce::<T, S, R>(sendbuff, recv, op, root),
+                    // A rank but the root ignores its receive buffer, as
+                    // NCCL does, whatever its length.
+                    Some(recv) if root == c.rank() || recv.len() == sendbuff.len() => c.reduce::<T, S, R>(sendbuff, recv, op, root),
                     None if root == c.rank() => Err(Error::InvalidArgument(format!("reduce: rank {root} is the root and passes no receive buffer"))),
-                    None => {
+                    _ => {
                         // At least one element: the driver refuses to
                         // allocate none; the call sees `len` of them.
                         let len = sendbuff.len();

@@ -112,12 +112,15 @@ impl RankInfo {
     }
 }
 
-/// Each rank's staging buffer for [`CommOptions::buffer_bytes`]: at least
-/// 1 KiB, whole 512 bytes; [`Error::InvalidArgument`] where it would not
-/// fit (a region's length travels in a tag below [`HOST_TAG`]).
-fn staging_bytes(buffer_bytes: usize) -> Result<usize> {
+/// Each rank's staging buffer for [`CommOptions::buffer_bytes`] and `size`
+/// ranks: at least 1 KiB and 512 bytes per rank (so that each half holds a
+/// slot of 256 bytes per rank), whole 512 bytes; [`Error::InvalidArgument`]
+/// where it would not fit (a region's length travels in a tag below
+/// [`HOST_TAG`]).
+fn staging_bytes(buffer_bytes: usize, size: usize) -> Result<usize> {
     buffer_bytes
         .max(1024)
+        .max(size.saturating_mul(512))
         .checked_next_multiple_of(512)
         .filter(|&b| (b as u64) < HOST_TAG)
         .ok_or_else(|| Error::InvalidArgument(format!("CommOptions::buffer_bytes of {buffer_bytes} bytes is too large")))
@@ -359,7 +362,7 @@ impl Comm {
             if size > MAX_RANKS {
                 return Err(Error::Unsupported(format!("{size} ranks in one communicator (at most {MAX_RANKS})")));
             }
-            let staging = staging_bytes(opts.buffer_bytes)?;
+            let staging = staging_bytes(opts.buffer_bytes, size)?;
             let stream = match on {
                 On::Device(device) => crate::driver::context(device)?.new_stream().map_err(cudarc_err("cuStreamCreate"))?,
                 On::Stream(stream) => {
@@ -916,14 +919,27 @@ mod tests {
 
     #[test]
     fn huge_buffer_bytes_are_invalid_arguments_not_overflows() {
-        assert_eq!(staging_bytes(0).unwrap(), 1024);
-        assert_eq!(staging_bytes(1025).unwrap(), 1536);
-        assert_eq!(staging_bytes(DEFAULT_BUFFER_BYTES).unwrap(), DEFAULT_BUFFER_BYTES);
+        assert_eq!(staging_bytes(0, 2).unwrap(), 1024);
+        assert_eq!(staging_bytes(1025, 2).unwrap(), 1536);
+        assert_eq!(staging_bytes(DEFAULT_BUFFER_BYTES, 8).unwrap(), DEFAULT_BUFFER_BYTES);
         for huge in [usize::MAX, usize::MAX - 511, 1 << 62] {
-            assert!(matches!(staging_bytes(huge), Err(Error::InvalidArgument(_))), "{huge}");
+            assert!(matches!(staging_bytes(huge, 2), Err(Error::InvalidArgument(_))), "{huge}");
         }
         let opts = CommOptions::default().buffer_bytes(usize::MAX);
-        assert!(matches!(staging_bytes(opts.buffer_bytes), Err(Error::InvalidArgument(_))));
+        assert!(matches!(staging_bytes(opts.buffer_bytes, 2), Err(Error::InvalidArgument(_))));
+    }
+
+    /// The smallest buffers still give each half a 256-byte slot per rank
+    /// (the creation's check of the halves; 1 KiB for 8 ranks gave 512).
+    #[test]
+    fn the_smallest_staging_buffers_hold_a_slot_per_rank() {
+        for size in 1..=MAX_RANKS {
+            for asked in [0, 1, 1024, 1025, 2048, 4095] {
+                let staging = staging_bytes(asked, size).unwrap();
+                assert!(staging >= asked && staging % 512 == 0, "{asked} for {size} ranks: {staging}");
+                assert!((staging / 2) & !255 >= 256 * size, "{asked} for {size} ranks: {staging}");
+            }
+        }
     }
 
     #[test]

@@ -37,7 +37,7 @@ pub struct CommOptions {
     /// Bytes of each rank's staging buffer (in its device memory, mapped by
     /// every peer) for the collectives other than all-reduce: they run in
     /// chunks of half of it (rounded down to 256 bytes). At least 1 KiB
-    /// (rounded up to 512 bytes); on the P2P path each rank's region is
+    /// and 512 bytes per rank (rounded up to 512 bytes); on the P2P path each rank's region is
     /// rounded up to the device's allocation granularity (2 MiB on current
     /// GPUs) and what that adds goes to the staging buffer too, so chunks
     /// can be larger than asked ([`Comm::chunk_bytes`](super::Comm::chunk_bytes) says how large); a size whose regions overflow or reach

@@ -57,10 +57,16 @@ impl Comm {
             return Err(Error::InvalidArgument(format!("point-to-point: peer {} of {n} ranks", t.peer)));
         }
         let (to_self, from_self) = split(ts, me);
-        let (out, inn) = (total(&to_self), total(&from_self));
-        if out != inn {
-            return Err(Error::InvalidArgument(format!("point-to-point: rank {me} sends itself {out} bytes and receives {inn}")));
+        // Matched in order, one message with one, as a peer's are.
+        let lengths = |p: &Pieces| p.iter().map(|m| m.1).collect::<Vec<_>>();
+        if lengths(&to_self) != lengths(&from_self) {
+            return Err(Error::InvalidArgument(format!(
+                "point-to-point: rank {me} sends itself messages of {:?} bytes and receives messages of {:?}",
+                lengths(&to_self),
+                lengths(&from_self)
+            )));
         }
+        let out = total(&to_self);
         let _calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.held.ctl.check()?;
         self.number_call();
