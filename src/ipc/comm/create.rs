@@ -936,7 +936,7 @@ mod tests {
         for size in 1..=MAX_RANKS {
             for asked in [0, 1, 1024, 1025, 2048, 4095] {
                 let staging = staging_bytes(asked, size).unwrap();
-                assert!(staging >= asked && staging % 512 == 0, "{asked} for {size} ranks: {staging}");
+                assert!(staging >= asked && staging.is_multiple_of(512), "{asked} for {size} ranks: {staging}");
                 assert!((staging / 2) & !255 >= 256 * size, "{asked} for {size} ranks: {staging}");
             }
         }
