@@ -54,7 +54,8 @@
 //!    and sends it; each rank registers it for its device. Rank 0 also
 //!    sends the call board. Shared host memory is sealed against resizing
 //!    and imported only with those seals and exactly the length this rank
-//!    computes for it;
+//!    computes for it; a peer's device region only at the length the peer
+//!    publishes to every rank;
 //! 4. unless [`CommOptions::verify`] is off, an all-reduce of random
 //!    data on each lane, in several rounds where the lane has them (the SM
 //!    stores into the peers' memory and loads of their flags) and an all-gather (copies from the peers' staging

@@ -531,22 +531,33 @@ impl Comm {
             Ok((memory, CallBoard::new(board, size)?, ctl_page))
         })();
         drop(listener);
-        // Each rank's own mapping of its region, for the peers that are
-        // threads of this process on this device.
-        let own_addr = |m: &Memory| match m {
-            Memory::Device { own, .. } => own.device_ptr().to_string(),
+        // Each rank's own mapping of its region (for the peers that are
+        // threads of this process on this device) and its length: every
+        // rank sees the same lengths, and each descriptor must carry its
+        // sender's, so that every rank sizes the staging halves alike.
+        let own_region = |m: &Memory| match m {
+            Memory::Device { own, .. } => format!("{} {}", own.device_ptr(), own.len()),
             Memory::Host { .. } => String::new(),
         };
-        let addrs = agree(ex, "communicator: mapping the peers' memory", imported.as_ref().map(|(m, _, _)| own_addr(m)).map_err(Clone::clone))?;
+        const MAPPING: &str = "communicator: mapping the peers' memory";
+        let published = agree(ex, MAPPING, imported.as_ref().map(|(m, _, _)| own_region(m)).map_err(Clone::clone))?;
         let (mut memory, board, ctl_page) = imported?;
         if let Memory::Device { peers, .. } = &mut memory {
-            for (k, info) in infos.iter().enumerate().filter(|&(k, i)| k != rank && i.fd.pid == own_info.fd.pid && i.bus == own_info.bus) {
+            for (k, info) in infos.iter().enumerate().filter(|&(k, _)| k != rank) {
                 let slot = if k < rank { k } else { k - 1 };
-                let addr = number::<u64>(&addrs[k]);
-                peers[slot] = addr.and_then(|a| owned::find(&ctx, a, peers[slot].len())).ok_or_else(|| Error::Bootstrap {
-                    op: "communicator: mapping the peers' memory",
-                    reason: format!("rank {k} (a thread of this process, on {}) names a region this process does not hold", info.bus),
-                })?;
+                let (addr, len) = published[k].split_once(' ').map_or((None, None), |(a, l)| (number::<u64>(a), number::<usize>(l)));
+                if len != Some(peers[slot].len()) {
+                    return Err(Error::Bootstrap {
+                        op: MAPPING,
+                        reason: format!("rank {k}'s descriptor carries a region of {} bytes, and it publishes {:?}", peers[slot].len(), published[k]),
+                    });
+                }
+                if info.fd.pid == own_info.fd.pid && info.bus == own_info.bus {
+                    peers[slot] = addr.and_then(|a| owned::find(&ctx, a, peers[slot].len())).ok_or_else(|| Error::Bootstrap {
+                        op: MAPPING,
+                        reason: format!("rank {k} (a thread of this process, on {}) names a region this process does not hold", info.bus),
+                    })?;
+                }
             }
         }
         // Each rank's region, as mapped here, and its length.
