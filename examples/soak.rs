@@ -90,11 +90,12 @@
 //! growth beyond 1 MiB used, 64 MiB device or 64 MiB host fails the run.
 //! Back to back with 20 batches or more, the host's growth counts from the
 //! tenth batch instead: a batch holds its calls' host buffers at once, more
-//! than the warm-up's, and the allocator keeps that peak (measured on one
-//! H200 with per-rank communicators: +273 MB in the first ten batches, then
-//! -2 MB from the tenth to the end of forty:
-//! bench/results/gpu-tests/h200x1/soak-per-rank/); a leak per call still
-//! grows past it.
+//! than the warm-up's, and before the trim the allocator kept that peak
+//! (on one H200 with per-rank communicators: +273 MB in the first ten
+//! batches, then -2 MB from the tenth to the end of forty:
+//! bench/results/gpu-tests/h200x1/soak-per-rank/; with the trim, groups
+//! back to back: +0.9 MB, then +0.8 MB: soak-b2b-arenas/); a leak per call
+//! still grows past it.
 //!
 //! Prints the groups, a line per 1000 iterations (10 back to back, with the
 //! resident set) and a summary; exits 0 only if every check passed, 1
