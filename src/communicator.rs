@@ -203,6 +203,17 @@ impl Communicator {
         if let Some(ctl) = &self.ctl {
             ctl.check()?;
         }
+        self.see_captures(keep_alive)?;
+        self.call.fetch_add(1, Relaxed);
+        Ok(serial)
+    }
+
+    /// Notes whether any rank's stream is being captured into a graph, and
+    /// makes each such graph keep `keep_alive()` alive (see [`Self::enter`]).
+    /// A call whose ranks' streams join a capture only after `enter` (the
+    /// raw entry's, ordered after the callers' capturing streams) looks
+    /// again once they have.
+    pub(crate) fn see_captures(&self, keep_alive: impl Fn() -> KeepAlive) -> Result<()> {
         let mut capturing = false;
         for rank in &self.ranks {
             let Some((id, graph)) = capture_of(&rank.stream)? else { continue };
@@ -217,8 +228,7 @@ impl Communicator {
             }
         }
         self.capturing.store(capturing, Relaxed);
-        self.call.fetch_add(1, Relaxed);
-        Ok(serial)
+        Ok(())
     }
 
     /// Whether the call being enqueued is captured into a graph (set by

@@ -190,9 +190,16 @@ impl std::fmt::Debug for Group {
     }
 }
 
+/// Whether `a` and `b` are one stream: one handle of one context (every
+/// context's legacy default stream has the same null handle).
+fn same_stream(a: &CudaStream, b: &CudaStream) -> bool {
+    a.cu_stream() == b.cu_stream() && a.context().cu_ctx() == b.context().cu_ctx()
+}
+
 impl Group {
     /// A group with one rank per stream, in ring order. Several streams may
-    /// belong to one device. Opens every ring link `r-1 -> r` under
+    /// belong to one device; two ranks on one stream are
+    /// [`Error::InvalidArgument`]. Opens every ring link `r-1 -> r` under
     /// `opts.link` (enabling and verifying P2P, or allocating staging).
     pub fn new(streams: Vec<Arc<CudaStream>>, opts: &GroupOptions) -> Result<Group> {
         if streams.is_empty() {
@@ -201,6 +208,13 @@ impl Group {
         let n = streams.len();
         if !opts.pull_policies.is_empty() && opts.pull_policies.len() != n {
             return Err(Error::InvalidArgument(format!("{} pull policies for {n} ranks", opts.pull_policies.len())));
+        }
+        // Each rank's fused kernel waits at a device barrier for the
+        // others': two on one stream would wait for each other.
+        for (r, s) in streams.iter().enumerate() {
+            if let Some(k) = streams[..r].iter().position(|t| same_stream(t, s)) {
+                return Err(Error::InvalidArgument(format!("ranks {k} and {r} are on one stream: each rank needs its own")));
+            }
         }
         let ranks = ranks_on(streams)?;
         let mut access = Vec::new();
@@ -291,7 +305,7 @@ impl Group {
     /// stream, and [`Group::ranks_wait_for`] after it, before the next
     /// eager call. Errors are the driver's (event record or wait).
     pub fn wait_for_ranks(&self, stream: &CudaStream) -> Result<()> {
-        for rank in self.comm.ranks.iter().filter(|r| r.stream.cu_stream() != stream.cu_stream()) {
+        for rank in self.comm.ranks.iter().filter(|r| !same_stream(&r.stream, stream)) {
             stream.join(&rank.stream).map_err(cudarc_err("cuStreamWaitEvent (waiting for a rank)"))?;
         }
         Ok(())
@@ -302,7 +316,7 @@ impl Group {
     /// [`Group::wait_for_ranks`]), the group's next eager calls start after
     /// the graph's nodes.
     pub fn ranks_wait_for(&self, stream: &CudaStream) -> Result<()> {
-        for rank in self.comm.ranks.iter().filter(|r| r.stream.cu_stream() != stream.cu_stream()) {
+        for rank in self.comm.ranks.iter().filter(|r| !same_stream(&r.stream, stream)) {
             rank.stream.join(stream).map_err(cudarc_err("cuStreamWaitEvent (a rank waiting)"))?;
         }
         Ok(())
@@ -379,6 +393,12 @@ impl Group {
     /// calls keep the group's resources alive for as long as their graphs.
     pub(crate) fn enter(&self) -> Result<Vec<MutexGuard<'_, ()>>> {
         self.comm.enter(|| self.keep_alive())
+    }
+
+    /// Looks again for captures of the ranks' streams, after a call has
+    /// ordered them after streams of the caller's ([`Communicator::see_captures`]).
+    pub(crate) fn see_captures(&self) -> Result<()> {
+        self.comm.see_captures(|| self.keep_alive())
     }
 
     /// Everything a captured call of this group can touch when replayed:

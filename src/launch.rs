@@ -104,7 +104,9 @@ impl Launchers {
                 Ok(t) => launchers.push(Launcher { shared, thread: Some(t) }),
                 Err(e) => {
                     log::warn!("cuda-peer: cannot start a launcher thread ({e}); launching from the calling thread");
-                    return None; // the ones started stop when `launchers` drops
+                    // The ones started stop and are joined.
+                    drop(Launchers { launchers, calls: Mutex::new(0), pid: std::process::id() });
+                    return None;
                 }
             }
         }

@@ -123,7 +123,7 @@ impl Group {
             if recv[r] != send[r] {
                 self.check_raw_buffer(r, "recv", recv[r], bytes, dtype)?;
                 let (s, d) = (send[r].0, recv[r].0);
-                if s < d + bytes as u64 && d < s + bytes as u64 {
+                if s < d.saturating_add(bytes as u64) && d < s.saturating_add(bytes as u64) {
                     return Err(Error::InvalidArgument(format!("{OP}: rank {r}'s send and recv buffers overlap without being identical")));
                 }
             }
@@ -162,7 +162,10 @@ impl Group {
         }
         let ins: Vec<u64> = send.iter().map(|b| b.0).collect();
         let outs: Vec<u64> = recv.iter().map(|b| b.0).collect();
-        let work = self.pick(bytes).enqueue(&self.comm, op, dtype, &ins, &outs, count);
+        // A capture begun on the callers' streams has reached the group's
+        // now: its graph must hold what the call touches, and the call is
+        // launched from this thread.
+        let work = self.see_captures().and_then(|()| self.pick(bytes).enqueue(&self.comm, op, dtype, &ins, &outs, count));
         // The callers' streams wait for the group's, also after a failure
         // part-way (whatever was enqueued must be done before the buffers
         // are reused).

@@ -218,12 +218,14 @@ impl AllReduce for Ring {
     }
 
     fn enqueue(&self, comm: &Communicator, op: ReduceOp, dtype: DType, src: &[u64], dst: &[u64], count: usize) -> Result<()> {
+        // Checked before anything is written, so that a refusal leaves
+        // every output as it was.
+        comm.check_reach("all_reduce (ring)", dst, false)?;
         for r in 0..comm.size() {
             if src[r] != dst[r] {
                 comm.local_copy(r, dst[r], src[r], count * dtype.size())?;
             }
         }
-        comm.check_reach("all_reduce (ring)", dst, false)?;
         all_reduce_in_place(comm, op, dtype, dst, count)
     }
 }

@@ -45,14 +45,12 @@ pub const MIN_SPLIT: usize = 512 << 10;
 fn lengths(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
     let unit = if chunk_bytes >= 4096 { ALIGN } else { 1 };
     let (units, rest) = (bytes / unit, bytes % unit);
-    let mut pieces = bytes.div_ceil(chunk_bytes).max((bytes / MIN_SPLIT).min(MIN_CHUNKS)).clamp(1, units.max(1));
-    let mut v = loop {
-        let v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).collect();
-        if v.iter().all(|&l| l <= chunk_bytes) || pieces >= units {
-            break v.into_iter().filter(|&l| l > 0).collect::<Vec<_>>();
-        }
-        pieces += 1;
-    };
+    // The fewest pieces of whole units, as even as can be, of which none
+    // is longer than `chunk_bytes`: the longest holds `ceil(units / pieces)`
+    // units, at most `per`.
+    let per = (chunk_bytes / unit).max(1);
+    let pieces = bytes.div_ceil(chunk_bytes).max((bytes / MIN_SPLIT).min(MIN_CHUNKS)).max(units.div_ceil(per)).clamp(1, units.max(1));
+    let mut v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).filter(|&l| l > 0).collect();
     match v.last_mut() {
         Some(last) if *last + rest <= chunk_bytes => *last += rest,
         _ if rest > 0 => v.push(rest),
@@ -82,6 +80,48 @@ pub fn plan(bytes: usize, chunk_bytes: usize, buffers: usize) -> impl Iterator<I
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cut as it was first written: one more piece at a time until
+    /// none is too long (quadratic where `chunk_bytes` is not whole units).
+    fn lengths_by_search(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
+        let unit = if chunk_bytes >= 4096 { ALIGN } else { 1 };
+        let (units, rest) = (bytes / unit, bytes % unit);
+        let mut pieces = bytes.div_ceil(chunk_bytes).max((bytes / MIN_SPLIT).min(MIN_CHUNKS)).clamp(1, units.max(1));
+        let mut v = loop {
+            let v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).collect();
+            if v.iter().all(|&l| l <= chunk_bytes) || pieces >= units {
+                break v.into_iter().filter(|&l| l > 0).collect::<Vec<_>>();
+            }
+            pieces += 1;
+        };
+        match v.last_mut() {
+            Some(last) if *last + rest <= chunk_bytes => *last += rest,
+            _ if rest > 0 => v.push(rest),
+            _ => {}
+        }
+        v
+    }
+
+    #[test]
+    fn the_cut_is_the_searched_one_without_the_search() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m) as usize
+        };
+        for chunk in [1, 7, 255, 256, 4095, 4096, 4351, 5000, 65_537, 1 << 20, (4 << 20) + 1] {
+            let most = if chunk < 4096 { 1 << 16 } else { 64 << 20 };
+            for bytes in (0..300).chain((0..100).map(|_| next(most) + 1)) {
+                assert_eq!(lengths(bytes, chunk), lengths_by_search(bytes, chunk), "{bytes} bytes in chunks of {chunk}");
+            }
+        }
+        // A size the search took minutes for: whole, none too long.
+        let v = lengths(8 << 30, 4351);
+        assert_eq!(v.iter().sum::<usize>(), 8 << 30);
+        assert!(v.iter().all(|&l| l <= 4351));
+    }
 
     #[test]
     fn chunks_cover_every_byte_once_in_order() {
