@@ -764,6 +764,18 @@ fn bad_input_is_refused() {
     let s = setup(&ctx, 2, ("p2p", Vec::new(), Algorithm::Auto));
     // The fused algorithms take 2 to 8 ranks (sharing devices or not): one
     // rank or nine are refused when forced.
+    // Two ranks on one stream (the same stream twice, or one context's
+    // legacy default stream twice): their fused kernels would wait for each
+    // other at a barrier.
+    let one = ctx[0].new_stream().unwrap();
+    for (streams, what) in
+        [(vec![one.clone(), one], "one stream twice"), (vec![ctx[0].default_stream(), ctx[0].default_stream()], "the default stream twice")]
+    {
+        match Group::new(streams, &GroupOptions::default()) {
+            Err(Error::InvalidArgument(why)) => assert!(why.contains("one stream"), "{what}: {why}"),
+            other => panic!("{what}: expected InvalidArgument, got {:?}", other.map(|_| "a group")),
+        }
+    }
     for (ranks, what) in [(1, "one rank"), (MAX_RANKS + 1, "nine ranks")] {
         let streams: Vec<_> = (0..ranks).map(|r| ctx[r % ctx.len()].new_stream().unwrap()).collect();
         for (algorithm, name) in [(Algorithm::Mesh, "mesh"), (Algorithm::OneShot, "one-shot")] {

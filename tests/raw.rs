@@ -246,6 +246,60 @@ fn raw_oneshot_over_many_rounds_back_to_back() {
     back_to_back(&s, bytes / 4, 5);
 }
 
+/// A CUDA graph captured on the callers' streams around the raw all-reduce
+/// (the group's streams join the capture only through the call's own
+/// ordering) holds what the call touches: replayed twice after the group is
+/// dropped, on fresh random words, every rank's result is the exact sum,
+/// then the sum of the sums. (The call used to look for captures before
+/// that join, and so made the graph hold nothing of the group's.)
+#[test]
+fn a_graph_captured_on_the_callers_streams_replays_after_the_group_is_dropped() {
+    let Some(gpus) = common::gpus("a_graph_captured_on_the_callers_streams_replays_after_the_group_is_dropped", 1) else {
+        return;
+    };
+    let count = 4099;
+    for (algorithm, n) in [(Algorithm::OneShot, 2), (Algorithm::Ring, 3)] {
+        let tag = format!("{algorithm:?} on {n} ranks");
+        let s = setup(&gpus[..gpus.len().min(n)], n, &GroupOptions::default().algorithm(algorithm));
+        let bufs: Vec<DeviceAlloc> = s.ctxs.iter().map(|c| DeviceAlloc::new(c, count * 4)).collect();
+        let raw: Vec<RawBuffer> = bufs.iter().map(DeviceAlloc::buf).collect();
+        let streams: Vec<RawStream> = s.callers.iter().map(|c| RawStream::of(c)).collect();
+        let graph = common::graph::try_capture(&s.callers, || {
+            // SAFETY: every buffer is a live cuMemAlloc allocation of `count`
+            // u32 on its rank's device, touched by nothing else until the
+            // callers' streams are synchronised; the streams are the ranks'.
+            unsafe { s.group.all_reduce_raw(&raw, count, DType::U32, ReduceOp::Sum, &streams) }.map_err(|e| e.to_string())
+        })
+        .unwrap_or_else(|e| panic!("{tag}: {e}"));
+        let Setup { ctxs, callers, group } = s;
+        drop(group);
+        let mut rng = rand::rng();
+        let inputs: Vec<Vec<u32>> = (0..n).map(|_| (0..count).map(|_| rng.random()).collect()).collect();
+        for r in 0..n {
+            ctxs[r].bind_to_thread().expect("bind");
+            // SAFETY: `bufs[r]` holds `count` u32.
+            unsafe { result::memcpy_htod_sync(bufs[r].ptr, &inputs[r]) }.expect("upload");
+        }
+        let sum = |xs: &[Vec<u32>]| -> Vec<u32> { (0..count).map(|i| xs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect() };
+        let once = sum(&inputs);
+        let twice = sum(&vec![once.clone(); n]);
+        for (replay, want) in [once, twice].iter().enumerate() {
+            graph.launch().unwrap_or_else(|e| panic!("{tag}: replay {replay}: {e:?}"));
+            for c in &callers {
+                c.synchronize().unwrap_or_else(|e| panic!("{tag}: replay {replay}: synchronize: {e:?}"));
+            }
+            for r in 0..n {
+                ctxs[r].bind_to_thread().expect("bind");
+                let mut got = vec![0u32; count];
+                // SAFETY: `bufs[r]` holds `count` u32; the replay is done.
+                unsafe { result::memcpy_dtoh_sync(&mut got, bufs[r].ptr) }.expect("download");
+                assert_eq!(common::diff(&got, want), None, "{tag}: replay {replay}: rank {r}");
+            }
+        }
+        drop(graph);
+    }
+}
+
 /// A chain (`common::chain`) of `calls` in-place u32 sums of `count`
 /// elements on the callers' streams, without host synchronisation in
 /// between; before each call but the first on an even number of ranks,
