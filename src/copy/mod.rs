@@ -115,6 +115,12 @@ impl Link {
     /// overlap, the next one leaving the source while the last chunks of the
     /// previous one still arrive. Without event tracking, the whole copy
     /// waits for `stream`, so order `src`'s writers through it.
+    ///
+    /// A staged copy captured into a CUDA graph uses the link's pinned
+    /// buffers, as its other copies do: launch the graph in the order of
+    /// the link's copies (on their stream, or on a stream that waits for it
+    /// before the launch and that it waits for after). A launch that
+    /// overlaps another copy of the link can mix their data.
     pub fn copy<T, S, D>(&mut self, src: &S, dst: &mut D, stream: &Arc<CudaStream>) -> Result<()>
     where
         S: DevicePtr<T>,
