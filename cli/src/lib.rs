@@ -45,6 +45,9 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
     let facts = sysfs::SystemFacts::read(&opts.root, &bdfs);
     let mut pairs = Vec::new();
     let mut notes = Vec::new();
+    // The pairs whose checks the time budget cut: a verdict of checks that
+    // did not run is not one to cache.
+    let mut uncached = Vec::new();
     if let Err(e) = &nvml.0 {
         notes.push(e.clone());
     }
@@ -71,7 +74,13 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
                 };
                 let peer = drv.can_access_peer && drv.can_access_peer_back;
                 input.driver = Some(drv);
-                let (checks, speeds, timings) = run_checks(from, to, peer, opts, t);
+                let (checks, speeds, timings, cut) = run_checks(from, to, peer, opts, t);
+                if cut {
+                    notes.push(format!(
+                        "GPU {from} -> {to}: the time budget ran out before its checks ended; its verdict is not cached (the library checks the pair itself)"
+                    ));
+                    uncached.push(pairs.len());
+                }
                 input.checks = Some(checks);
                 input.speeds = speeds;
                 pairs.push(report::PairReport {
@@ -99,7 +108,8 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
     if let (true, Some(path)) = (have_gpu, &opts.cache_path) {
         // The key the library computes for itself (cuda_peer::verdict), so
         // that the two match by construction.
-        let entries = pairs.iter().map(|p| cache::entry(&p.verdict, p.speeds.as_ref())).collect();
+        let entries =
+            pairs.iter().enumerate().filter(|(i, _)| !uncached.contains(i)).map(|(_, p)| cache::entry(&p.verdict, p.speeds.as_ref())).collect();
         match cache::CacheKey::current().map(|key| cache::Cache::new(key, entries)).and_then(|c| c.write(path)) {
             Ok(()) => cache_written = Some(path.display().to_string()),
             Err(e) => notes.push(format!("could not write the verdict cache {}: {e}", path.display())),
@@ -121,7 +131,11 @@ pub fn doctor(opts: &DoctorOptions) -> report::Report {
     }
 }
 
-fn run_checks(from: usize, to: usize, peer: bool, opts: &DoctorOptions, start: Instant) -> (Checks, Option<rules::Speeds>, Vec<(String, f64)>) {
+/// The checks of one pair, its speeds, each check's time, and whether the
+/// doctor's time budget cut a check (the pair was then not fully checked).
+type PairChecks = (Checks, Option<rules::Speeds>, Vec<(String, f64)>, bool);
+
+fn run_checks(from: usize, to: usize, peer: bool, opts: &DoctorOptions, start: Instant) -> PairChecks {
     let mut checks = Checks {
         copy_engine: Outcome::Error("not reported".into()),
         mesh: Outcome::Skipped("the driver reports no peer access".into()),
@@ -130,10 +144,12 @@ fn run_checks(from: usize, to: usize, peer: bool, opts: &DoctorOptions, start: I
     };
     let mut speeds = None;
     let mut timings = Vec::new();
+    let mut cut = false;
     let over = || start.elapsed() >= opts.budget;
     let skipped = || Outcome::Skipped(format!("the doctor's time budget ({:?}) ran out", opts.budget));
     let mut run = |kind: gpu::ChildKind, checks: &mut Checks| {
         if over() {
+            cut = true;
             let s = skipped();
             match kind {
                 gpu::ChildKind::Copy => {
@@ -190,5 +206,5 @@ fn run_checks(from: usize, to: usize, peer: bool, opts: &DoctorOptions, start: I
             run(gpu::ChildKind::OneShot, &mut checks);
         }
     }
-    (checks, speeds, timings)
+    (checks, speeds, timings, cut)
 }

@@ -33,7 +33,8 @@ enum Cmd {
         /// Bytes per bandwidth copy.
         #[arg(long, default_value_t = 64 << 20)]
         bytes: usize,
-        /// Start no new checks after this many seconds.
+        /// Start no new checks after this many seconds (a pair whose checks
+        /// it cuts is reported but not cached).
         #[arg(long, default_value_t = 60)]
         budget: u64,
         /// Do not write the verdict cache (written to $CUDA_PEER_DOCTOR_CACHE,
