@@ -56,8 +56,10 @@
 //! swapped in after the check does not wait for a writer), checks the opened
 //! file again (`fstat`), and reads at most one byte past the limit. A
 //! directory, FIFO, socket or device is [`CacheError::NotRegularFile`], a
-//! larger file [`CacheError::TooLarge`], text that is not a cache
-//! [`CacheError::Format`].
+//! larger file [`CacheError::TooLarge`], a file of another user than this
+//! one or root, or one every user may write, [`CacheError::NotTrusted`]
+//! (a cache in a shared directory another user planted), text that is not
+//! a cache [`CacheError::Format`].
 //!
 //! # When it applies
 //!
@@ -189,6 +191,16 @@ pub enum CacheError {
     /// This machine's key cannot be made (no driver, no boot id).
     #[error("no doctor cache key for this machine: {0}")]
     NoKey(String),
+    /// The file belongs to another user (not root), or every user may write
+    /// it: whoever could have written it is not trusted to decide this
+    /// user's paths.
+    #[error("doctor cache {path}: {why}; not read")]
+    NotTrusted {
+        /// The file.
+        path: PathBuf,
+        /// Its owner or mode.
+        why: String,
+    },
 }
 
 /// The path the doctor decided for one ordered pair.
@@ -575,6 +587,7 @@ fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, CacheError> {
     if !meta.file_type().is_file() {
         return Err(refuse(meta.file_type()));
     }
+    trusted(&meta).map_err(|why| CacheError::NotTrusted { path: path.to_path_buf(), why })?;
     if meta.len() > limit {
         return Err(too_large());
     }
@@ -584,6 +597,26 @@ fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, CacheError> {
         return Err(too_large());
     }
     Ok(bytes)
+}
+
+/// Whether a cache file (`meta`, of the opened file) is this user's or
+/// root's: owned by one of them, and not writable by every user (Linux;
+/// elsewhere every file is).
+fn trusted(meta: &std::fs::Metadata) -> Result<(), String> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let me = rustix::process::geteuid().as_raw();
+        if meta.uid() != me && meta.uid() != 0 {
+            return Err(format!("owned by uid {}, not by this user (uid {me}) or root", meta.uid()));
+        }
+        if meta.mode() & 0o002 != 0 {
+            return Err(format!("mode {:o}: writable by every user", meta.mode() & 0o7777));
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = meta;
+    Ok(())
 }
 
 /// Opens `path` for reading without waiting: on Linux with `O_NONBLOCK`
@@ -924,6 +957,22 @@ mod tests {
         assert_eq!(read_regular(&path, 10).unwrap().len(), 10);
         assert!(matches!(read_regular(&path, 9), Err(CacheError::TooLarge { limit: 9, .. })));
         assert!(matches!(read_regular(dir.path(), 10), Err(CacheError::NotRegularFile { kind: "a directory", .. })));
+    }
+
+    /// A cache every user may write is refused (another user could have
+    /// planted it), and read once it is not; a file of another user is
+    /// refused too, which needs a second user to test (root's is allowed).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_cache_every_user_may_write_is_not_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"{}").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(matches!(read_regular(&path, 10), Err(CacheError::NotTrusted { .. })));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(read_regular(&path, 10).unwrap(), b"{}");
     }
 
     /// The second line of defence, for a FIFO put at the path between the
