@@ -243,7 +243,8 @@ pub fn parse_rebar(config: &[u8]) -> RebarState {
             break;
         };
         let index = (ctrl & 7) as u8;
-        let current = 1u64 << (20 + ((ctrl >> 8) & 0x3f));
+        // A size field past 2^63 bytes (reserved encodings) reads as the largest.
+        let current = 1u64.checked_shl(20 + ((ctrl >> 8) & 0x3f)).unwrap_or(1 << 63);
         // Capability bits 4..31: sizes 1 MiB << (bit - 4) supported.
         let largest = (4..32).rev().find(|b| cap & (1 << b) != 0).map(|b| 1u64 << (20 + b - 4)).unwrap_or(0);
         bars.push((index, current, largest));
@@ -258,7 +259,7 @@ pub fn parse_resource(text: &str) -> Vec<u64> {
         .map(|l| {
             let n: Vec<u64> = l.split_whitespace().filter_map(|w| u64::from_str_radix(w.trim_start_matches("0x"), 16).ok()).collect();
             match n.as_slice() {
-                [start, end, ..] if *end > *start => end - start + 1,
+                [start, end, ..] if *end > *start => (end - start).saturating_add(1),
                 _ => 0,
             }
         })
@@ -598,5 +599,7 @@ mod tests {
     fn resource_sizes() {
         let r = "0x00000000fb000000 0x00000000fbffffff 0x0000000000040200\n0x000000d000000000 0x000000d00fffffff 0x000000000014220c\n0x0000000000000000 0x0000000000000000 0x0000000000000000\n";
         assert_eq!(parse_resource(r), vec![16 << 20, 256 << 20, 0]);
+        // The whole address space is one region, not an overflow.
+        assert_eq!(parse_resource("0x0 0xffffffffffffffff 0x0\n"), vec![u64::MAX]);
     }
 }
