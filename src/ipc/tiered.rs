@@ -202,11 +202,14 @@ impl Tiered {
     }
 
     /// Waits, bounded, for the collectives enqueued so far (both tiers,
-    /// and the point-to-point calls over every rank).
+    /// and the point-to-point calls over every rank). The tiers share one
+    /// stream: NCCL's bounded wait comes first (it aborts NCCL's kernels
+    /// when a host has died, which would otherwise hold the stream for
+    /// ever), then the host tier's, which finds the stream done.
     pub fn synchronize(&self) -> Result<()> {
-        self.local.synchronize()?;
         self.cross.synchronize()?;
         self.world.synchronize()?;
+        self.local.synchronize()?;
         self.order.synchronize()
     }
 
