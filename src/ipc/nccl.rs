@@ -314,9 +314,11 @@ impl NcclComm {
     }
 
     /// Runs `call` with the live communicator and this rank's context
-    /// current; every collective goes through here.
+    /// current; every collective goes through here. A failure aborts the
+    /// communicator (its error is the abort's): the peers have enqueued
+    /// their side, which would otherwise pair with this rank's next call.
     fn enqueue(&self, op: &'static str, call: impl FnOnce(&NcclApi, sys::NcclComm, *mut std::ffi::c_void) -> i32) -> Result<()> {
-        self.enqueue_calls(|api, comm, s| (op, call(api, comm, s)))
+        self.enqueue_calls(|api, comm, s| (op, call(api, comm, s))).map_err(|e| self.abort(e))
     }
 
     /// [`Self::enqueue`] of several NCCL calls, which return the name and
