@@ -94,6 +94,11 @@ pub struct Tiered {
     /// Scratch on the shared stream, grown as calls need; held for a whole
     /// call, which also keeps calls one at a time.
     scratch: Mutex<Option<CudaSlice<u8>>>,
+    /// Scratch outgrown after a call was captured into a graph, which may
+    /// still use it: kept as long as the communicator.
+    retired: Mutex<Vec<CudaSlice<u8>>>,
+    /// Whether a call has used the scratch under a capture.
+    captured: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Tiered {
@@ -173,7 +178,20 @@ impl Tiered {
         let cross = cross?;
         // 5. NCCL over every rank, on the same stream, bounded alike.
         let world = NcclComm::with_stream(&world_id, rank, size, local_comm.stream().clone(), opts.barrier_timeout)?;
-        Ok(Tiered { world, cross, local: local_comm, exchange, rank, size, host, per_host, order: Orderer::default(), scratch: Mutex::new(None) })
+        Ok(Tiered {
+            world,
+            cross,
+            local: local_comm,
+            exchange,
+            rank,
+            size,
+            host,
+            per_host,
+            order: Orderer::default(),
+            scratch: Mutex::new(None),
+            retired: Mutex::new(Vec::new()),
+            captured: Default::default(),
+        })
     }
 
     /// This process's rank.
@@ -217,14 +235,22 @@ impl Tiered {
     /// under graph capture), and its address.
     fn scratch(&self, held: &mut Option<CudaSlice<u8>>, bytes: usize) -> Result<u64> {
         let stream = self.stream();
+        let capturing = crate::sync::is_capturing(stream)?;
         if held.as_ref().is_none_or(|s| s.len() < bytes) {
-            if crate::sync::is_capturing(stream)? {
+            if capturing {
                 return Err(Error::Capture {
                     op: "tiered collective",
                     reason: format!("needs {bytes} bytes of scratch, more than it has: run the call once before capturing it"),
                 });
             }
-            *held = Some(stream.alloc_zeros::<u8>(bytes.max(256)).map_err(crate::error::cudarc_err("cuMemAllocAsync (tiered scratch)"))?);
+            let grown = stream.alloc_zeros::<u8>(bytes.max(256)).map_err(crate::error::cudarc_err("cuMemAllocAsync (tiered scratch)"))?;
+            // What a captured call used stays: its graph may be replayed.
+            if let Some(old) = held.replace(grown).filter(|_| self.captured.load(std::sync::atomic::Ordering::Relaxed)) {
+                self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+            }
+        }
+        if capturing {
+            self.captured.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         let s = held.as_ref().ok_or_else(|| Error::Internal("tiered scratch missing".into()))?;
         let (p, _guard) = s.device_ptr(stream);
