@@ -79,10 +79,10 @@ pub trait Collectives {
     /// the lengths, in order, must be the same on both sides, else both
     /// ranks' communicators fail with [`crate::error::Error::GroupFailed`] (two
     /// plain sends that cross fail so, at once). Between hosts (NCCL),
-    /// lengths that differ are a timeout. A send to this rank itself needs
-    /// its receives in the same group, matched one with one in order
-    /// (else [`crate::error::Error::InvalidArgument`], before anything
-    /// moves).
+    /// lengths that differ are a timeout. Within a host, a send to this
+    /// rank itself needs its receives in the same group, matched one with
+    /// one in order (else [`crate::error::Error::InvalidArgument`], before
+    /// anything moves).
     fn send<T: Movable, S: DevicePtr<T>>(&self, send: &S, peer: usize) -> Result<()>;
 
     /// Receives into `recv` what rank `peer` sends this one (see
