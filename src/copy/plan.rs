@@ -50,13 +50,19 @@ fn lengths(bytes: usize, chunk_bytes: usize) -> Vec<usize> {
     // units, at most `per`.
     let per = (chunk_bytes / unit).max(1);
     let pieces = bytes.div_ceil(chunk_bytes).max((bytes / MIN_SPLIT).min(MIN_CHUNKS)).max(units.div_ceil(per)).clamp(1, units.max(1));
-    let mut v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).filter(|&l| l > 0).collect();
-    match v.last_mut() {
+    let v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).filter(|&l| l > 0).collect();
+    with_rest(v, rest, chunk_bytes)
+}
+
+/// `pieces` with the `rest` below one unit added: onto the last piece
+/// where it fits within `chunk_bytes`, else as a piece of its own.
+fn with_rest(mut pieces: Vec<usize>, rest: usize, chunk_bytes: usize) -> Vec<usize> {
+    match pieces.last_mut() {
         Some(last) if *last + rest <= chunk_bytes => *last += rest,
-        _ if rest > 0 => v.push(rest),
+        _ if rest > 0 => pieces.push(rest),
         _ => {}
     }
-    v
+    pieces
 }
 
 /// Cuts `bytes` into chunks of at most `chunk_bytes` (see the module docs),
@@ -87,19 +93,14 @@ mod tests {
         let unit = if chunk_bytes >= 4096 { ALIGN } else { 1 };
         let (units, rest) = (bytes / unit, bytes % unit);
         let mut pieces = bytes.div_ceil(chunk_bytes).max((bytes / MIN_SPLIT).min(MIN_CHUNKS)).clamp(1, units.max(1));
-        let mut v = loop {
+        let v = loop {
             let v: Vec<usize> = (0..pieces).map(|i| (units / pieces + usize::from(i < units % pieces)) * unit).collect();
             if v.iter().all(|&l| l <= chunk_bytes) || pieces >= units {
                 break v.into_iter().filter(|&l| l > 0).collect::<Vec<_>>();
             }
             pieces += 1;
         };
-        match v.last_mut() {
-            Some(last) if *last + rest <= chunk_bytes => *last += rest,
-            _ if rest > 0 => v.push(rest),
-            _ => {}
-        }
-        v
+        with_rest(v, rest, chunk_bytes)
     }
 
     #[test]
