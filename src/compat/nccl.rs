@@ -660,13 +660,13 @@ pub mod safe {
             self.call(|c| {
                 let (op, root) = (reduce_op.into(), root_rank(root)?);
                 match recvbuff {
-                    // A rank but the root ignores its receive buffer, as
-                    // NCCL does, whatever its length.
                     Some(recv) if root == c.rank() || recv.len() == sendbuff.len() => c.reduce::<T, S, R>(sendbuff, recv, op, root),
                     None if root == c.rank() => Err(Error::InvalidArgument(format!("reduce: rank {root} is the root and passes no receive buffer"))),
+                    // A rank but the root with no receive buffer, or one of
+                    // another length, which NCCL ignores there: scratch of
+                    // the send's length (at least one element: the driver
+                    // allocates none; the call sees `len` of them).
                     _ => {
-                        // At least one element: the driver refuses to
-                        // allocate none; the call sees `len` of them.
                         let len = sendbuff.len();
                         let mut recv = c
                             .stream()
