@@ -172,6 +172,13 @@ fn under(test: &str, accept: impl Fn(&str) -> bool) -> Option<(Shim, Vec<Arc<Cud
     Some((shim, ctxs))
 }
 
+/// [`under`] for a test that needs two GPUs (`what` says for what): it
+/// skips, saying so, where fewer are present.
+fn under_two_gpus(test: &str, accept: impl Fn(&str) -> bool, what: &str) -> Option<(Shim, Vec<Arc<CudaContext>>)> {
+    let (shim, ctxs) = under(test, accept)?;
+    common::has_gpus(test, what, ctxs.len(), 2).then_some((shim, ctxs))
+}
+
 /// [`under`] a mode `PREFIX<ordinal>` (the device it lies about) whose
 /// device the test has: the shim, the contexts and the ordinal, which must
 /// be below `limit` where the test's groups use only that many devices;
@@ -654,10 +661,7 @@ fn judge_p2p_lie(lie: P2pLie, case: Case, o: &Outcome, fired: i64) -> Result<(),
 #[test]
 fn peer_unavailable_falls_back_or_errors() {
     const T: &str = "peer_unavailable_falls_back_or_errors";
-    let Some((shim, ctxs)) = under(T, |m| m == "peer-unavailable") else { return };
-    if !common::has_gpus(T, "peer access between two devices", ctxs.len(), 2) {
-        return;
-    }
+    let Some((shim, ctxs)) = under_two_gpus(T, |m| m == "peer-unavailable", "peer access between two devices") else { return };
     bounded(T, move || {
         let cases: Vec<Case> = link_cases().into_iter().chain(group_cases()).collect();
         if sweep(T, &shim, &ctxs, &cases, Isolation::InProcess, |c, o, f| judge_p2p_lie(P2pLie::PeerUnavailable, c, o, f)) == Ran::One {
@@ -674,10 +678,7 @@ fn peer_unavailable_falls_back_or_errors() {
 #[test]
 fn corrupt_peer_copies_are_caught() {
     const T: &str = "corrupt_peer_copies_are_caught";
-    let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
-    if !common::has_gpus(T, "peer copies between two devices", ctxs.len(), 2) {
-        return;
-    }
+    let Some((shim, ctxs)) = under_two_gpus(T, |m| m == "corrupt-peer-copies", "peer copies between two devices") else { return };
     bounded(T, move || {
         let cases: Vec<Case> = link_cases().into_iter().chain(group_cases()).collect();
         if sweep(T, &shim, &ctxs, &cases, Isolation::Process, |c, o, f| judge_p2p_lie(P2pLie::CorruptCopies, c, o, f)) == Ran::One {
@@ -735,10 +736,7 @@ fn per_rank_wrong(comms: &[Comm]) -> Option<String> {
 #[test]
 fn per_rank_comms_under_corrupt_peer_copies_fall_back_to_staged() {
     const T: &str = "per_rank_comms_under_corrupt_peer_copies_fall_back_to_staged";
-    let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
-    if !common::has_gpus(T, "peer copies between two devices", ctxs.len(), 2) {
-        return;
-    }
+    let Some((shim, ctxs)) = under_two_gpus(T, |m| m == "corrupt-peer-copies", "peer copies between two devices") else { return };
     bounded(T, move || {
         let streams = vec![ctxs[0].new_stream().unwrap(), ctxs[1].new_stream().unwrap()];
         let opts = |policy| CommOptions::default().path(policy).use_doctor_verdicts(false);
@@ -803,10 +801,7 @@ fn per_rank_comms_under_corrupt_peer_copies_fall_back_to_staged() {
 #[test]
 fn corrupt_peer_copies_reach_unverified_p2p() {
     const T: &str = "corrupt_peer_copies_reach_unverified_p2p";
-    let Some((shim, ctxs)) = under(T, |m| m == "corrupt-peer-copies") else { return };
-    if !common::has_gpus(T, "peer copies between two devices", ctxs.len(), 2) {
-        return;
-    }
+    let Some((shim, ctxs)) = under_two_gpus(T, |m| m == "corrupt-peer-copies", "peer copies between two devices") else { return };
     bounded(T, move || {
         let mut link = link_opts(PathPolicy::P2pOnly);
         link.verify = false;
@@ -1157,10 +1152,11 @@ fn failed_module_load_is_an_error_and_leaves_the_rest_working() {
 #[test]
 fn failed_verification_frees_nothing_its_copies_touch() {
     const T: &str = "failed_verification_frees_nothing_its_copies_touch";
-    let Some((shim, ctxs)) = under(T, |m| matches!(fail_call(m), Some("cuMemcpyDtoHAsync_v2" | "cuEventRecord"))) else { return };
-    if !common::has_gpus(T, "a link verified between two devices", ctxs.len(), 2) {
+    let Some((shim, ctxs)) =
+        under_two_gpus(T, |m| matches!(fail_call(m), Some("cuMemcpyDtoHAsync_v2" | "cuEventRecord")), "a link verified between two devices")
+    else {
         return;
-    }
+    };
     bounded(T, move || {
         let call = fail_call(&shim.mode).unwrap_or_default().to_string();
         // cuda-peer names the readback "cuMemcpyDtoHAsync".
@@ -1203,10 +1199,9 @@ fn failed_verification_frees_nothing_its_copies_touch() {
 #[test]
 fn failed_ring_pull_leaves_no_read_of_a_returned_buffer() {
     const T: &str = "failed_ring_pull_leaves_no_read_of_a_returned_buffer";
-    let Some((shim, ctxs)) = under(T, |m| fail_call(m) == Some("cuMemcpyPeerAsync")) else { return };
-    if !common::has_gpus(T, "a ring pulling over P2P between two devices", ctxs.len(), 2) {
+    let Some((shim, ctxs)) = under_two_gpus(T, |m| fail_call(m) == Some("cuMemcpyPeerAsync"), "a ring pulling over P2P between two devices") else {
         return;
-    }
+    };
     bounded(T, move || {
         let streams: Vec<Arc<CudaStream>> = ctxs[..2].iter().map(|c| c.new_stream().unwrap()).collect();
         let group = Group::new(streams.clone(), &group_opts(PathPolicy::P2pOnly, Algorithm::Ring)).expect("a ring group over P2P");
