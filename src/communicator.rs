@@ -14,7 +14,7 @@ use crate::copy::Path;
 use crate::dtype::DType;
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::{Ctl, Fault};
-use crate::graph::{capture_of, retain, KeepAlive};
+use crate::graph::{Captures, KeepAlive};
 use crate::kernels::load::{self, load_module, FnTable};
 use crate::kernels::{self, Kernel, KernelOp, Module};
 use crate::launch::{Job, Launchers};
@@ -94,7 +94,7 @@ pub(crate) struct Communicator {
     /// [`Self::enter`]; 0 for the creation checks), for failure records.
     call: AtomicU32,
     /// The last captures that hold a reference to the group's resources.
-    captures: Mutex<Vec<u64>>,
+    captures: Captures,
     /// Buffers known to be mapped for the peers' kernels (`crate::reach`).
     pub(crate) reach: ReachCache,
 }
@@ -156,7 +156,7 @@ impl Communicator {
             serial,
             capturing: AtomicBool::new(false),
             call: AtomicU32::new(0),
-            captures: Mutex::new(Vec::new()),
+            captures: Captures::default(),
             reach: ReachCache::default(),
         }
     }
@@ -216,16 +216,7 @@ impl Communicator {
     pub(crate) fn see_captures(&self, keep_alive: impl Fn() -> KeepAlive) -> Result<()> {
         let mut capturing = false;
         for rank in &self.ranks {
-            let Some((id, graph)) = capture_of(&rank.stream)? else { continue };
-            capturing = true;
-            let mut seen = self.captures.lock().unwrap_or_else(|p| p.into_inner());
-            if !seen.contains(&id) {
-                retain(graph, keep_alive())?;
-                if seen.len() >= 16 {
-                    seen.remove(0);
-                }
-                seen.push(id);
-            }
+            capturing |= self.captures.hold(&rank.stream, &keep_alive)?;
         }
         self.capturing.store(capturing, Relaxed);
         Ok(())

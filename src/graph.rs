@@ -16,7 +16,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use std::any::Any;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{mpsc, Arc, OnceLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 
 /// What a captured call needs to outlive it, and a context to make current
 /// while it is dropped (its `Drop`s free memory through the driver, which
@@ -57,6 +57,34 @@ pub(crate) fn capture_of(stream: &CudaStream) -> Result<Option<(u64, sys::CUgrap
         api.cuStreamGetCaptureInfo_v2(raw_stream(stream), &mut status, &mut id, &mut graph, std::ptr::null_mut(), std::ptr::null_mut())
     })?;
     Ok((status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE && !graph.is_null()).then_some((id, graph)))
+}
+
+/// The latest captures an owner's calls went into (a communicator's), each
+/// of which holds one [`KeepAlive`] of the owner's: a call captured into a
+/// graph makes the graph hold what it touches once, however many calls the
+/// capture takes.
+#[derive(Debug, Default)]
+pub(crate) struct Captures(Mutex<Vec<u64>>);
+
+impl Captures {
+    /// How many captures are remembered (a capture forgotten and seen again
+    /// takes a second keep-alive, which is harmless).
+    const REMEMBERED: usize = 16;
+
+    /// Where `stream` is capturing into a graph, makes the graph hold
+    /// `keep()` (once per capture); returns whether it is capturing.
+    pub(crate) fn hold(&self, stream: &CudaStream, keep: impl FnOnce() -> KeepAlive) -> Result<bool> {
+        let Some((id, graph)) = capture_of(stream)? else { return Ok(false) };
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if !seen.contains(&id) {
+            retain(graph, keep())?;
+            if seen.len() >= Self::REMEMBERED {
+                seen.remove(0);
+            }
+            seen.push(id);
+        }
+        Ok(true)
+    }
 }
 
 /// Makes `graph` (being captured) own a reference to `keep`, released when

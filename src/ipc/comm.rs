@@ -98,7 +98,7 @@ use crate::copy::Path;
 use crate::dtype::{Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::{Ctl, Fault};
-use crate::graph::{capture_of, retain, KeepAlive};
+use crate::graph::{Captures, KeepAlive};
 use crate::kernels;
 use crate::kernels::launch::{PAIR_BLOCK_WORDS, PAIR_MAX_BLOCKS};
 use crate::kernels::load::{function, FnTable, PtrArray};
@@ -209,7 +209,7 @@ pub struct Comm {
     shares_context: bool,
     /// The graph captures this communicator's calls went into (the latest
     /// few), each of which holds `held`.
-    captures: Mutex<Vec<u64>>,
+    captures: Captures,
     /// What its kernels and copies touch.
     held: Arc<Held>,
 }
@@ -403,16 +403,7 @@ impl Comm {
     /// ordering of a buffer written on a capturing stream), the graph holds
     /// what this communicator's kernels and copies touch.
     pub(super) fn hold_for_capture(&self) -> Result<()> {
-        if let Some((id, graph)) = capture_of(&self.stream)? {
-            let mut seen = self.captures.lock().unwrap_or_else(|p| p.into_inner());
-            if !seen.contains(&id) {
-                retain(graph, KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
-                if seen.len() >= 16 {
-                    seen.remove(0);
-                }
-                seen.push(id);
-            }
-        }
+        self.captures.hold(&self.stream, || KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
         Ok(())
     }
 

@@ -644,7 +644,7 @@ impl Comm {
             staged,
             shares_context,
             pace_events,
-            captures: Mutex::new(Vec::new()),
+            captures: Default::default(),
             held: Arc::new(Held {
                 funcs: FnTable::default(),
                 div: FnTable::default(),
