@@ -380,3 +380,161 @@ fn two_simulated_hosts_of_two_ranks_run_every_collective_in_two_tiers() {
     let seed: u64 = rand::random::<u32>() as u64;
     all_succeeded(name, &spawn(name, 4, Duration::from_secs(300), |r| hosts_env(r, 2, seed)), passes("every collective right in two tiers"));
 }
+
+/// The context of `device` with event tracking off (a captured stream may
+/// not wait for events recorded outside the capture), for a child that
+/// captures: call it before any buffer is made.
+fn untracked_context(device: usize) -> Arc<cuda_peer::cudarc::driver::CudaContext> {
+    let ctx = cuda_peer::driver::context(device).unwrap();
+    // SAFETY: this child process's own context handle, before any buffer
+    // is made; the child orders its work itself (one stream, synchronized).
+    unsafe { ctx.disable_event_tracking() };
+    ctx
+}
+
+/// An all-reduce captured into a graph on `comm`'s stream (its context's
+/// event tracking off), `comm` dropped, then the graph replayed on fresh
+/// inputs: each replay is checked against the CPU reference, and the graph
+/// holds what the call uses until it is destroyed (the keep-alive counts).
+fn replays_after_drop<C: Collectives>(comm: C) {
+    let (n, r, s) = (comm.world_size(), comm.rank(), comm.stream().clone());
+    let count = 4099;
+    let op = ReduceOp::Sum;
+    // Eagerly first: the two tiers' scratch is sized outside the capture.
+    let ins = inputs::<f32>(1, n, count, op);
+    let mut send = s.clone_htod(&ins[r]).unwrap();
+    let mut recv = poison::<f32>(&s, count);
+    comm.all_reduce(&send, &mut recv, op).unwrap();
+    comm.synchronize().unwrap();
+    assert_reduced::<f32>("eager all_reduce", op, &ins, 0, &s.clone_dtoh(&recv).unwrap());
+    let (retained, released, _) = cuda_peer::group::graph_keep_alives();
+    let graph = common::graph::capture(&[s.clone()], || comm.all_reduce(&send, &mut recv, op));
+    let (now_retained, _, _) = cuda_peer::group::graph_keep_alives();
+    assert!(now_retained > retained, "rank {r}: the graph took no keep-alive ({retained} before the capture, {now_retained} after)");
+    drop(comm);
+    for call in 2..5 {
+        let ins = inputs::<f32>(call, n, count, op);
+        s.memcpy_htod(&ins[r], &mut send).unwrap();
+        s.memcpy_htod(&vec![77.0f32; count], &mut recv).unwrap();
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        assert_reduced::<f32>(&format!("rank {r}: replay {} after the drop", call - 1), op, &ins, 0, &s.clone_dtoh(&recv).unwrap());
+    }
+    let (_, now_released, _) = cuda_peer::group::graph_keep_alives();
+    assert_eq!(now_released, released, "rank {r}: what the graph holds was released while the graph lives");
+    drop(graph);
+    let start = Instant::now();
+    while cuda_peer::group::graph_keep_alives().1 == released {
+        assert!(start.elapsed() < Duration::from_secs(30), "rank {r}: the destroyed graph's keep-alive was never released");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    println!("rank {r}: the graph replayed after the communicator was dropped, and released it");
+}
+
+fn nccl_graph_child() {
+    let stream = untracked_context(rank()).new_stream().unwrap();
+    let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
+    replays_after_drop(NcclComm::on_stream(&rv, stream, Duration::from_secs(20)).unwrap());
+}
+
+/// A graph of an NCCL call holds the NCCL communicator: replayed after the
+/// `NcclComm` is dropped, it runs on a live communicator (not on one
+/// aborted and freed), which is aborted once the graph is destroyed. One
+/// rank on one GPU (NCCL takes one GPU per rank).
+#[test]
+fn a_graph_of_an_nccl_call_replays_after_the_communicator_is_dropped() {
+    if child() {
+        return nccl_graph_child();
+    }
+    let name = "a_graph_of_an_nccl_call_replays_after_the_communicator_is_dropped";
+    if !ready(name, 1) {
+        return;
+    }
+    let seed: u64 = rand::random::<u32>() as u64;
+    all_succeeded(
+        name,
+        &spawn(name, 1, Duration::from_secs(120), |r| host_env(r, seed)),
+        passes("the graph replayed after the communicator was dropped"),
+    );
+}
+
+/// As above, on two simulated hosts (NCCL between two GPUs), and on two
+/// simulated hosts of two ranks each (`Comm` in two tiers: the graph holds
+/// the tiers' scratch and both NCCL communicators as well as the host
+/// communicator's memory).
+#[test]
+fn graphs_across_simulated_hosts_replay_after_the_communicators_are_dropped() {
+    if child() {
+        if std::env::var("LOCAL_WORLD_SIZE").as_deref() == Ok("2") {
+            let device = (rank() % 2 + rank() / 2) % 2;
+            let stream = untracked_context(device).new_stream().unwrap();
+            let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
+            let opts = CommOptions::default().timeout(Duration::from_secs(60)).barrier_timeout(Duration::from_secs(20));
+            let comm = Comm::from_exchange(stream, Box::new(rv), &opts).unwrap();
+            assert!(matches!(comm.engine(), Engine::Tiered(_)), "rank {}: engine {:?}", rank(), comm.engine());
+            return replays_after_drop(comm);
+        }
+        return nccl_graph_child();
+    }
+    let name = "graphs_across_simulated_hosts_replay_after_the_communicators_are_dropped";
+    if !ready(name, 2) {
+        return;
+    }
+    let seed: u64 = rand::random::<u32>() as u64;
+    let replayed = passes("the graph replayed after the communicator was dropped");
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, seed)), &replayed);
+    all_succeeded(name, &spawn(name, 4, Duration::from_secs(300), |r| hosts_env(r, 2, seed)), &replayed);
+}
+
+/// A child of the test below: both ranks capture a graph of an all-reduce
+/// and keep it; rank 1 then dies, and rank 0's next call must fail in
+/// bounded time although the graph still holds the NCCL communicator
+/// (NCCL's abort waits for every graph holding it to be destroyed).
+fn dead_peer_graph_child() {
+    let stream = untracked_context(rank()).new_stream().unwrap();
+    let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
+    let comm = NcclComm::on_stream(&rv, stream.clone(), Duration::from_secs(20)).unwrap();
+    let mut x = stream.clone_htod(&vec![1.0f32; 1 << 16]).unwrap();
+    let graph = common::graph::capture(&[stream.clone()], || comm.all_reduce_in_place(&mut x, ReduceOp::Sum));
+    graph.launch().unwrap();
+    comm.synchronize().unwrap();
+    assert_eq!(stream.clone_dtoh(&x).unwrap(), vec![2.0f32; 1 << 16], "rank {}: the replayed all-reduce", rank());
+    if rank() == 1 {
+        println!("rank 1: leaving with the communicator and its graph open");
+        std::process::exit(0);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let start = Instant::now();
+    let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.synchronize());
+    let took = start.elapsed();
+    match r {
+        Err(e) if is_dead_peer_error(&e) => {}
+        other => panic!("rank 0: an all-reduce with a dead peer while a graph holds the communicator: got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(60), "rank 0: the error took {took:?}");
+    assert!(comm.all_reduce_in_place(&mut x, ReduceOp::Sum).is_err(), "rank 0: a failed communicator ran another call");
+    drop(comm);
+    drop(graph);
+    let y = stream.clone_htod(&[5u32, 6, 7]).unwrap();
+    assert_eq!(stream.clone_dtoh(&y).unwrap(), vec![5, 6, 7], "rank 0's context is not usable after the abort");
+    println!("rank 0: failed in {took:?} with the graph alive; context usable");
+}
+
+#[test]
+fn a_dead_host_fails_the_survivor_in_bounded_time_while_a_graph_holds_the_communicator() {
+    if child() {
+        return dead_peer_graph_child();
+    }
+    let name = "a_dead_host_fails_the_survivor_in_bounded_time_while_a_graph_holds_the_communicator";
+    if !ready(name, 2) {
+        return;
+    }
+    let end = |r: usize| {
+        if r == 1 {
+            End::Exits("rank 1: leaving with the communicator and its graph open".into())
+        } else {
+            End::Passes("rank 0: failed in".into())
+        }
+    };
+    all_succeeded(name, &spawn(name, 2, Duration::from_secs(180), |r| host_env(r, 1)), end);
+}

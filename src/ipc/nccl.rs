@@ -8,7 +8,8 @@
 //! [`ReduceOp`]s, its ordering of the caller's buffers (whatever stream or
 //! context object they were written on), typed errors instead of panics,
 //! a bounded [`NcclComm::synchronize`], and an NCCL communicator that is
-//! aborted, never left hanging, when it is dropped or a peer fails.
+//! aborted, never left hanging, when a peer fails or once it and every
+//! CUDA graph its calls were captured into are dropped.
 //!
 //! Point-to-point calls ([`Collectives::send`], [`Collectives::recv`], the
 //! all-to-alls and [`Collectives::all_gather_v`]) are NCCL groups of
@@ -42,6 +43,7 @@ use super::bootstrap::{Bootstrap, Exchange};
 use crate::args;
 use crate::dtype::{movable_dtype, DType, Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
+use crate::graph::{Captures, KeepAlive};
 use crate::sync::{wait_bounded, Orderer};
 use crate::traits::{Collectives, PointToPoint, Transfer};
 use cuda_peer_sys::nccl::{self as sys, NcclApi};
@@ -135,6 +137,69 @@ struct Handle {
     failed: Option<Error>,
 }
 
+/// The NCCL communicator, shared by its [`NcclComm`] and every CUDA graph
+/// one of its calls was captured into (`crate::graph`): aborted when the
+/// last of them lets go (or at once, when a call fails), so that a graph
+/// replayed after the [`NcclComm`] is dropped finds it alive. (NCCL's own
+/// abort keeps its memory until every graph holding the communicator is
+/// destroyed, and waits for that.)
+struct Live {
+    api: &'static NcclApi,
+    /// Made current to abort the communicator.
+    ctx: Arc<CudaContext>,
+    handle: Mutex<Handle>,
+}
+
+// SAFETY: the raw communicator is only used under the `handle` mutex, and
+// NCCL allows a communicator to be used from any thread, one at a time.
+unsafe impl Send for Live {}
+// SAFETY: as above: every use of the communicator takes the mutex.
+unsafe impl Sync for Live {}
+
+impl Drop for Live {
+    /// Aborts the communicator unless a failure did: its last holder is
+    /// gone (the [`NcclComm`], after its bounded wait for its calls, and
+    /// every graph, after its last launch).
+    fn drop(&mut self) {
+        let h = self.handle.get_mut().unwrap_or_else(|p| p.into_inner());
+        let comm = std::mem::replace(&mut h.comm, std::ptr::null_mut());
+        if !comm.is_null() {
+            abort_nccl(self.api, &self.ctx, comm, false);
+        }
+    }
+}
+
+/// `ncclCommAbort` of `comm`, whose last use this is. NCCL tells the
+/// communicator's kernels to quit at once, then waits, before it frees
+/// anything, until every CUDA graph holding the communicator is destroyed.
+/// Where graphs may still hold it (`graphs`), that wait runs on a thread of
+/// its own, so that no caller waits for graphs it holds itself (and the
+/// graphs' replays find NCCL's memory until they are gone).
+fn abort_nccl(api: &'static NcclApi, ctx: &Arc<CudaContext>, comm: sys::NcclComm, graphs: bool) {
+    let abort = move |ctx: &Arc<CudaContext>, comm: usize| {
+        if crate::driver::bind(ctx).is_err() {
+            log::warn!("cuda-peer: could not bind the context to abort the NCCL communicator");
+        }
+        // SAFETY: a live communicator (made by ncclCommInitRank, never
+        // aborted: its holder took it out of its handle to abort it here,
+        // once), and nobody uses it after this.
+        let r = unsafe { (api.ncclCommAbort)(comm as sys::NcclComm) };
+        if r != sys::NCCL_SUCCESS {
+            log::warn!("cuda-peer: ncclCommAbort returned {r}");
+        }
+    };
+    if !graphs {
+        return abort(ctx, comm as usize);
+    }
+    let (ctx, comm) = (ctx.clone(), comm as usize);
+    let spawned = std::thread::Builder::new().name("cuda-peer-nccl-abort".into()).spawn(move || abort(&ctx, comm));
+    if let Err(e) = spawned {
+        // Aborting here could wait for ever on graphs this thread holds:
+        // the communicator is left as it is (its memory leaks).
+        log::warn!("cuda-peer: no thread to abort an NCCL communicator that graphs hold ({e}); it is left unaborted");
+    }
+}
+
 /// A communicator of processes, one rank per process, whose collectives
 /// run on NCCL (see the module docs).
 ///
@@ -142,6 +207,16 @@ struct Handle {
 /// buffers are ordered with the streams they were written on, as for every
 /// cuda-peer collective. Every rank must call the same collectives with the
 /// same lengths, types and ops, in the same order.
+///
+/// A call captured into a CUDA graph (on [`Self::stream`], or on a stream
+/// of the caller's that it joined) makes the graph hold the NCCL
+/// communicator, which is aborted only once the graph and this
+/// communicator are both gone: the graph may be replayed after this is
+/// dropped, as long as every rank replays it. A failure (a peer that died,
+/// a call that could not be enqueued) aborts the NCCL communicator at once,
+/// which tells its kernels to quit; NCCL frees its memory only once the
+/// graphs holding it are destroyed, so a replay after a failure faults
+/// nothing, but its results are not defined.
 pub struct NcclComm {
     api: &'static NcclApi,
     rank: usize,
@@ -150,14 +225,10 @@ pub struct NcclComm {
     stream: Arc<CudaStream>,
     order: Orderer,
     timeout: Duration,
-    handle: Mutex<Handle>,
+    live: Arc<Live>,
+    /// The captures its calls went into, each holding `live`.
+    captures: Captures,
 }
-
-// SAFETY: the raw communicator is only used under the `handle` mutex, and
-// NCCL allows a communicator to be used from any thread, one at a time.
-unsafe impl Send for NcclComm {}
-// SAFETY: as above: every use of the communicator takes the mutex.
-unsafe impl Sync for NcclComm {}
 
 impl std::fmt::Debug for NcclComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -231,7 +302,8 @@ impl NcclComm {
         let ctx = stream.context().clone();
         crate::driver::bind(&ctx)?;
         let comm = init_bounded(api, &ctx, nid, rank, size, timeout)?;
-        Ok(NcclComm { api, rank, size, ctx, stream, order: Orderer::default(), timeout, handle: Mutex::new(Handle { comm, failed: None }) })
+        let live = Arc::new(Live { api, ctx: ctx.clone(), handle: Mutex::new(Handle { comm, failed: None }) });
+        Ok(NcclComm { api, rank, size, ctx, stream, order: Orderer::default(), timeout, live, captures: Captures::default() })
     }
 
     /// This process's rank.
@@ -279,7 +351,7 @@ impl NcclComm {
 
     /// NCCL's asynchronous error, if any (which aborts the communicator).
     fn check_async(&self) -> Result<()> {
-        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        let h = self.live.handle.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = &h.failed {
             return Err(e.clone());
         }
@@ -297,17 +369,17 @@ impl NcclComm {
     /// Aborts the communicator (once), remembering `why`; returns the error
     /// later calls will see.
     fn abort(&self, why: Error) -> Error {
-        let mut h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut h = self.live.handle.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = &h.failed {
             return e.clone();
         }
-        // SAFETY: the communicator is live and no other call uses it (the
-        // mutex is held); ncclCommAbort ends its kernels and frees it.
-        let r = unsafe { (self.api.ncclCommAbort)(h.comm) };
-        if r != sys::NCCL_SUCCESS {
-            log::warn!("cuda-peer: ncclCommAbort returned {r}");
-        }
-        h.comm = std::ptr::null_mut();
+        // No other call uses the communicator (the mutex is held), and none
+        // will: `failed` is set below. Graphs holding it besides this
+        // communicator (`live`'s other holders, which can only come and go
+        // under this mutex or when a graph is destroyed) make NCCL's abort
+        // wait for them.
+        let graphs = Arc::strong_count(&self.live) > 1;
+        abort_nccl(self.api, &self.ctx, std::mem::replace(&mut h.comm, std::ptr::null_mut()), graphs);
         let failed = Error::GroupFailed { reason: format!("NCCL communicator aborted: {why}") };
         h.failed = Some(failed.clone());
         failed
@@ -324,11 +396,12 @@ impl NcclComm {
     /// [`Self::enqueue`] of several NCCL calls, which return the name and
     /// result of the one that failed (or of the last).
     fn enqueue_calls(&self, calls: impl FnOnce(&NcclApi, sys::NcclComm, *mut std::ffi::c_void) -> (&'static str, i32)) -> Result<()> {
-        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        let h = self.live.handle.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = &h.failed {
             return Err(e.clone());
         }
         crate::driver::bind(&self.ctx)?;
+        self.captures.hold(&self.stream, || KeepAlive { ctx: self.ctx.clone(), payload: self.live.clone() })?;
         let (op, code) = calls(self.api, h.comm, self.stream.cu_stream() as *mut std::ffi::c_void);
         drop(h);
         check(self.api, op, code)
@@ -678,23 +751,12 @@ fn init_bounded(
 }
 
 impl Drop for NcclComm {
-    /// Waits (bounded) for the enqueued collectives, then aborts the NCCL
-    /// communicator: never a panic, never an unbounded wait on a dead peer.
+    /// Waits (bounded) for the enqueued collectives; the NCCL communicator
+    /// is aborted then, or once the last graph holding it is gone ([`Live`]):
+    /// never a panic, never an unbounded wait on a dead peer.
     fn drop(&mut self) {
         if let Err(e) = self.synchronize() {
             log::warn!("cuda-peer: NCCL communicator dropped after an error: {e}");
-        }
-        let h = self.handle.get_mut().unwrap_or_else(|p| p.into_inner());
-        if !h.comm.is_null() {
-            if crate::driver::bind(&self.ctx).is_err() {
-                log::warn!("cuda-peer: could not bind the context to abort the NCCL communicator");
-            }
-            // SAFETY: the communicator is live and this is its last use.
-            let r = unsafe { (self.api.ncclCommAbort)(h.comm) };
-            if r != sys::NCCL_SUCCESS {
-                log::warn!("cuda-peer: ncclCommAbort returned {r}");
-            }
-            h.comm = std::ptr::null_mut();
         }
     }
 }

@@ -37,6 +37,7 @@ use super::secret::JobSecret;
 use crate::args;
 use crate::dtype::{DType, Element, Movable, ReduceOp};
 use crate::error::{check, Error, Result};
+use crate::graph::{Captures, KeepAlive};
 use crate::sync::Orderer;
 use crate::traits::{Collectives, PointToPoint, Transfer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -92,13 +93,13 @@ pub struct Tiered {
     per_host: usize,
     order: Orderer,
     /// Scratch on the shared stream, grown as calls need; held for a whole
-    /// call, which also keeps calls one at a time.
-    scratch: Mutex<Option<CudaSlice<u8>>>,
-    /// Scratch outgrown after a call was captured into a graph, which may
-    /// still use it: kept as long as the communicator.
-    retired: Mutex<Vec<CudaSlice<u8>>>,
-    /// Whether a call has used the scratch under a capture.
-    captured: std::sync::atomic::AtomicBool,
+    /// call, which also keeps calls one at a time. Shared with each graph
+    /// a call that used it was captured into (`captures`), which may
+    /// replay it after the scratch is outgrown or the communicator dropped.
+    scratch: Mutex<Option<Arc<CudaSlice<u8>>>>,
+    /// The captures calls went into, each holding the scratch of its calls
+    /// (the tiers' communicators hold their own).
+    captures: Captures,
 }
 
 impl std::fmt::Debug for Tiered {
@@ -189,8 +190,7 @@ impl Tiered {
             per_host,
             order: Orderer::default(),
             scratch: Mutex::new(None),
-            retired: Mutex::new(Vec::new()),
-            captured: Default::default(),
+            captures: Captures::default(),
         })
     }
 
@@ -232,27 +232,22 @@ impl Tiered {
     }
 
     /// Scratch of at least `bytes` on the shared stream (grown, never
-    /// under graph capture), and its address.
-    fn scratch(&self, held: &mut Option<CudaSlice<u8>>, bytes: usize) -> Result<u64> {
+    /// under graph capture), and its address. A graph the call is captured
+    /// into holds the scratch.
+    fn scratch(&self, held: &mut Option<Arc<CudaSlice<u8>>>, bytes: usize) -> Result<u64> {
         let stream = self.stream();
-        let capturing = crate::sync::is_capturing(stream)?;
         if held.as_ref().is_none_or(|s| s.len() < bytes) {
-            if capturing {
+            if crate::sync::is_capturing(stream)? {
                 return Err(Error::Capture {
                     op: "tiered collective",
                     reason: format!("needs {bytes} bytes of scratch, more than it has: run the call once before capturing it"),
                 });
             }
             let grown = stream.alloc_zeros::<u8>(bytes.max(256)).map_err(crate::error::cudarc_err("cuMemAllocAsync (tiered scratch)"))?;
-            // What a captured call used stays: its graph may be replayed.
-            if let Some(old) = held.replace(grown).filter(|_| self.captured.load(std::sync::atomic::Ordering::Relaxed)) {
-                self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
-            }
-        }
-        if capturing {
-            self.captured.store(true, std::sync::atomic::Ordering::Relaxed);
+            *held = Some(Arc::new(grown));
         }
         let s = held.as_ref().ok_or_else(|| Error::Internal("tiered scratch missing".into()))?;
+        self.captures.hold(stream, || KeepAlive { ctx: self.context().clone(), payload: s.clone() })?;
         let (p, _guard) = s.device_ptr(stream);
         Ok(p)
     }
