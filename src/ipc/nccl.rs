@@ -249,7 +249,9 @@ impl NcclComm {
     /// Creates the communicator of the ranks of `exchange`, this one on
     /// device `device`: rank 0 makes NCCL's unique id and the exchange
     /// carries it to the others. Every rank must call it at the same time.
-    /// A missing NCCL library is [`Error::Load`] on every rank.
+    /// A missing NCCL library is [`Error::Load`] on every rank, and a rank
+    /// whose NCCL communicator could not be made (or not within `timeout`)
+    /// fails every rank.
     pub fn new(exchange: &dyn Exchange, device: usize, timeout: Duration) -> Result<NcclComm> {
         let stream = crate::driver::context(device).and_then(|ctx| ctx.new_stream().map_err(cudarc_err("cuStreamCreate")));
         // Every rank takes part in the exchange, even one without a stream.
@@ -279,7 +281,16 @@ impl NcclComm {
         let id: [u8; 128] = from0
             .try_into()
             .map_err(|_| Error::Bootstrap { op: "NCCL communicator", reason: format!("rank 0 sent a {}-byte id, not 128", from0.len()) })?;
-        NcclComm::with_stream(&id, rank, size, stream, timeout)
+        let made = NcclComm::with_stream(&id, rank, size, stream, timeout);
+        // A rank whose ncclCommInitRank failed (or timed out) fails every
+        // rank, whose communicators would otherwise wait for it in their
+        // first collective.
+        super::bootstrap::agree(
+            exchange,
+            "NCCL communicator: every rank's ncclCommInitRank",
+            made.as_ref().map(|_| Vec::new()).map_err(Clone::clone),
+        )?;
+        made
     }
 
     /// A new NCCL unique id (the bytes every rank of a communicator passes

@@ -177,8 +177,11 @@ impl Tiered {
         let cross = NcclComm::with_stream(&id, host, hosts, local_comm.stream().clone(), opts.barrier_timeout);
         gather(ex, "tiered communicator: every NCCL communicator across hosts", cross.as_ref().map(|_| Vec::new()).map_err(Clone::clone))?;
         let cross = cross?;
-        // 5. NCCL over every rank, on the same stream, bounded alike.
-        let world = NcclComm::with_stream(&world_id, rank, size, local_comm.stream().clone(), opts.barrier_timeout)?;
+        // 5. NCCL over every rank, on the same stream, bounded alike (and
+        //    agreed alike).
+        let world = NcclComm::with_stream(&world_id, rank, size, local_comm.stream().clone(), opts.barrier_timeout);
+        gather(ex, "tiered communicator: every NCCL communicator over every rank", world.as_ref().map(|_| Vec::new()).map_err(Clone::clone))?;
+        let world = world?;
         Ok(Tiered {
             world,
             cross,
