@@ -313,6 +313,7 @@ impl NcclComm {
         let ctx = stream.context().clone();
         crate::driver::bind(&ctx)?;
         let comm = init_bounded(api, &ctx, nid, rank, size, timeout)?;
+        crate::graph::drain_after_the_runtime();
         let live = Arc::new(Live { api, ctx: ctx.clone(), handle: Mutex::new(Handle { comm, failed: None }) });
         Ok(NcclComm { api, rank, size, ctx, stream, order: Orderer::default(), timeout, live, captures: Captures::default() })
     }

@@ -60,8 +60,9 @@ fn drain(mut from: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8
 }
 
 /// Runs `test` as `n` children of this binary with `extra(rank)` env vars;
-/// returns each child's exit code (None: killed at the deadline) and output
-/// (stdout, then stderr).
+/// returns each child's exit code (None: killed by a signal, its own or
+/// this harness's at the deadline, which the output's last line names) and
+/// output (stdout, then stderr).
 pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> Vec<(&'static str, String)>) -> Vec<(Option<i32>, String)> {
     let exe = std::env::current_exe().expect("current_exe");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -91,12 +92,12 @@ pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> 
         })
         .collect();
     let start = Instant::now();
-    let mut codes: Vec<Option<Option<i32>>> = vec![None; n];
-    while codes.iter().any(Option::is_none) && start.elapsed() < deadline {
-        for ((c, _, _), code) in children.iter_mut().zip(codes.iter_mut()) {
-            if code.is_none() {
+    let mut ends: Vec<Option<std::process::ExitStatus>> = vec![None; n];
+    while ends.iter().any(Option::is_none) && start.elapsed() < deadline {
+        for ((c, _, _), end) in children.iter_mut().zip(ends.iter_mut()) {
+            if end.is_none() {
                 if let Ok(Some(s)) = c.try_wait() {
-                    *code = Some(s.code());
+                    *end = Some(s);
                 }
             }
         }
@@ -104,15 +105,20 @@ pub fn spawn(test: &str, n: usize, deadline: Duration, extra: impl Fn(usize) -> 
     }
     children
         .into_iter()
-        .zip(codes)
-        .map(|((mut c, out, err), code)| {
-            let code = code.unwrap_or_else(|| {
-                let _ = c.kill();
-                let _ = c.wait();
-                None
-            });
+        .zip(ends)
+        .map(|((mut c, out, err), end)| {
+            use std::os::unix::process::ExitStatusExt;
+            let how = match end {
+                Some(s) => s.signal().map(|sig| format!("\n[the child was killed by signal {sig}]")),
+                None => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    Some(format!("\n[the child was killed at the deadline, {deadline:?}]"))
+                }
+            };
             let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
-            (code, format!("{}{}", String::from_utf8_lossy(&out), String::from_utf8_lossy(&err)))
+            let code = end.and_then(|s| s.code());
+            (code, format!("{}{}{}", String::from_utf8_lossy(&out), String::from_utf8_lossy(&err), how.unwrap_or_default()))
         })
         .collect()
 }
@@ -133,7 +139,7 @@ pub enum End {
 /// ran `test` and ended as `end` (`None`: it did).
 pub fn failure(test: &str, code: Option<i32>, out: &str, end: &End) -> Option<String> {
     if code != Some(0) {
-        return Some(format!("exited with {code:?} (None: killed at the deadline)"));
+        return Some(format!("exited with {code:?} (None: killed by a signal, which its output's last line names)"));
     }
     if !out.lines().any(|l| l.trim_end() == "running 1 test") {
         return Some("did not run exactly one test (no `running 1 test` line: the name matched no test, or several)".into());
