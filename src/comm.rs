@@ -47,6 +47,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 pub mod group;
+mod raw;
 mod split;
 
 /// What carries a [`Comm`]'s collectives.
@@ -77,6 +78,9 @@ pub struct Comm {
     inner: Inner,
     /// What it was made with (for [`Comm::split`]).
     opts: CommOptions,
+    /// The events of the raw-pointer calls ([`Comm::all_reduce_raw`]),
+    /// made on first use; held for a whole call.
+    raw_events: std::sync::Mutex<Option<crate::raw::RawEvents>>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -147,7 +151,7 @@ impl Comm {
             let comm = NcclComm::on_stream(&*exchange, stream, opts.barrier_timeout)?;
             Inner::Nccl(Box::new(comm), exchange)
         };
-        Ok(Comm { inner, opts: opts.clone() })
+        Ok(Comm { inner, opts: opts.clone(), raw_events: Default::default() })
     }
 
     /// One communicator per stream, rank r on `streams[r]`, for one process

@@ -265,9 +265,76 @@ element!(
     float8::F8E5M2 => F8E5M2,
 );
 
+/// Runs `$body` with the type alias `$T` naming the [`Element`] of the
+/// [`DType`] `$dtype`: the generic collectives on a type known only at run
+/// time (the raw-pointer calls).
+macro_rules! with_element {
+    ($dtype:expr, $T:ident => $body:expr) => {{
+        use $crate::dtype::DType;
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            DType::F8E4M3 => {
+                type $T = float8::F8E4M3;
+                $body
+            }
+            DType::F8E5M2 => {
+                type $T = float8::F8E5M2;
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use with_element;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn with_element_names_each_dtypes_type() {
+        for d in DType::ALL {
+            assert_eq!(with_element!(d, T => T::DTYPE), d);
+        }
+    }
 
     #[test]
     fn movable_indices_name_their_types() {

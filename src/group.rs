@@ -20,7 +20,7 @@ use crate::failure::Fault;
 use crate::graph::KeepAlive;
 use crate::kernels::load::{image_for, load_modules_everywhere};
 use crate::kernels::{self, Kernel, KernelOp, Module};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -148,15 +148,6 @@ impl GroupOptions {
     }
 }
 
-/// Per rank: the event that the group's stream waits on (recorded on the
-/// caller's stream) and the one the caller's stream waits on (recorded on
-/// the group's stream), for the raw-pointer collectives ([`crate::raw`]).
-/// Kept with the group; reused under its serial lock.
-pub(crate) struct RawEvents {
-    pub(crate) caller_done: CudaEvent,
-    pub(crate) group_done: CudaEvent,
-}
-
 /// What a per-rank scratch buffer of a group holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Scratch {
@@ -179,7 +170,7 @@ pub struct Group {
     /// Per-rank scratch buffers, by [`Scratch`].
     pub(crate) scratch: [Mutex<Vec<Arc<CudaSlice<u8>>>>; 2],
     /// Events of the raw-pointer collectives ([`crate::raw`]), created on first use.
-    pub(crate) raw_events: once_cell::sync::OnceCell<Vec<RawEvents>>,
+    pub(crate) raw_events: once_cell::sync::OnceCell<Vec<crate::raw::RawEvents>>,
 }
 
 impl std::fmt::Debug for Group {

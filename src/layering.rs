@@ -26,12 +26,13 @@ const LAYERS: &[(&str, &[&str])] = &[
             "compat::nccl",
             "comm",
             "comm::group",
+            "comm::raw",
             "comm::split",
             "traits",
             "args",
             "collectives",
-            "raw",
             "group",
+            "group_raw",
             "ipc",
             "ipc::comm",
             "ipc::comm::api",
@@ -80,7 +81,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "ipc::wire",
         ],
     ),
-    ("ordering", &["sync", "graph"]),
+    ("ordering", &["sync", "graph", "raw"]),
     ("base", &["driver", "dtype", "error"]),
 ];
 

@@ -35,7 +35,7 @@
 //! - `ipc` (Linux): the per-rank engines and how ranks meet: bootstrap, `Id`, `ThreadExchange`, shared device and host memory, `ipc::Comm` within a host, NCCL between hosts (`NcclComm`) and the two tiers.
 //! - [`group`]: the single-process API, a [`Group`] of ranks with its options and accessors.
 //! - [`collectives`]: the collectives of a group on cudarc buffers.
-//! - [`raw`]: the all-reduce of a group on raw device pointers and streams.
+//! - [`raw`]: raw device pointers and streams, which both APIs' all-reduce takes (`Comm::all_reduce_raw`, `Group::all_reduce_raw`).
 //! - [`verdict`]: the doctor's cached verdicts per pair, and the speed rule the doctor and `Auto` share.
 //! - [`copy`]: the transport, with verified links, the path decision, routes between ranks, staging.
 //! - [`peer`]: peer access as RAII guards.
@@ -71,14 +71,14 @@
 //! api          comm, compat                      the per-rank API: Comm; other libraries' shapes
 //!              traits, args                      Collectives, point-to-point over any engine, checks
 //!              ipc::comm, ipc::nccl, ipc::tiered its engines: ipc::Comm, NcclComm, two tiers
-//!              group, collectives, raw           the single-process API: Group
+//!              group, collectives, group_raw     the single-process API: Group
 //! algorithms   ring, mesh, one-shot; the pick    the group's (ipc uses the one-shot's layout)
 //! engine       communicator, launch, reach       the group's ranks, routes, launchers
 //!              failure, kernels                  giving up; the kernels and their typed launches
 //! transport    copy, verdict, peer, topology     paths, verified links, routes, copies
 //!              ipc::{bootstrap, id, threads,     how ranks meet (Rendezvous, Id, ThreadExchange)
 //!              fdpass, shm, vmm}                 and share memory (descriptors, memfd, VMM)
-//! ordering     sync, graph
+//! ordering     sync, graph, raw                  buffer order, graph keep-alives, raw pointers
 //! base         driver, dtype, error, sys
 //! ```
 //!
@@ -114,6 +114,7 @@ pub mod error;
 pub mod failure;
 mod graph;
 pub mod group;
+mod group_raw;
 #[cfg(target_os = "linux")]
 pub mod ipc;
 pub(crate) mod kernels;

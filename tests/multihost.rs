@@ -408,7 +408,7 @@ fn replays_after_drop<C: Collectives>(comm: C) {
     comm.synchronize().unwrap();
     assert_reduced::<f32>("eager all_reduce", op, &ins, 0, &s.clone_dtoh(&recv).unwrap());
     let (retained, released, _) = cuda_peer::group::graph_keep_alives();
-    let graph = common::graph::capture(&[s.clone()], || comm.all_reduce(&send, &mut recv, op));
+    let graph = common::graph::capture(std::slice::from_ref(&s), || comm.all_reduce(&send, &mut recv, op));
     let (now_retained, _, _) = cuda_peer::group::graph_keep_alives();
     assert!(now_retained > retained, "rank {r}: the graph took no keep-alive ({retained} before the capture, {now_retained} after)");
     drop(comm);
@@ -495,7 +495,7 @@ fn dead_peer_graph_child() {
     let rv = Bootstrap::from_env().unwrap().with_timeout(Duration::from_secs(60)).connect().unwrap();
     let comm = NcclComm::on_stream(&rv, stream.clone(), Duration::from_secs(20)).unwrap();
     let mut x = stream.clone_htod(&vec![1.0f32; 1 << 16]).unwrap();
-    let graph = common::graph::capture(&[stream.clone()], || comm.all_reduce_in_place(&mut x, ReduceOp::Sum));
+    let graph = common::graph::capture(std::slice::from_ref(&stream), || comm.all_reduce_in_place(&mut x, ReduceOp::Sum));
     graph.launch().unwrap();
     comm.synchronize().unwrap();
     assert_eq!(stream.clone_dtoh(&x).unwrap(), vec![2.0f32; 1 << 16], "rank {}: the replayed all-reduce", rank());

@@ -67,6 +67,9 @@ trait Elem: common::num::Num + bytemuck::Pod {
     /// Whether `got` is right for the sum of one element's inputs `xs`
     /// (one per rank, in rank order).
     fn right(got: Self, xs: &[Self]) -> bool;
+    /// The sum of `xs` in this type (wrapping for integers): what a rank
+    /// holds after an exact sum, for calls chained on it.
+    fn total(xs: &[Self]) -> Self;
 }
 
 /// Integers: uniform random, wrapping sums, compared exactly.
@@ -76,7 +79,10 @@ macro_rules! int_elem {
             rng.random()
         }
         fn right(got: Self, xs: &[Self]) -> bool {
-            got == xs.iter().fold(0, |a: $t, &x| a.wrapping_add(x))
+            got == Self::total(xs)
+        }
+        fn total(xs: &[Self]) -> Self {
+            xs.iter().fold(0, |a: $t, &x| a.wrapping_add(x))
         }
     })*};
 }
@@ -91,6 +97,11 @@ impl Elem for f32 {
     fn right(got: Self, xs: &[Self]) -> bool {
         let xs: Vec<f64> = xs.iter().map(|&x| f64::from(x)).collect();
         common::num::accepts(ReduceOp::Sum, &xs, got)
+    }
+    /// Rounded once, from the f64 sum (chained calls compare within the
+    /// bound of each sum anyway).
+    fn total(xs: &[Self]) -> Self {
+        xs.iter().map(|&x| f64::from(x)).sum::<f64>() as f32
     }
 }
 
@@ -402,5 +413,263 @@ fn raw_all_reduce_refuses_bad_input() {
     call(&bufs, count, DType::U32, ReduceOp::Sum, &streams).expect("valid call");
     for st in &s.callers {
         st.synchronize().expect("sync");
+    }
+}
+
+// ---- The per-rank `Comm::all_reduce_raw` ----
+//
+// Ranks are threads of this test (`Comm::from_devices`, rank r on device
+// r % count), each calling its own communicator on a caller stream of its
+// own (not the communicator's), with raw `cuMemAlloc` buffers made and
+// poisoned before the ranks' threads start (a `cuMemAlloc` or a context
+// synchronisation on one rank's thread could wait for a peer's kernel
+// that waits for this rank).
+
+/// `n` per-rank communicators with `opts`, and for each rank its context
+/// and a caller stream of its own.
+fn per_rank(
+    gpus: &[Arc<CudaContext>],
+    n: usize,
+    opts: &cuda_peer::CommOptions,
+) -> (Vec<cuda_peer::Comm>, Vec<Arc<CudaContext>>, Vec<Arc<CudaStream>>) {
+    let ctxs: Vec<_> = (0..n).map(|r| gpus[r % gpus.len()].clone()).collect();
+    let comms = cuda_peer::Comm::from_devices_with(common::ranks::streams(gpus, n), opts).expect("per-rank communicators");
+    let callers = ctxs.iter().map(|c| c.new_stream().expect("stream")).collect();
+    (comms, ctxs, callers)
+}
+
+/// On every rank at once: `calls` in-place or out-of-place sums of fresh
+/// random inputs through `Comm::all_reduce_raw` on the rank's caller
+/// stream, back to back (no host synchronisation between them: the first
+/// upload, the calls and the download are all enqueued on that stream, then
+/// it is synchronised). The first call sums the inputs; each later one
+/// (in place) sums the ranks' equal results again, so rank r ends with
+/// n^(calls-1) times the sum. Checked against the CPU reference on every
+/// rank; out of place, the inputs unchanged.
+fn per_rank_run<T: Elem>(
+    comms: &[cuda_peer::Comm],
+    ctxs: &[Arc<CudaContext>],
+    callers: &[Arc<CudaStream>],
+    count: usize,
+    in_place: bool,
+    calls: usize,
+    tag: &str,
+) {
+    let n = comms.len();
+    let bytes = count * std::mem::size_of::<T>();
+    let mut rng = rand::rng();
+    let inputs: Vec<Vec<T>> = (0..n).map(|_| (0..count).map(|_| T::random(&mut rng)).collect()).collect();
+    let sends: Vec<DeviceAlloc> = ctxs.iter().map(|c| DeviceAlloc::new(c, bytes)).collect();
+    let recvs: Vec<DeviceAlloc> = if in_place { Vec::new() } else { ctxs.iter().map(|c| DeviceAlloc::new(c, bytes)).collect() };
+    for a in sends.iter().chain(&recvs) {
+        a.poison();
+    }
+    let outs = if in_place { &sends } else { &recvs };
+    let results: Vec<(Vec<T>, Vec<T>)> = common::ranks::each(comms, |r, comm| {
+        let stream = RawStream::of(&callers[r]);
+        ctxs[r].bind_to_thread().expect("bind");
+        // SAFETY: `sends[r]` holds `bytes` bytes; `inputs` outlives the sync below.
+        unsafe { result::memcpy_htod_async(sends[r].ptr, &inputs[r], stream.0) }.expect("upload");
+        for k in 0..calls {
+            // After the first call the result is summed again, in place.
+            let (send, recv) = if k == 0 { (sends[r].buf(), outs[r].buf()) } else { (outs[r].buf(), outs[r].buf()) };
+            // SAFETY: live cuMemAlloc allocations of `count` elements on this
+            // rank's device, used by nothing else until the caller's stream
+            // is synchronised below; the stream is a live stream of this
+            // rank's context.
+            unsafe { comm.all_reduce_raw(send, recv, count, T::DTYPE, ReduceOp::Sum, stream) }
+                .unwrap_or_else(|e| panic!("{tag} rank {r} call {k}: {e}"));
+        }
+        let (mut got, mut sent) = (vec![T::zeroed(); count], vec![T::zeroed(); count]);
+        ctxs[r].bind_to_thread().expect("bind");
+        // SAFETY: both hold `count` elements; the stream is synchronised before reading.
+        unsafe {
+            result::memcpy_dtoh_async(&mut got, outs[r].ptr, stream.0).expect("download");
+            result::memcpy_dtoh_async(&mut sent, sends[r].ptr, stream.0).expect("download");
+            result::stream::synchronize(stream.0).expect("sync");
+        }
+        (got, sent)
+    });
+    for (r, (got, sent)) in results.iter().enumerate() {
+        for i in 0..count {
+            // The last call's inputs: every rank's for the first, then n
+            // copies of the sum before.
+            let mut column: Vec<T> = inputs.iter().map(|v| v[i]).collect();
+            for _ in 1..calls {
+                column = vec![T::total(&column); n];
+            }
+            assert!(T::right(got[i], &column), "{tag} rank {r}: element {i} of {count} is {:?}, expected the sum of {column:?}", got[i]);
+        }
+        assert_eq!(common::diff(got, &results[0].0), None, "{tag}: rank {r} differs from rank 0");
+        if !in_place && calls == 1 {
+            assert_eq!(common::diff(sent, &inputs[r]), None, "{tag}: rank {r}'s send buffer changed");
+        }
+    }
+}
+
+/// Sums of fresh random data through the per-rank raw entry on 2 and 3
+/// thread ranks (over P2P or one device, and staged), at sizes that take
+/// the one-shot's small and large lanes and several of its rounds, in
+/// place and out of place, u32 (wrapping, exact), f32 (bounded) and i64;
+/// and five calls back to back on the callers' streams.
+#[test]
+fn per_rank_raw_all_reduce_on_the_callers_streams() {
+    let test = "per_rank_raw_all_reduce_on_the_callers_streams";
+    let _gpu = common::ranks::exclusive();
+    let Some(gpus) = common::gpus(test, 1) else {
+        return;
+    };
+    for (policy, n) in [(PathPolicy::Auto, 2), (PathPolicy::Auto, 3), (PathPolicy::StagedOnly, 2)] {
+        let opts = cuda_peer::CommOptions::default().path(policy);
+        let (comms, ctxs, callers) = per_rank(&gpus, n, &opts);
+        for bytes in [4096, (1 << 20) + 12, 9 << 20] {
+            for in_place in [true, false] {
+                let tag = format!("{policy:?} n={n} {bytes} B in_place={in_place}");
+                per_rank_run::<u32>(&comms, &ctxs, &callers, bytes / 4, in_place, 1, &format!("{tag} u32"));
+                per_rank_run::<f32>(&comms, &ctxs, &callers, bytes / 4, in_place, 1, &format!("{tag} f32"));
+            }
+            per_rank_run::<i64>(&comms, &ctxs, &callers, bytes / 8 + 1, true, 1, &format!("{policy:?} n={n} {bytes} B i64"));
+        }
+        per_rank_run::<u32>(&comms, &ctxs, &callers, 4099, false, 5, &format!("{policy:?} n={n} five calls back to back"));
+    }
+}
+
+/// Bad input to the per-rank raw entry is a typed error on the rank that
+/// made it, before anything is enqueued or counted: the communicators stay
+/// in step, and a valid call on every rank afterwards is right.
+#[test]
+fn per_rank_raw_all_reduce_refuses_bad_input() {
+    let test = "per_rank_raw_all_reduce_refuses_bad_input";
+    let _gpu = common::ranks::exclusive();
+    let Some(gpus) = common::gpus(test, 1) else {
+        return;
+    };
+    let (comms, ctxs, callers) = per_rank(&gpus, 2, &cuda_peer::CommOptions::default());
+    let two_devices = common::has_gpus(test, "streams and buffers of another device", gpus.len(), 2);
+    let count = 256;
+    let a = DeviceAlloc::new(&ctxs[0], count * 4);
+    let stream = RawStream::of(&callers[0]);
+    let call = |send: RawBuffer, recv: RawBuffer, count: usize, dtype: DType, op: ReduceOp, stream: RawStream| {
+        // SAFETY: every case below is refused before anything is enqueued
+        // (and the buffers are live allocations anyway).
+        unsafe { comms[0].all_reduce_raw(send, recv, count, dtype, op, stream) }
+    };
+    let invalid = |r: Result<(), Error>, what: &str, says: &str| match r {
+        Err(Error::InvalidArgument(text)) if text.contains(says) => eprintln!("  refused ({what}): {text}"),
+        other => panic!("{what}: expected InvalidArgument saying {says:?}, got {other:?}"),
+    };
+    invalid(call(RawBuffer(0), a.buf(), count, DType::U32, ReduceOp::Sum, stream), "null send", "send buffer is a null pointer");
+    invalid(call(a.buf(), RawBuffer(0), count, DType::U32, ReduceOp::Sum, stream), "null recv", "recv buffer is a null pointer");
+    invalid(call(RawBuffer(a.ptr + 2), RawBuffer(a.ptr + 2), 8, DType::U32, ReduceOp::Sum, stream), "misaligned", "not aligned");
+    invalid(call(a.buf(), RawBuffer(a.ptr + 64), 32, DType::U32, ReduceOp::Sum, stream), "overlapping", "overlap without being identical");
+    invalid(call(a.buf(), a.buf(), usize::MAX / 2, DType::U32, ReduceOp::Sum, stream), "a count that overflows", "overflow");
+    assert!(matches!(call(a.buf(), a.buf(), count, DType::U32, ReduceOp::Avg, stream), Err(Error::UnsupportedOp { .. })));
+    match call(a.buf(), a.buf(), count + 1, DType::U32, ReduceOp::Sum, stream) {
+        Err(Error::LengthMismatch { expected, got, .. }) => assert_eq!((expected, got), (count + 1, count)),
+        other => panic!("a buffer too short: expected LengthMismatch, got {other:?}"),
+    }
+    let mut host = [0u32; 4];
+    match call(a.buf(), RawBuffer(host.as_mut_ptr() as u64), 4, DType::U32, ReduceOp::Sum, stream) {
+        Err(Error::Driver { op: "all_reduce_raw", name, .. }) if name == "CUDA_ERROR_INVALID_VALUE" => {
+            eprintln!("  refused (a host pointer): {name}")
+        }
+        Err(Error::InvalidArgument(text)) if text.contains("is not device memory") => eprintln!("  refused (a host pointer): {text}"),
+        other => panic!("a host pointer: expected CUDA_ERROR_INVALID_VALUE or InvalidArgument, got {other:?}"),
+    }
+    if two_devices {
+        let other = DeviceAlloc::new(&gpus[1], count * 4);
+        assert!(matches!(call(other.buf(), other.buf(), count, DType::U32, ReduceOp::Sum, stream), Err(Error::WrongDevice { .. })));
+        let other_stream = gpus[1].new_stream().expect("stream");
+        invalid(
+            call(a.buf(), a.buf(), count, DType::U32, ReduceOp::Sum, RawStream::of(&other_stream)),
+            "a stream of another device",
+            "stream is not of the communicator's context",
+        );
+    }
+    // Nothing was enqueued or counted: both ranks still agree on their calls.
+    per_rank_run::<u32>(&comms, &ctxs, &callers, count, false, 1, "after the refusals");
+}
+
+/// A graph captured around the per-rank raw entry on every rank holds what
+/// the call touches: replayed twice after every `Comm` is dropped, on fresh
+/// random words, every rank's result is the exact sum, then the sum of the
+/// sums. Where each rank has a GPU of its own, the capture starts on the
+/// caller's stream (the communicator's joins it through the call's own
+/// ordering); with thread ranks sharing one device, replays of captures
+/// forked from another stream sometimes stalled (docs/multiprocess.md), so
+/// there the caller passes the communicator's own stream.
+#[test]
+fn a_per_rank_raw_graph_replays_after_every_comm_is_dropped() {
+    let test = "a_per_rank_raw_graph_replays_after_every_comm_is_dropped";
+    let _gpu = common::ranks::exclusive();
+    let Some(gpus) = common::gpus(test, 1) else {
+        return;
+    };
+    let (n, count) = (2, 4099);
+    let (comms, ctxs, callers) = per_rank(&gpus, n, &cuda_peer::CommOptions::default());
+    let forked = gpus.len() >= n;
+    if !forked {
+        common::skipped(
+            test,
+            "the capture forked from a caller's stream (ranks sharing a device capture on their communicators' streams) needs 2 GPUs",
+        );
+    }
+    let bufs: Vec<DeviceAlloc> = ctxs.iter().map(|c| DeviceAlloc::new(c, count * 4)).collect();
+    let mut rng = rand::rng();
+    let inputs: Vec<Vec<u32>> = (0..n).map(|_| (0..count).map(|_| rng.random()).collect()).collect();
+    let sum = |xs: &[Vec<u32>]| -> Vec<u32> { (0..count).map(|i| xs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect() };
+    let once = sum(&inputs);
+    let twice = sum(&vec![once.clone(); n]);
+    let (retained, released, _) = cuda_peer::group::graph_keep_alives();
+    let barrier = std::sync::Barrier::new(n);
+    let got: Vec<Vec<Vec<u32>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let (ctxs, bufs, inputs, barrier) = (&ctxs, &bufs, &inputs, &barrier);
+                let stream = if forked { callers[r].clone() } else { comm.stream().clone() };
+                s.spawn(move || {
+                    let graph = common::graph::try_capture(std::slice::from_ref(&stream), || {
+                        // SAFETY: `bufs[r]` is a live cuMemAlloc allocation of
+                        // `count` u32 on this rank's device, touched by nothing
+                        // else until the stream is synchronised; the stream is
+                        // a live stream of this rank's context.
+                        unsafe { comm.all_reduce_raw(bufs[r].buf(), bufs[r].buf(), count, DType::U32, ReduceOp::Sum, RawStream::of(&stream)) }
+                            .map_err(|e| e.to_string())
+                    })
+                    .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                    drop(comm);
+                    ctxs[r].bind_to_thread().expect("bind");
+                    // SAFETY: `bufs[r]` holds `count` u32; nothing runs on it yet.
+                    unsafe { result::memcpy_htod_sync(bufs[r].ptr, &inputs[r]) }.expect("upload");
+                    let mut outs = Vec::new();
+                    for replay in 0..2 {
+                        // Every rank's communicator is gone before the first replay.
+                        barrier.wait();
+                        graph.launch().unwrap_or_else(|e| panic!("rank {r}: replay {replay}: {e:?}"));
+                        stream.synchronize().unwrap_or_else(|e| panic!("rank {r}: replay {replay}: {e:?}"));
+                        let mut got = vec![0u32; count];
+                        ctxs[r].bind_to_thread().expect("bind");
+                        // SAFETY: `bufs[r]` holds `count` u32; the replay is done.
+                        unsafe { result::memcpy_dtoh_sync(&mut got, bufs[r].ptr) }.expect("download");
+                        outs.push(got);
+                    }
+                    outs
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
+    });
+    for (r, outs) in got.iter().enumerate() {
+        assert_eq!(common::diff(&outs[0], &once), None, "rank {r}: the first replay after the drop");
+        assert_eq!(common::diff(&outs[1], &twice), None, "rank {r}: the second replay");
+    }
+    let (now_retained, _, _) = cuda_peer::group::graph_keep_alives();
+    assert!(now_retained >= retained + n as u64, "{} keep-alives taken by {n} captures", now_retained - retained);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while cuda_peer::group::graph_keep_alives().1 < released + n as u64 {
+        assert!(std::time::Instant::now() < deadline, "the graphs' keep-alives were not released 10 s after the graphs were dropped");
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }

@@ -267,6 +267,18 @@ impl Tiered {
         check("cuMemcpyDtoDAsync", unsafe { crate::driver::api()?.cuMemcpyDtoDAsync_v2(dst, src, bytes, crate::driver::raw_stream(self.stream())) })
     }
 
+    /// The two-tier all-reduce on pointers already ordered on the shared
+    /// stream (`count` elements each, the same or disjoint), with the
+    /// scratch it needs, one call at a time.
+    pub(crate) fn all_reduce_ordered<T: Element>(&self, op: ReduceOp, src: u64, dst: u64, count: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let chunk = self.scratch(&mut held, (count / self.per_host).max(1) * T::DTYPE.size())?;
+        self.all_reduce_ptrs::<T>(op, src, dst, count, chunk)
+    }
+
     /// The two-tier all-reduce of `count` elements, `src` to `dst` (the
     /// same or disjoint), using `chunk` (at least `count / per_host`
     /// elements) between the tiers.
@@ -317,27 +329,17 @@ impl Collectives for Tiered {
     /// host has as many ranks).
     fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
         let count = args::all_reduce_in_place(self.context(), buf, op)?;
-        if count == 0 {
-            return Ok(());
-        }
-        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let chunk = self.scratch(&mut held, (count / self.per_host).max(1) * T::DTYPE.size())?;
         let (ptr, guard) = self.order.write(buf, self.stream())?;
-        let r = self.all_reduce_ptrs::<T>(op, ptr, ptr, count, chunk);
+        let r = self.all_reduce_ordered::<T>(op, ptr, ptr, count);
         r.and(guard.finish())
     }
 
     /// Out-of-place all-reduce (as [`Comm::all_reduce`]).
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         let count = args::all_reduce(self.context(), send, recv, op)?;
-        if count == 0 {
-            return Ok(());
-        }
-        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let chunk = self.scratch(&mut held, (count / self.per_host).max(1) * T::DTYPE.size())?;
         let (src, read) = self.order.read(send, self.stream())?;
         let (dst, write) = self.order.write(recv, self.stream())?;
-        let r = self.all_reduce_ptrs::<T>(op, src, dst, count, chunk);
+        let r = self.all_reduce_ordered::<T>(op, src, dst, count);
         r.and(read.finish()).and(write.finish())
     }
 
