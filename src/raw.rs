@@ -73,37 +73,49 @@ impl RawEvents {
     /// `caller` is a live stream of `ctx` (or null, `ctx`'s legacy stream).
     pub(crate) unsafe fn fork(&self, ctx: &CudaContext, own: &CudaStream, caller: RawStream) -> Result<()> {
         let (own, caller) = (raw_stream(own), raw_stream_of(caller.0));
-        if caller == own {
-            return Ok(());
-        }
-        crate::driver::bind(ctx)?;
-        let ev = raw_event(&self.caller_done);
-        // SAFETY: `ev` is an event of `ctx`, which is current; `caller` is
-        // a live stream of it (the caller's contract), `own` a live stream
-        // of it (the communicator's).
-        unsafe { event_record("cuEventRecord (caller's stream)", ev, caller) }?;
-        // SAFETY: as above.
-        unsafe { stream_wait_event("cuStreamWaitEvent", own, ev) }
+        // SAFETY: both are live streams of `ctx` (the caller's contract, and
+        // the communicator's own stream).
+        unsafe { wait_for(ctx, own, caller, &self.caller_done, ("cuEventRecord (caller's stream)", "cuStreamWaitEvent")) }
     }
 
     /// `caller` waits for what was enqueued on `own` so far: [`Self::fork`]
-    /// the other way round, with the same contract.
+    /// the other way round.
     ///
     /// # Safety
     ///
     /// As for [`Self::fork`].
     pub(crate) unsafe fn join(&self, ctx: &CudaContext, own: &CudaStream, caller: RawStream) -> Result<()> {
         let (own, caller) = (raw_stream(own), raw_stream_of(caller.0));
-        if caller == own {
-            return Ok(());
-        }
-        crate::driver::bind(ctx)?;
-        let ev = raw_event(&self.own_done);
-        // SAFETY: as in `fork`, the other way round.
-        unsafe { event_record("cuEventRecord", ev, own) }?;
-        // SAFETY: as above.
-        unsafe { stream_wait_event("cuStreamWaitEvent (caller's stream)", caller, ev) }
+        // SAFETY: as in `fork`.
+        unsafe { wait_for(ctx, caller, own, &self.own_done, ("cuEventRecord", "cuStreamWaitEvent (caller's stream)")) }
     }
+}
+
+/// `waiter` waits for what was enqueued on `done` so far, through `event`
+/// (nothing where they are one stream); `ops` name the record and the wait
+/// in errors.
+///
+/// # Safety
+///
+/// `waiter` and `done` are live streams of `ctx` (or null, its legacy
+/// stream), and `event` is an event of `ctx`.
+unsafe fn wait_for(
+    ctx: &CudaContext,
+    waiter: sys::CUstream,
+    done: sys::CUstream,
+    event: &CudaEvent,
+    ops: (&'static str, &'static str),
+) -> Result<()> {
+    if waiter == done {
+        return Ok(());
+    }
+    crate::driver::bind(ctx)?;
+    let ev = raw_event(event);
+    // SAFETY: `ev` is an event of `ctx`, which is current; both streams are
+    // live streams of it (this function's contract).
+    unsafe { event_record(ops.0, ev, done) }?;
+    // SAFETY: as above.
+    unsafe { stream_wait_event(ops.1, waiter, ev) }
 }
 
 /// The checks of a raw all-reduce's arguments that need no communicator:
