@@ -179,3 +179,66 @@ pub(crate) unsafe fn host_unregister(op: &'static str, ptr: *mut std::ffi::c_voi
     // SAFETY: the caller's contract.
     check(op, unsafe { api()?.cuMemHostUnregister(ptr) })
 }
+
+/// Work in progress on a thread of the library's that calls CUDA or NCCL
+/// (a graph's release, an NCCL communicator's creation or abort), held for
+/// as long as it runs: the process's exit waits for every such work, for at
+/// most [`EXIT_WAIT`], so that `exit` does not tear CUDA down under it (on
+/// the H200 a child process that had passed its test died of a signal at
+/// exit, with the library's graph release thread aborting an NCCL
+/// communicator, and once with an NCCL initialisation left running after
+/// its timeout). Exit handlers run in the reverse order of their
+/// registration: the wait is registered with the first `Busy`, and again
+/// after the first NCCL communicator is made ([`wait_after_the_runtime`]),
+/// since NCCL may start the CUDA runtime, and its exit handlers, later. An
+/// initialisation that never ends (a peer that never arrives) is waited for
+/// only until [`EXIT_WAIT`].
+pub(crate) struct Busy(());
+
+/// Work that a [`Busy`] holds.
+static BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How long the process's exit waits for [`Busy`] work.
+const EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Busy {
+    /// Counts one work in progress until the `Busy` is dropped.
+    pub(crate) fn start() -> Busy {
+        static FIRST: std::sync::Once = std::sync::Once::new();
+        FIRST.call_once(register_exit_wait);
+        BUSY.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Busy(())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        BUSY.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Run by `exit`: waits, for at most [`EXIT_WAIT`], until no [`Busy`] is held.
+extern "C" fn wait_for_busy_at_exit() {
+    let start = std::time::Instant::now();
+    while BUSY.load(std::sync::atomic::Ordering::SeqCst) > 0 && start.elapsed() < EXIT_WAIT {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// Registers [`wait_for_busy_at_exit`] with `exit`.
+fn register_exit_wait() {
+    // SAFETY: registers a function that takes no argument, touches only an
+    // atomic and sleeps, and never unwinds.
+    #[cfg(target_os = "linux")]
+    if unsafe { libc::atexit(wait_for_busy_at_exit) } != 0 {
+        log::warn!("cuda-peer: cannot register the wait for the library's threads at exit");
+    }
+}
+
+/// Registers the exit wait of [`Busy`] again (once), to run before the exit
+/// handlers of the CUDA runtime, which NCCL has started by now: called
+/// after the first NCCL communicator is made.
+pub(crate) fn wait_after_the_runtime() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(register_exit_wait);
+}

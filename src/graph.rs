@@ -9,18 +9,14 @@
 //! destructor may not call CUDA, so it hands the resources to a thread of
 //! ours that drops them (their `Drop`s free memory through the driver).
 
-use crate::driver::{api, bind, raw_stream};
+use crate::driver::{api, bind, raw_stream, Busy};
 use crate::error::{check, Result};
 use cuda_peer_sys as sys;
 use cudarc::driver::{CudaContext, CudaStream};
 use std::any::Any;
 use std::ffi::c_void;
-use std::sync::atomic::{
-    AtomicU64,
-    Ordering::{Relaxed, SeqCst},
-};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
 
 /// What a captured call needs to outlive it, and a context to make current
 /// while it is dropped (its `Drop`s free memory through the driver, which
@@ -133,75 +129,33 @@ unsafe extern "C" fn release(payload: *mut c_void) {
     let keep = unsafe { Box::from_raw(payload as *mut KeepAlive) };
     match REAPER.get().and_then(Option::as_ref) {
         Some(tx) => {
-            PENDING.fetch_add(1, SeqCst);
-            if let Err(mpsc::SendError(k)) = tx.send(keep) {
-                PENDING.fetch_sub(1, SeqCst);
-                std::mem::forget(k);
+            // The process's exit waits for the drop (`Busy`).
+            if let Err(mpsc::SendError((keep, _busy))) = tx.send((keep, Busy::start())) {
+                std::mem::forget(keep);
             }
         }
         None => std::mem::forget(keep),
     }
 }
 
-/// Payloads handed to the reaper thread and not yet dropped.
-static PENDING: AtomicU64 = AtomicU64::new(0);
+/// A payload handed to the reaper thread, and the exit's wait for its drop.
+type Release = (Box<KeepAlive>, Busy);
 
-/// How long the process's exit waits for the reaper thread's releases.
-const EXIT_WAIT: Duration = Duration::from_secs(10);
-
-/// Run by `exit`: waits, for at most [`EXIT_WAIT`], until the reaper has
-/// dropped every payload handed to it. A program that ends right after
-/// destroying a graph would otherwise tear CUDA down under a release in
-/// progress (an NCCL communicator's abort, which frees device memory
-/// through the CUDA runtime): a process that never exited was seen so.
-/// Exit handlers run in the reverse order of their registration, so this
-/// is registered when the reaper starts and again after the first NCCL
-/// communicator is made ([`drain_after_the_runtime`]), which may be the
-/// first time the CUDA runtime registered its own.
-extern "C" fn drain_at_exit() {
-    let start = Instant::now();
-    while PENDING.load(SeqCst) > 0 && start.elapsed() < EXIT_WAIT {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-/// Registers [`drain_at_exit`] with `exit`.
-fn register_drain() {
-    // SAFETY: registers a function that takes no argument, touches only an
-    // atomic and sleeps, and never unwinds.
-    #[cfg(target_os = "linux")]
-    if unsafe { libc::atexit(drain_at_exit) } != 0 {
-        log::warn!("cuda-peer: cannot register the wait for graph releases at exit");
-    }
-}
-
-/// Registers [`drain_at_exit`] (once) to run before the exit handlers of the
-/// CUDA runtime, which NCCL has started by now: called after the first
-/// NCCL communicator is made.
-pub(crate) fn drain_after_the_runtime() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(register_drain);
-}
-
-static REAPER: OnceLock<Option<mpsc::Sender<Box<KeepAlive>>>> = OnceLock::new();
+static REAPER: OnceLock<Option<mpsc::Sender<Release>>> = OnceLock::new();
 
 /// The thread that drops what released graphs kept alive, started on first
 /// use (before any destructor can run).
-fn reaper() -> Option<&'static mpsc::Sender<Box<KeepAlive>>> {
+fn reaper() -> Option<&'static mpsc::Sender<Release>> {
     REAPER
         .get_or_init(|| {
-            let (tx, rx) = mpsc::channel::<Box<KeepAlive>>();
+            let (tx, rx) = mpsc::channel::<Release>();
             let spawned = std::thread::Builder::new().name("cuda-peer-graph-release".into()).spawn(move || {
-                for keep in rx {
+                for (keep, _busy) in rx {
                     keep.release();
-                    PENDING.fetch_sub(1, SeqCst);
                 }
             });
             match spawned {
-                Ok(_) => {
-                    register_drain();
-                    Some(tx)
-                }
+                Ok(_) => Some(tx),
                 Err(e) => {
                     log::warn!("cuda-peer: cannot start the graph release thread ({e}); what graphs keep alive will leak");
                     None

@@ -191,8 +191,11 @@ fn abort_nccl(api: &'static NcclApi, ctx: &Arc<CudaContext>, comm: sys::NcclComm
     if !graphs {
         return abort(ctx, comm as usize);
     }
-    let (ctx, comm) = (ctx.clone(), comm as usize);
-    let spawned = std::thread::Builder::new().name("cuda-peer-nccl-abort".into()).spawn(move || abort(&ctx, comm));
+    let (ctx, comm, busy) = (ctx.clone(), comm as usize, crate::driver::Busy::start());
+    let spawned = std::thread::Builder::new().name("cuda-peer-nccl-abort".into()).spawn(move || {
+        abort(&ctx, comm);
+        drop(busy);
+    });
     if let Err(e) = spawned {
         // Aborting here could wait for ever on graphs this thread holds:
         // the communicator is left as it is (its memory leaks).
@@ -313,7 +316,7 @@ impl NcclComm {
         let ctx = stream.context().clone();
         crate::driver::bind(&ctx)?;
         let comm = init_bounded(api, &ctx, nid, rank, size, timeout)?;
-        crate::graph::drain_after_the_runtime();
+        crate::driver::wait_after_the_runtime();
         let live = Arc::new(Live { api, ctx: ctx.clone(), handle: Mutex::new(Handle { comm, failed: None }) });
         Ok(NcclComm { api, rank, size, ctx, stream, order: Orderer::default(), timeout, live, captures: Captures::default() })
     }
@@ -717,10 +720,12 @@ fn init_bounded(
         i32::try_from(size).map_err(|_| Error::InvalidArgument(format!("{size} ranks")))?,
     );
     let state = Arc::new((Mutex::new(Init::Waiting), std::sync::Condvar::new()));
-    let (theirs, ctx) = (state.clone(), ctx.clone());
+    let (theirs, ctx, busy) = (state.clone(), ctx.clone(), crate::driver::Busy::start());
     std::thread::Builder::new()
         .name("cuda-peer-nccl-init".into())
         .spawn(move || {
+            // Held until this thread is done with NCCL (the exit waits for it).
+            let _busy = busy;
             let made = crate::driver::bind(&ctx).and_then(|()| {
                 let mut comm: sys::NcclComm = std::ptr::null_mut();
                 // SAFETY: every rank passes the same id and size and its own
