@@ -769,7 +769,7 @@ fn init_bounded(
 
 impl Drop for NcclComm {
     /// Waits (bounded) for the enqueued collectives; the NCCL communicator
-    /// is aborted then, or once the last graph holding it is gone ([`Live`]):
+    /// is aborted then, or once the last graph holding it is gone:
     /// never a panic, never an unbounded wait on a dead peer.
     fn drop(&mut self) {
         if let Err(e) = self.synchronize() {
