@@ -239,6 +239,29 @@ fn is_dead_peer_error(e: &Error) -> bool {
     }
 }
 
+/// Rank 0's side once its peer is dead: its next all-reduce (and the
+/// wait for it) fails with a dead peer's error within a bound, and later
+/// calls fail at once (an aborted communicator: with the same error).
+/// Returns the error and how long it took.
+fn survivor_fails_in_bounded_time(comm: &NcclComm, x: &mut cuda_peer::cudarc::driver::CudaSlice<f32>) -> (Error, Duration) {
+    std::thread::sleep(Duration::from_millis(500));
+    let start = Instant::now();
+    let r = comm.all_reduce_in_place(x, ReduceOp::Sum).and_then(|()| comm.synchronize());
+    let took = start.elapsed();
+    let first = match r {
+        Err(e) if is_dead_peer_error(&e) => e,
+        other => panic!("rank 0: an all-reduce with a dead peer: expected Error::Nccl or Error::GroupFailed (NCCL aborted), got {other:?}"),
+    };
+    assert!(took < Duration::from_secs(60), "rank 0: the error took {took:?}");
+    let again = comm.all_reduce_in_place(x, ReduceOp::Sum);
+    match (&first, &again) {
+        (Error::GroupFailed { .. }, Err(e)) => assert_eq!(e, &first, "rank 0: a call on the aborted communicator"),
+        (_, Err(e)) => assert!(is_dead_peer_error(e), "rank 0: a call after the failure: {e:?}"),
+        (_, Ok(())) => panic!("rank 0: a failed communicator ran another call"),
+    }
+    (first, took)
+}
+
 fn dead_peer_child() {
     let comm = open();
     let s = comm.stream().clone();
@@ -251,23 +274,7 @@ fn dead_peer_child() {
         println!("rank 1: leaving with the communicator open");
         std::process::exit(0);
     }
-    std::thread::sleep(Duration::from_millis(500));
-    let start = Instant::now();
-    let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.synchronize());
-    let took = start.elapsed();
-    let first = match r {
-        Err(e) if is_dead_peer_error(&e) => e,
-        other => panic!("rank 0: an all-reduce with a dead peer: expected Error::Nccl or Error::GroupFailed (NCCL aborted), got {other:?}"),
-    };
-    assert!(took < Duration::from_secs(60), "rank 0: the error took {took:?}");
-    // Later calls fail at once (an aborted communicator: with the same
-    // error); the context still works.
-    let again = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
-    match (&first, &again) {
-        (Error::GroupFailed { .. }, Err(e)) => assert_eq!(e, &first, "rank 0: a call on the aborted communicator"),
-        (_, Err(e)) => assert!(is_dead_peer_error(e), "rank 0: a call after the failure: {e:?}"),
-        (_, Ok(())) => panic!("rank 0: a failed communicator ran another call"),
-    }
+    let (first, took) = survivor_fails_in_bounded_time(&comm, &mut x);
     let y = s.clone_htod(&[5u32, 6, 7]).unwrap();
     assert_eq!(s.clone_dtoh(&y).unwrap(), vec![5, 6, 7], "rank 0's context is not usable after the abort");
     println!("rank 0: {first:?} after {took:?}; context usable");
@@ -505,16 +512,7 @@ fn dead_peer_graph_child() {
         println!("rank 1: leaving with the communicator and its graph open");
         std::process::exit(0);
     }
-    std::thread::sleep(Duration::from_millis(500));
-    let start = Instant::now();
-    let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.synchronize());
-    let took = start.elapsed();
-    match r {
-        Err(e) if is_dead_peer_error(&e) => {}
-        other => panic!("rank 0: an all-reduce with a dead peer while a graph holds the communicator: got {other:?}"),
-    }
-    assert!(took < Duration::from_secs(60), "rank 0: the error took {took:?}");
-    assert!(comm.all_reduce_in_place(&mut x, ReduceOp::Sum).is_err(), "rank 0: a failed communicator ran another call");
+    let (_, took) = survivor_fails_in_bounded_time(&comm, &mut x);
     drop(comm);
     drop(graph);
     let y = stream.clone_htod(&[5u32, 6, 7]).unwrap();
