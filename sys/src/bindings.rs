@@ -73,6 +73,14 @@ impl CUevent_flags_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUevent_flags_enum(pub ::std::os::raw::c_uint);
 pub use self::CUevent_flags_enum as CUevent_flags;
+impl CUevent_record_flags_enum {
+    pub const CU_EVENT_RECORD_DEFAULT: CUevent_record_flags_enum = CUevent_record_flags_enum(0);
+    pub const CU_EVENT_RECORD_EXTERNAL: CUevent_record_flags_enum = CUevent_record_flags_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUevent_record_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUevent_record_flags_enum as CUevent_record_flags;
 impl CUevent_wait_flags_enum {
     pub const CU_EVENT_WAIT_DEFAULT: CUevent_wait_flags_enum = CUevent_wait_flags_enum(0);
     pub const CU_EVENT_WAIT_EXTERNAL: CUevent_wait_flags_enum = CUevent_wait_flags_enum(1);
@@ -591,6 +599,7 @@ pub struct DriverApi {
     pub cuStreamDestroy_v2: unsafe extern "C" fn(hStream: CUstream) -> CUresult,
     pub cuEventCreate: unsafe extern "C" fn(phEvent: *mut CUevent, Flags: ::std::os::raw::c_uint) -> CUresult,
     pub cuEventRecord: unsafe extern "C" fn(hEvent: CUevent, hStream: CUstream) -> CUresult,
+    pub cuEventRecordWithFlags: unsafe extern "C" fn(hEvent: CUevent, hStream: CUstream, flags: ::std::os::raw::c_uint) -> CUresult,
     pub cuEventQuery: unsafe extern "C" fn(hEvent: CUevent) -> CUresult,
     pub cuEventSynchronize: unsafe extern "C" fn(hEvent: CUevent) -> CUresult,
     pub cuEventDestroy_v2: unsafe extern "C" fn(hEvent: CUevent) -> CUresult,
@@ -676,6 +685,7 @@ impl DriverApi {
         let cuStreamDestroy_v2 = __library.get(b"cuStreamDestroy_v2\0").map(|sym| *sym)?;
         let cuEventCreate = __library.get(b"cuEventCreate\0").map(|sym| *sym)?;
         let cuEventRecord = __library.get(b"cuEventRecord\0").map(|sym| *sym)?;
+        let cuEventRecordWithFlags = __library.get(b"cuEventRecordWithFlags\0").map(|sym| *sym)?;
         let cuEventQuery = __library.get(b"cuEventQuery\0").map(|sym| *sym)?;
         let cuEventSynchronize = __library.get(b"cuEventSynchronize\0").map(|sym| *sym)?;
         let cuEventDestroy_v2 = __library.get(b"cuEventDestroy_v2\0").map(|sym| *sym)?;
@@ -741,6 +751,7 @@ impl DriverApi {
             cuStreamDestroy_v2,
             cuEventCreate,
             cuEventRecord,
+            cuEventRecordWithFlags,
             cuEventQuery,
             cuEventSynchronize,
             cuEventDestroy_v2,
@@ -985,6 +996,9 @@ impl DriverApi {
     }
     pub unsafe fn cuEventRecord(&self, hEvent: CUevent, hStream: CUstream) -> CUresult {
         (self.cuEventRecord)(hEvent, hStream)
+    }
+    pub unsafe fn cuEventRecordWithFlags(&self, hEvent: CUevent, hStream: CUstream, flags: ::std::os::raw::c_uint) -> CUresult {
+        (self.cuEventRecordWithFlags)(hEvent, hStream, flags)
     }
     pub unsafe fn cuEventQuery(&self, hEvent: CUevent) -> CUresult {
         (self.cuEventQuery)(hEvent)
