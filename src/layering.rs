@@ -36,6 +36,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "ipc",
             "ipc::comm",
             "ipc::comm::api",
+            "ipc::comm::calls",
             "ipc::comm::create",
             "ipc::comm::ops",
             "ipc::comm::options",

@@ -831,3 +831,64 @@ fn the_harness_requires_each_child_to_run_its_test_and_print_its_line() {
     assert!(why.contains("test result: ok. 1 passed"), "{why}");
     all_succeeded(name, &exited, |r| End::Exits(format!("rank {r}: probe right")));
 }
+
+/// A graph of an all-reduce captured on the communicator's stream, then
+/// replayed on another stream of the caller's with nothing ordering the
+/// two streams, between eager all-reduces on the communicator's stream, a
+/// replay and an eager call each round, no host synchronisation until the
+/// end: every result is exact, because each rank's calls and replays run in
+/// the order the host issued them (`ipc::comm::calls`). Before, a replay
+/// and an eager call ran at once on one rank's slots (the docs asked the
+/// caller to order them). Each round's inputs are fresh and the results
+/// are copied out on the stream that made them.
+fn unordered_replays_child() {
+    use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let comm = child_comm(&child_opts());
+    // SAFETY: the test orders its own buffers (each on the stream that
+    // writes and reads it, synchronised at the end); a captured stream may
+    // not wait for events recorded outside the capture.
+    unsafe { comm.context().disable_event_tracking() };
+    let (me, n, s) = (comm.rank(), comm.size(), comm.stream().clone());
+    let other = comm.context().new_stream().unwrap();
+    let (count, rounds) = (3001, 24u64);
+    let mut x = s.alloc_zeros::<u32>(count).unwrap();
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let captured = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+    captured.unwrap();
+    let graph = graph.unwrap().expect("a non-empty graph");
+    let ins = |seed: u64| -> Vec<Vec<u32>> { (0..n).map(|r| seeded(seed * 16 + r as u64, count)).collect() };
+    let sum = |xs: &[Vec<u32>]| -> Vec<u32> { (0..count).map(|i| xs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect() };
+    // Every round's inputs on the device first (then synchronised).
+    let replay_in: Vec<CudaSlice<u32>> = (0..rounds).map(|k| s.clone_htod(&ins(8000 + k)[me]).unwrap()).collect();
+    let mut eager: Vec<CudaSlice<u32>> = (0..rounds).map(|k| s.clone_htod(&ins(8500 + k)[me]).unwrap()).collect();
+    let mut replay_out: Vec<CudaSlice<u32>> = (0..rounds).map(|_| s.alloc_zeros::<u32>(count).unwrap()).collect();
+    s.synchronize().unwrap();
+    for k in 0..rounds as usize {
+        // The replay's input into the captured buffer, the replay and its
+        // result out, all on `other`.
+        other.memcpy_dtod(&replay_in[k], &mut x).unwrap();
+        // SAFETY: a live executable graph of this context, launched on a
+        // live stream of it.
+        unsafe { cuda_peer::cudarc::driver::result::graph::launch(graph.cu_graph_exec(), other.cu_stream()) }.unwrap();
+        other.memcpy_dtod(&x, &mut replay_out[k]).unwrap();
+        comm.all_reduce_in_place(&mut eager[k], ReduceOp::Sum).unwrap();
+    }
+    other.synchronize().unwrap();
+    comm.synchronize().unwrap();
+    for k in 0..rounds as usize {
+        assert_eq!(s.clone_dtoh(&replay_out[k]).unwrap(), sum(&ins(8000 + k as u64)), "rank {me}: round {k}: the replay on another stream");
+        assert_eq!(s.clone_dtoh(&eager[k]).unwrap(), sum(&ins(8500 + k as u64)), "rank {me}: round {k}: the eager call between replays");
+    }
+    println!("rank {me}: replays on another stream ordered with eager calls");
+}
+
+#[test]
+fn two_processes_replays_on_another_stream_are_ordered_with_eager_calls() {
+    if child() {
+        return unordered_replays_child();
+    }
+    let name = "two_processes_replays_on_another_stream_are_ordered_with_eager_calls";
+    processes(name, 2, Duration::from_secs(180), vec![], "replays on another stream ordered with eager calls");
+}

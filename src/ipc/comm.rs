@@ -84,10 +84,13 @@
 //! control block and kernels: `crate::graph`), so the graph may be replayed
 //! after the communicator is dropped, as long as every rank replays it. A
 //! replay uses the same slots, counters and staging buffer as the
-//! communicator's other calls: launch it in the order of the
-//! communicator's stream (on it, or on a stream that waits for it before
-//! the launch and that it waits for after); one that overlaps another call
-//! can time out at a barrier or give wrong results.
+//! communicator's other calls, so each rank's calls and replays are put in
+//! one order, the order the host issued them, through an event the graph
+//! waits for and records too (`calls`): a replay may be launched on any
+//! stream of this rank's context, and runs after the calls and replays
+//! issued before its launch and before those issued after it. (With thread
+//! ranks sharing one device, launch replays on the communicator's stream:
+//! see docs/multiprocess.md, "Ranks sharing a device".)
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::shm::{CallBoard, CallDesc, Kind, RegisteredMemory};
@@ -109,6 +112,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod api;
+mod calls;
 mod create;
 mod ops;
 mod options;
@@ -210,6 +214,11 @@ pub struct Comm {
     /// The graph captures this communicator's calls went into (the latest
     /// few), each of which holds `held`.
     captures: Captures,
+    /// Whether a call has been captured into a graph: from then on every
+    /// call takes its place in `Held::sequence`'s order (`calls`).
+    captured: std::sync::atomic::AtomicBool,
+    /// How the call being enqueued took its place in that order (`calls`).
+    sequenced: std::sync::atomic::AtomicU8,
     /// What its kernels and copies touch.
     held: Arc<Held>,
 }
@@ -226,6 +235,9 @@ struct Held {
     red: FnTable,
     /// The kernel's control block and this communicator's failed state.
     ctl: Ctl,
+    /// The event that puts this rank's calls and replays in one order
+    /// (`calls`): graphs wait for it and record it too.
+    sequence: cudarc::driver::CudaEvent,
     _bar: CudaSlice<u32>,
     _counters: CudaSlice<u32>,
     _pair_counters: CudaSlice<u32>,
@@ -360,51 +372,14 @@ impl Comm {
         self.all_reduce_body::<T>(op, src, dst, count)
     }
 
-    /// Takes the call lock and, with [`CommOptions::check_calls`], checks
-    /// that every rank makes the same call (see [`CallBoard::agree`]). A
-    /// mismatch leaves the communicator usable; a peer that does not make
-    /// the call in time fails it.
-    fn enter(&self, desc: CallDesc) -> Result<std::sync::MutexGuard<'_, u64>> {
-        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        self.held.ctl.check()?;
-        let call = *calls;
-        if self.check_calls {
-            match self.board.agree(self.rank, call, &desc, self.barrier_timeout) {
-                Ok(()) => {}
-                Err(e @ Error::Mismatch { .. }) => {
-                    // Every rank saw the same descriptors and refuses the
-                    // call: they stay in step.
-                    *calls += 1;
-                    return Err(e);
-                }
-                Err(e) => {
-                    self.held.ctl.fail(e.clone());
-                    return Err(e);
-                }
-            }
-        }
-        *calls += 1;
-        self.number_call();
-        Ok(calls)
-    }
-
-    /// Numbers a new call (see `call_number`) and returns its number.
-    pub(super) fn number_call(&self) -> u32 {
-        self.call_number.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_add(1)
-    }
-
-    /// The number of the call being enqueued.
-    pub(super) fn current_call(&self) -> u32 {
-        self.call_number.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Before each enqueue on the stream: where the stream is capturing
     /// into a graph (the caller's capture, or one it joined through the
     /// ordering of a buffer written on a capturing stream), the graph holds
-    /// what this communicator's kernels and copies touch.
+    /// what this communicator's kernels and copies touch; and the call is
+    /// put in order with this rank's other calls and replays (`calls`).
     pub(super) fn hold_for_capture(&self) -> Result<()> {
-        self.captures.hold(&self.stream, || KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
-        Ok(())
+        let capturing = self.captures.hold(&self.stream, || KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
+        self.sequence_begin(capturing)
     }
 
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].

@@ -618,6 +618,7 @@ impl Comm {
         } else {
             Vec::new()
         };
+        let sequence = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(cudarc_err("cuEventCreate"))?;
         let comm = Comm {
             rank,
             size,
@@ -645,7 +646,10 @@ impl Comm {
             shares_context,
             pace_events,
             captures: Default::default(),
+            captured: Default::default(),
+            sequenced: Default::default(),
             held: Arc::new(Held {
+                sequence,
                 funcs: FnTable::default(),
                 div: FnTable::default(),
                 red: FnTable::default(),
