@@ -42,15 +42,24 @@ impl DeviceAlloc {
     }
 
     fn poison(&self) {
+        self.upload(&vec![0xA5u8; self.bytes]);
+    }
+
+    /// Copies `data` (at most `bytes` bytes) to the start of the buffer, and
+    /// waits until it has landed.
+    fn upload<T: bytemuck::Pod>(&self, data: &[T]) {
+        assert!(std::mem::size_of_val(data) <= self.bytes, "an upload larger than the buffer");
         self.ctx.bind_to_thread().expect("bind");
-        // SAFETY: `ptr` holds `bytes` bytes.
-        unsafe { result::memcpy_htod_sync(self.ptr, &vec![0xA5u8; self.bytes]) }.expect("poison");
+        // SAFETY: `ptr` holds `bytes` bytes, at least `data`'s.
+        unsafe { result::memcpy_htod_sync(self.ptr, data) }.expect("upload");
         // A copy from pageable memory returns once the bytes are staged, not
         // once they land; it runs on the legacy stream, which the callers'
-        // (non-blocking) streams do not wait for: without this the poison
-        // could land after the upload that follows it. (Seen once on 2x H200
-        // under load: every element of an i64 all-reduce wrong.)
-        result::ctx::synchronize().expect("poison: cuCtxSynchronize");
+        // (non-blocking) streams do not wait for: without this the bytes
+        // could land after the work that follows. (Seen on one H200 under
+        // the sharded suite: a graph replay read stale words, 3,715 of 4,099;
+        // and once on 2x H200 under load: every element of an i64
+        // all-reduce wrong.)
+        result::ctx::synchronize().expect("upload: cuCtxSynchronize");
     }
 }
 
@@ -287,9 +296,7 @@ fn a_graph_captured_on_the_callers_streams_replays_after_the_group_is_dropped() 
         let mut rng = rand::rng();
         let inputs: Vec<Vec<u32>> = (0..n).map(|_| (0..count).map(|_| rng.random()).collect()).collect();
         for r in 0..n {
-            ctxs[r].bind_to_thread().expect("bind");
-            // SAFETY: `bufs[r]` holds `count` u32.
-            unsafe { result::memcpy_htod_sync(bufs[r].ptr, &inputs[r]) }.expect("upload");
+            bufs[r].upload(&inputs[r]);
         }
         let sum = |xs: &[Vec<u32>]| -> Vec<u32> { (0..count).map(|i| xs.iter().fold(0u32, |a, x| a.wrapping_add(x[i]))).collect() };
         let once = sum(&inputs);
@@ -640,9 +647,10 @@ fn a_per_rank_raw_graph_replays_after_every_comm_is_dropped() {
                     })
                     .unwrap_or_else(|e| panic!("rank {r}: {e}"));
                     drop(comm);
-                    ctxs[r].bind_to_thread().expect("bind");
-                    // SAFETY: `bufs[r]` holds `count` u32; nothing runs on it yet.
-                    unsafe { result::memcpy_htod_sync(bufs[r].ptr, &inputs[r]) }.expect("upload");
+                    // Every rank has captured before any synchronises its
+                    // context (ranks may share one).
+                    barrier.wait();
+                    bufs[r].upload(&inputs[r]);
                     let mut outs = Vec::new();
                     for replay in 0..2 {
                         // Every rank's communicator is gone before the first replay.
