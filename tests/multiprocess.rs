@@ -637,7 +637,6 @@ fn two_processes_staged_replay_a_captured_graph() {
 /// then an all-gather of its result), replayed on fresh inputs; then eager
 /// calls, checked, on the same buffers.
 fn graph_child() {
-    use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let comm = child_comm(&child_opts());
     // SAFETY: the test orders its own work: everything runs on the
     // communicator's stream, so cudarc's events are not needed (a captured
@@ -650,11 +649,9 @@ fn graph_child() {
     // Eager first (the first use loads the kernels).
     comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
     comm.all_gather(&x, &mut g).unwrap();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    let captured = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.all_gather(&x, &mut g));
-    let graph = s.end_capture(CUgraphInstantiate_flags(0));
-    captured.unwrap();
-    let graph = graph.unwrap().expect("a non-empty graph");
+    let graph = common::graph::capture(std::slice::from_ref(&s), || {
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).and_then(|()| comm.all_gather(&x, &mut g))
+    });
     for replay in 0..3u64 {
         let ins: Vec<Vec<u32>> = (0..n).map(|r| seeded(7000 + replay * 16 + r as u64, count)).collect();
         s.memcpy_htod(&ins[me], &mut x).unwrap();
@@ -695,7 +692,6 @@ fn three_processes_replay_a_captured_graph() {
 /// touch (the slots, flags and counters, the peers' memory as mapped here,
 /// the kernels), so every replay is exact and no context dies.
 fn graph_after_drop_child() {
-    use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let comm = child_comm(&child_opts());
     // SAFETY: everything runs on the communicator's stream (see graph_child).
     unsafe { comm.context().disable_event_tracking() };
@@ -703,11 +699,7 @@ fn graph_after_drop_child() {
     let count = 3000;
     let mut x = s.alloc_zeros::<u32>(count).unwrap();
     comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    let captured = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
-    let graph = s.end_capture(CUgraphInstantiate_flags(0));
-    captured.unwrap();
-    let graph = graph.unwrap().expect("a non-empty graph");
+    let graph = common::graph::capture(std::slice::from_ref(&s), || comm.all_reduce_in_place(&mut x, ReduceOp::Sum));
     drop(comm);
     for replay in 0..3u64 {
         let ins: Vec<Vec<u32>> = (0..n).map(|r| seeded(7100 + replay * 16 + r as u64, count)).collect();
@@ -842,7 +834,6 @@ fn the_harness_requires_each_child_to_run_its_test_and_print_its_line() {
 /// caller to order them). Each round's inputs are fresh and the results
 /// are copied out on the stream that made them.
 fn unordered_replays_child() {
-    use cuda_peer::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let comm = child_comm(&child_opts());
     // SAFETY: the test orders its own buffers (each on the stream that
     // writes and reads it, synchronised at the end); a captured stream may
@@ -853,11 +844,7 @@ fn unordered_replays_child() {
     let (count, rounds) = (3001, 24u64);
     let mut x = s.alloc_zeros::<u32>(count).unwrap();
     comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    let captured = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
-    let graph = s.end_capture(CUgraphInstantiate_flags(0));
-    captured.unwrap();
-    let graph = graph.unwrap().expect("a non-empty graph");
+    let graph = common::graph::capture(std::slice::from_ref(&s), || comm.all_reduce_in_place(&mut x, ReduceOp::Sum));
     let ins = |seed: u64| -> Vec<Vec<u32>> { (0..n).map(|r| seeded(seed * 16 + r as u64, count)).collect() };
     let sum = |xs: &[Vec<u32>]| -> Vec<u32> { (0..count).map(|i| xs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect() };
     // Every round's inputs on the device first (then synchronised).
