@@ -1,21 +1,24 @@
-//! CUDA graph captures: which graph a stream is capturing into, and keeping
+//! CUDA graph captures: which graph a stream is capturing into, keeping
 //! what a captured call uses (slots, flags, pinned buffers, scratch, peer
-//! access) alive for as long as the graph can be launched.
+//! access) alive for as long as the graph can be launched, and putting a
+//! rank's calls and the replays of its captured calls in one order
+//! ([`CallOrder`]).
 //!
-//! The driver's mechanism for this is a *user object* owned by the graph
-//! (`cuUserObjectCreate`, `cuGraphRetainUserObject`): executable graphs
-//! instantiated from it own it too, and the driver calls its destructor once
-//! the last graph is destroyed and its last launch has finished. The
-//! destructor may not call CUDA, so it hands the resources to a thread of
-//! ours that drops them (their `Drop`s free memory through the driver).
+//! The driver's mechanism for keeping things alive is a *user object* owned
+//! by the graph (`cuUserObjectCreate`, `cuGraphRetainUserObject`):
+//! executable graphs instantiated from it own it too, and the driver calls
+//! its destructor once the last graph is destroyed and its last launch has
+//! finished. The destructor may not call CUDA, so it hands the resources to
+//! a thread of ours that drops them (their `Drop`s free memory through the
+//! driver).
 
-use crate::driver::{api, bind, raw_stream, Busy};
-use crate::error::{check, Result};
+use crate::driver::{api, bind, raw_event, raw_stream, Busy};
+use crate::error::{check, cudarc_err, Result};
 use cuda_peer_sys as sys;
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use std::any::Any;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 
 /// What a captured call needs to outlive it, and a context to make current
@@ -163,4 +166,89 @@ fn reaper() -> Option<&'static mpsc::Sender<Release>> {
             }
         })
         .as_ref()
+}
+
+/// One rank's calls and the replays of its captured calls, run one after
+/// another in the order the host issued them, wherever each replay is
+/// launched.
+///
+/// A rank's kernels use its slots, counters, flags and staging buffers, as
+/// every call's do, so two of its calls must not run at once on the device.
+/// Eager calls are ordered by the rank's stream; a graph replay runs
+/// wherever the caller launches it. So every call also takes its place in
+/// one order through an event: before its first enqueue on the rank's
+/// stream it waits there for the event's last record ([`Self::begin`]),
+/// and after its last it records the event ([`Self::end`]). A captured call
+/// does both as the graph's external event nodes: a graph's wait node waits
+/// for the event's last record before the graph's launch, and a stream that
+/// waits for the event after the launch waits for the replay's record node
+/// (`bench/experiments/graph_event_order/`). Eager calls do this only once a
+/// call has been captured: before that no replay exists.
+///
+/// Graphs wait for and record the event, so what they keep alive must hold
+/// the `CallOrder`. One call at a time uses it (the owner's call lock).
+#[derive(Debug)]
+pub(crate) struct CallOrder {
+    /// Waited for before each call and recorded after it.
+    event: CudaEvent,
+    /// Whether a call has been captured into a graph.
+    captured: AtomicBool,
+    /// How the call being enqueued took its place in the order: `NOT_YET`,
+    /// `EAGER` (it waited on the stream) or `CAPTURED` (as a graph node).
+    state: AtomicU8,
+}
+
+const NOT_YET: u8 = 0;
+const EAGER: u8 = 1;
+const CAPTURED: u8 = 2;
+
+impl CallOrder {
+    /// The order of a rank's calls on streams of `ctx`.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<CallOrder> {
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let event = ctx.new_event(Some(flags)).map_err(cudarc_err("cuEventCreate"))?;
+        Ok(CallOrder { event, captured: AtomicBool::new(false), state: AtomicU8::new(NOT_YET) })
+    }
+
+    /// Before a call's enqueue on `stream` (of the event's context), where
+    /// `capturing` says whether `stream` is being captured into a graph:
+    /// the stream waits for the order's last record, as an external node of
+    /// the graph when capturing. A call may call this before each of its
+    /// enqueues: it waits once, and once more if its stream has joined a
+    /// capture since (a fork from a caller's capturing stream).
+    pub(crate) fn begin(&self, stream: &CudaStream, capturing: bool) -> Result<()> {
+        let state = self.state.load(SeqCst);
+        if capturing {
+            if state == CAPTURED {
+                return Ok(());
+            }
+            self.captured.store(true, SeqCst);
+        } else if state != NOT_YET || !self.captured.load(SeqCst) {
+            return Ok(());
+        }
+        bind(stream.context())?;
+        let flags = if capturing { sys::CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL.0 } else { 0 };
+        // SAFETY: the event is alive (self) and of the stream's context
+        // (the caller's contract, `new`), which is current; the stream is
+        // alive (borrowed).
+        check("cuStreamWaitEvent (the order of calls)", unsafe { api()?.cuStreamWaitEvent(raw_stream(stream), raw_event(&self.event), flags) })?;
+        self.state.store(if capturing { CAPTURED } else { EAGER }, SeqCst);
+        Ok(())
+    }
+
+    /// After a call's last enqueue on `stream`: records the order's event
+    /// where the call took its place in it (nothing if it did not). Before
+    /// a captured call's stream joins back into the caller's.
+    pub(crate) fn end(&self, stream: &CudaStream) -> Result<()> {
+        let flags = match self.state.swap(NOT_YET, SeqCst) {
+            NOT_YET => return Ok(()),
+            CAPTURED => sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL.0,
+            _ => 0,
+        };
+        bind(stream.context())?;
+        // SAFETY: as in `begin`.
+        check("cuEventRecordWithFlags (the order of calls)", unsafe {
+            api()?.cuEventRecordWithFlags(raw_event(&self.event), raw_stream(stream), flags)
+        })
+    }
 }

@@ -101,7 +101,7 @@ use crate::copy::Path;
 use crate::dtype::{Element, Movable, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::{Ctl, Fault};
-use crate::graph::{Captures, KeepAlive};
+use crate::graph::{CallOrder, Captures, KeepAlive};
 use crate::kernels;
 use crate::kernels::launch::{PAIR_BLOCK_WORDS, PAIR_MAX_BLOCKS};
 use crate::kernels::load::{function, FnTable, PtrArray};
@@ -214,11 +214,6 @@ pub struct Comm {
     /// The graph captures this communicator's calls went into (the latest
     /// few), each of which holds `held`.
     captures: Captures,
-    /// Whether a call has been captured into a graph: from then on every
-    /// call takes its place in `Held::sequence`'s order (`calls`).
-    captured: std::sync::atomic::AtomicBool,
-    /// How the call being enqueued took its place in that order (`calls`).
-    sequenced: std::sync::atomic::AtomicU8,
     /// What its kernels and copies touch.
     held: Arc<Held>,
 }
@@ -235,9 +230,9 @@ struct Held {
     red: FnTable,
     /// The kernel's control block and this communicator's failed state.
     ctl: Ctl,
-    /// The event that puts this rank's calls and replays in one order
-    /// (`calls`): graphs wait for it and record it too.
-    sequence: cudarc::driver::CudaEvent,
+    /// This rank's calls and replays in one order (`calls`): graphs wait
+    /// for its event and record it too.
+    order: CallOrder,
     _bar: CudaSlice<u32>,
     _counters: CudaSlice<u32>,
     _pair_counters: CudaSlice<u32>,
@@ -379,7 +374,7 @@ impl Comm {
     /// put in order with this rank's other calls and replays (`calls`).
     pub(super) fn hold_for_capture(&self) -> Result<()> {
         let capturing = self.captures.hold(&self.stream, || KeepAlive { ctx: self.ctx.clone(), payload: self.held.clone() })?;
-        self.sequence_begin(capturing)
+        self.held.order.begin(&self.stream, capturing)
     }
 
     /// This rank's one-shot kernel, then the division of [`ReduceOp::Avg`].

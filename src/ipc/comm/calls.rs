@@ -5,34 +5,16 @@
 //! [`super::CommOptions::check_calls`], checks that every rank makes the
 //! same call) for as long as it enqueues. Its kernels use this rank's slots,
 //! counters and staging buffer, as every call's do, so two calls of one rank
-//! must not run at once on the device. Eager calls are ordered by the
-//! communicator's stream; a graph replay is launched wherever the caller
-//! launches it. So every call also takes its place in one order through an
-//! event (`Held::sequence`): before its first enqueue it waits, on the
-//! stream, for the event's last record, and after its last it records the
-//! event. A captured call does both as the graph's external event nodes: a
-//! graph's wait node waits for the event's last record before the graph's
-//! launch, and a stream that waits for the event after the launch waits for
-//! the replay's record node (`bench/experiments/graph_event_order/`). So this
-//! rank's calls and replays run one after another in the order the host
-//! issued them, wherever each replay is launched. Eager calls do this only
-//! once a call has been captured: before that no replay exists.
+//! must not run at once on the device: every call also takes its place in
+//! the order of this rank's calls and replays (`Held::order`, a
+//! [`crate::graph::CallOrder`]) before its first enqueue
+//! (`Comm::hold_for_capture`), and records it when its [`Call`] is dropped.
 
 use super::Comm;
-use crate::driver::{api, bind, raw_event, raw_stream};
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ipc::shm::CallDesc;
-use cuda_peer_sys as sys;
-use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::MutexGuard;
-
-/// How the call being enqueued took its place in the order
-/// (`Comm::sequenced`).
-const NOT_YET: u8 = 0;
-/// It waited on the stream: record on the stream.
-const EAGER: u8 = 1;
-/// It waited as a captured node: record as one.
-const CAPTURED: u8 = 2;
 
 /// One call in progress: the call lock, held until the call has enqueued
 /// everything, and then its record of the order's event.
@@ -45,7 +27,7 @@ impl Drop for Call<'_> {
     fn drop(&mut self) {
         // A failed record leaves later calls unordered with this one: the
         // communicator fails, and every later call returns the error.
-        if let Err(e) = self.comm.sequence_end() {
+        if let Err(e) = self.comm.held.order.end(&self.comm.stream) {
             log::warn!("cuda-peer: communicator rank {}: ordering a call: {e}", self.comm.rank);
             self.comm.held.ctl.fail(e);
         }
@@ -93,7 +75,6 @@ impl Comm {
     /// Numbers the call and starts it, not yet in the order.
     fn start_call<'a>(&'a self, calls: MutexGuard<'a, u64>) -> Call<'a> {
         self.number_call();
-        self.sequenced.store(NOT_YET, SeqCst);
         Call { comm: self, _calls: calls }
     }
 
@@ -105,43 +86,5 @@ impl Comm {
     /// The number of the call being enqueued.
     pub(super) fn current_call(&self) -> u32 {
         self.call_number.load(Relaxed)
-    }
-
-    /// Before each enqueue of a call (through `hold_for_capture`; only the
-    /// first does anything): the stream waits for the order's last record,
-    /// as a captured node where the stream is `capturing`.
-    pub(super) fn sequence_begin(&self, capturing: bool) -> Result<()> {
-        if self.sequenced.load(SeqCst) != NOT_YET {
-            return Ok(());
-        }
-        if capturing {
-            self.captured.store(true, SeqCst);
-        } else if !self.captured.load(SeqCst) {
-            return Ok(());
-        }
-        bind(&self.ctx)?;
-        let flags = if capturing { sys::CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL.0 } else { 0 };
-        // SAFETY: the event is of this rank's context (current) and alive
-        // in `held`; the stream is this communicator's.
-        check("cuStreamWaitEvent (the order of calls)", unsafe {
-            api()?.cuStreamWaitEvent(raw_stream(&self.stream), raw_event(&self.held.sequence), flags)
-        })?;
-        self.sequenced.store(if capturing { CAPTURED } else { EAGER }, SeqCst);
-        Ok(())
-    }
-
-    /// After a call's last enqueue (when its [`Call`] is dropped): records
-    /// the order's event where the call took its place in the order.
-    fn sequence_end(&self) -> Result<()> {
-        let flags = match self.sequenced.swap(NOT_YET, SeqCst) {
-            NOT_YET => return Ok(()),
-            CAPTURED => sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL.0,
-            _ => 0,
-        };
-        bind(&self.ctx)?;
-        // SAFETY: as in `sequence_begin`.
-        check("cuEventRecordWithFlags (the order of calls)", unsafe {
-            api()?.cuEventRecordWithFlags(raw_event(&self.held.sequence), raw_stream(&self.stream), flags)
-        })
     }
 }

@@ -10,6 +10,7 @@ use crate::copy::PathPolicy;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Ctl;
+use crate::graph::CallOrder;
 use crate::ipc::bootstrap::{peer_failed, Exchange};
 use crate::ipc::fdpass::{send_fd, FdListener, PeerAddr};
 use crate::ipc::shm::{board_bytes, region_len, CallBoard, RegisteredMemory, SharedMemory};
@@ -618,7 +619,7 @@ impl Comm {
         } else {
             Vec::new()
         };
-        let sequence = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(cudarc_err("cuEventCreate"))?;
+        let order = CallOrder::new(&ctx)?;
         let comm = Comm {
             rank,
             size,
@@ -646,10 +647,8 @@ impl Comm {
             shares_context,
             pace_events,
             captures: Default::default(),
-            captured: Default::default(),
-            sequenced: Default::default(),
             held: Arc::new(Held {
-                sequence,
+                order,
                 funcs: FnTable::default(),
                 div: FnTable::default(),
                 red: FnTable::default(),
