@@ -14,7 +14,7 @@ use crate::copy::Path;
 use crate::dtype::DType;
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::{Ctl, Fault};
-use crate::graph::{Captures, KeepAlive};
+use crate::graph::{CallOrder, Captures, KeepAlive};
 use crate::kernels::load::{self, load_module, FnTable};
 use crate::kernels::{self, Kernel, KernelOp, Module};
 use crate::launch::{Job, Launchers};
@@ -38,6 +38,9 @@ pub(crate) struct Rank {
     pub(crate) done: CudaEvent,
     /// Orders callers' buffers with this rank's work (`crate::sync`).
     pub(crate) order: Orderer,
+    /// This rank's calls and the replays of its captured calls, in the
+    /// order the host issued them; graphs hold it.
+    pub(crate) calls: Arc<CallOrder>,
     /// The device's multiprocessors.
     pub(crate) sms: u32,
 }
@@ -57,6 +60,7 @@ impl Rank {
             done: ctx.new_event(None).map_err(cudarc_err("cuEventCreate"))?,
             funcs: FnTable::default(),
             order: Orderer::default(),
+            calls: Arc::new(CallOrder::new(&ctx)?),
             sms,
             ctx,
             stream,
@@ -128,6 +132,20 @@ pub(crate) fn ranks_on(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Rank>> {
     streams.into_iter().map(Rank::new).collect()
 }
 
+/// One collective's enqueue in progress ([`Communicator::enter`]): holds
+/// the streams' locks; when dropped, records the call's place in each
+/// rank's order of calls and replays, then lets the locks go.
+pub(crate) struct Entered<'a> {
+    comm: &'a Communicator,
+    _serial: Vec<MutexGuard<'a, ()>>,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.comm.end_calls();
+    }
+}
+
 /// A fused kernel's control-block arguments for one rank's launch.
 pub(crate) struct Fused {
     /// The control block's address for the rank's kernels.
@@ -195,31 +213,53 @@ impl Communicator {
 
     /// Starts one collective's enqueue: serialises it against calls from
     /// other threads (the guard), notes whether it is being captured into a
-    /// graph, and makes each graph it is captured into keep `keep_alive()`
+    /// graph, makes each graph it is captured into keep `keep_alive()`
     /// alive for as long as the graph lives (`crate::graph`): a graph may
-    /// be replayed after the group is dropped.
-    pub(crate) fn enter(&self, keep_alive: impl Fn() -> KeepAlive) -> Result<Vec<MutexGuard<'_, ()>>> {
+    /// be replayed after the group is dropped; and puts the call in each
+    /// rank's order of calls and replays ([`CallOrder`]), which the guard
+    /// records when dropped.
+    pub(crate) fn enter(&self, keep_alive: impl Fn() -> KeepAlive) -> Result<Entered<'_>> {
         let serial: Vec<_> = self.serial.iter().map(|m| m.lock().unwrap_or_else(|p| p.into_inner())).collect();
         if let Some(ctl) = &self.ctl {
             ctl.check()?;
         }
+        let entered = Entered { comm: self, _serial: serial };
         self.see_captures(keep_alive)?;
         self.call.fetch_add(1, Relaxed);
-        Ok(serial)
+        Ok(entered)
     }
 
-    /// Notes whether any rank's stream is being captured into a graph, and
-    /// makes each such graph keep `keep_alive()` alive (see [`Self::enter`]).
-    /// A call whose ranks' streams join a capture only after `enter` (the
-    /// raw entry's, ordered after the callers' capturing streams) looks
-    /// again once they have.
+    /// Notes whether any rank's stream is being captured into a graph,
+    /// makes each such graph keep `keep_alive()` alive, and has each rank's
+    /// stream wait for its order of calls (see [`Self::enter`]). A call
+    /// whose ranks' streams join a capture only after `enter` (the raw
+    /// entry's, ordered after the callers' capturing streams) looks again
+    /// once they have.
     pub(crate) fn see_captures(&self, keep_alive: impl Fn() -> KeepAlive) -> Result<()> {
         let mut capturing = false;
         for rank in &self.ranks {
-            capturing |= self.captures.hold(&rank.stream, &keep_alive)?;
+            let captured = self.captures.hold(&rank.stream, &keep_alive)?;
+            rank.calls.begin(&rank.stream, captured)?;
+            capturing |= captured;
         }
         self.capturing.store(capturing, Relaxed);
         Ok(())
+    }
+
+    /// Records the call's place in each rank's order of calls and replays,
+    /// after its last enqueue on the ranks' streams (before they join back
+    /// into streams of the caller's); [`Entered`] does it on drop
+    /// otherwise. A failed record leaves later calls unordered with this
+    /// one: the group fails, where it can.
+    pub(crate) fn end_calls(&self) {
+        for (r, rank) in self.ranks.iter().enumerate() {
+            if let Err(e) = rank.calls.end(&rank.stream) {
+                log::warn!("cuda-peer: group rank {r}: ordering a call: {e}");
+                if let Some(ctl) = &self.ctl {
+                    ctl.fail(Error::GroupFailed { reason: format!("rank {r}: ordering a call: {e}") });
+                }
+            }
+        }
     }
 
     /// Whether the call being enqueued is captured into a graph (set by

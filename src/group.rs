@@ -11,17 +11,17 @@
 //! device), the staged-host path where not. A group may mix them.
 
 use crate::algorithms::{self, check, oneshot, Algorithms, Pick};
-use crate::communicator::{ranks_on, Communicator};
+use crate::communicator::{ranks_on, Communicator, Entered};
 use crate::copy::route::{all_pairs_p2p, RouteEntry, RouteTable};
 use crate::copy::{LinkOptions, LinkStatus, Path};
 use crate::dtype::DType;
 use crate::error::{cudarc_err, Error, Result};
 use crate::failure::Fault;
-use crate::graph::KeepAlive;
+use crate::graph::{CallOrder, KeepAlive};
 use crate::kernels::load::{image_for, load_modules_everywhere};
 use crate::kernels::{self, Kernel, KernelOp, Module};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use crate::algorithms::{Algorithm, Selected};
@@ -288,13 +288,16 @@ impl Group {
     }
 
     /// Makes `stream` wait for everything enqueued so far on every rank's
-    /// stream. A CUDA graph captured over the group's streams (forked from
-    /// one of them) starts its nodes on every device after the work on the
-    /// stream it is launched on only; the group's kernels of one rank must
-    /// not overlap (they share counters and flags), so before launching
-    /// such a graph right after eager calls, call this on the launch
-    /// stream, and [`Group::ranks_wait_for`] after it, before the next
-    /// eager call. Errors are the driver's (event record or wait).
+    /// stream. The group itself runs each rank's calls and the replays of
+    /// graphs captured from them one after another, in the order the host
+    /// issued them, wherever a replay is launched; this orders the caller's
+    /// own work with them. A CUDA graph captured over the group's streams
+    /// (forked from one of them) starts its nodes on every device after the
+    /// work on the stream it is launched on only: where a graph must see
+    /// what the caller enqueued on the ranks' streams (say, its inputs),
+    /// call this on the launch stream before the launch, and
+    /// [`Group::ranks_wait_for`] after it, before reading the graph's
+    /// results there. Errors are the driver's (event record or wait).
     pub fn wait_for_ranks(&self, stream: &CudaStream) -> Result<()> {
         for rank in self.comm.ranks.iter().filter(|r| !same_stream(&r.stream, stream)) {
             stream.join(&rank.stream).map_err(cudarc_err("cuStreamWaitEvent (waiting for a rank)"))?;
@@ -304,8 +307,8 @@ impl Group {
 
     /// Makes every rank's stream wait for everything enqueued so far on
     /// `stream`: after a graph launched there (see
-    /// [`Group::wait_for_ranks`]), the group's next eager calls start after
-    /// the graph's nodes.
+    /// [`Group::wait_for_ranks`]), work the caller enqueues on the ranks'
+    /// streams afterwards sees the graph's results.
     pub fn ranks_wait_for(&self, stream: &CudaStream) -> Result<()> {
         for rank in self.comm.ranks.iter().filter(|r| !same_stream(&r.stream, stream)) {
             rank.stream.join(stream).map_err(cudarc_err("cuStreamWaitEvent (a rank waiting)"))?;
@@ -382,7 +385,7 @@ impl Group {
 
     /// Starts one collective's enqueue ([`Communicator::enter`]): captured
     /// calls keep the group's resources alive for as long as their graphs.
-    pub(crate) fn enter(&self) -> Result<Vec<MutexGuard<'_, ()>>> {
+    pub(crate) fn enter(&self) -> Result<Entered<'_>> {
         self.comm.enter(|| self.keep_alive())
     }
 
@@ -398,9 +401,18 @@ impl Group {
     fn keep_alive(&self) -> KeepAlive {
         let scratch: Vec<Vec<Arc<CudaSlice<u8>>>> = self.scratch.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
         let c = &self.comm;
+        let calls: Vec<Arc<CallOrder>> = c.ranks.iter().map(|r| r.calls.clone()).collect();
         KeepAlive {
             ctx: c.ranks[0].ctx.clone(),
-            payload: Arc::new((self.algos.mesh.clone(), self.algos.oneshot.clone(), c.ctl.clone(), c.routes.clone(), scratch, c.access.clone())),
+            payload: Arc::new((
+                self.algos.mesh.clone(),
+                self.algos.oneshot.clone(),
+                c.ctl.clone(),
+                c.routes.clone(),
+                scratch,
+                c.access.clone(),
+                calls,
+            )),
         }
     }
 

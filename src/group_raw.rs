@@ -101,6 +101,9 @@ impl Group {
         // now: its graph must hold what the call touches, and the call is
         // launched from this thread.
         let work = self.see_captures().and_then(|()| self.pick(bytes).enqueue(&self.comm, op, dtype, &ins, &outs, count));
+        // The call's place in the order of calls is recorded on the group's
+        // streams before they join back into the callers'.
+        self.comm.end_calls();
         // The callers' streams wait for the group's, also after a failure
         // part-way (whatever was enqueued must be done before the buffers
         // are reused).

@@ -224,3 +224,74 @@ fn graphs_outlive_their_group() {
         }
     }
 }
+
+/// A graph of the group's calls runs wherever the caller launches it, and
+/// its kernels use the group's slots, counters and flags as the eager calls
+/// do; the group runs each rank's calls and replays in the order the host
+/// issued them, wherever each replay is launched. Two ranks (sharing the
+/// device where there is one GPU): a graph of an in-place all-reduce of
+/// `x` (1 MiB); then, with no host synchronisation, `ROUNDS` rounds of fresh inputs
+/// copied into `x`, the graph launched and `x` copied out, all on streams
+/// of the caller's, and an eager all-reduce of other fresh inputs on the
+/// group's streams. Every result exact, for the one-shot (over P2P and
+/// through host memory), the mesh and the ring.
+#[test]
+fn replays_on_another_stream_are_ordered_with_eager_calls() {
+    const ROUNDS: usize = 48;
+    let test = "replays_on_another_stream_are_ordered_with_eager_calls";
+    let Some(ctxs) = untracked(test, 1) else { return };
+    // 1 MiB and 12 bytes a rank: long enough that a replay and the eager
+    // call beside it overlap where nothing orders them, and the same size
+    // for both (so the same one-shot lane).
+    let (n, count) = (2, (1 << 18) + 3);
+    let cases = [
+        ("one-shot over P2P", PathPolicy::P2pOnly, Algorithm::Auto),
+        ("mesh", PathPolicy::P2pOnly, Algorithm::Mesh),
+        ("ring", PathPolicy::P2pOnly, Algorithm::Ring),
+        ("one-shot through host memory", PathPolicy::StagedOnly, Algorithm::OneShot),
+    ];
+    for (what, policy, algorithm) in cases {
+        let ctx = |r: usize| &ctxs[r % ctxs.len()];
+        let streams: Vec<_> = (0..n).map(|r| ctx(r).new_stream().unwrap()).collect();
+        let others: Vec<_> = (0..n).map(|r| ctx(r).new_stream().unwrap()).collect();
+        let opts = GroupOptions::with_policy(policy).algorithm(algorithm).barrier_timeout(std::time::Duration::from_secs(2));
+        let group = Group::new(streams.clone(), &opts).expect("group");
+        let mut x: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
+        group.all_reduce_in_place(&mut x, ReduceOp::Sum).expect("eager all_reduce_in_place");
+        sync(&streams);
+        let graph = capture(&streams, || group.all_reduce_in_place(&mut x, ReduceOp::Sum));
+        let (replay_in, eager_in) =
+            ((0..ROUNDS).map(|_| random(n, count)).collect::<Vec<_>>(), (0..ROUNDS).map(|_| random(n, count)).collect::<Vec<_>>());
+        let up = |ins: &[Vec<Vec<u32>>]| -> Vec<Vec<CudaSlice<u32>>> {
+            ins.iter().map(|round| round.iter().zip(&streams).map(|(v, s)| s.clone_htod(v).unwrap()).collect()).collect()
+        };
+        let (on_device, mut eager) = (up(&replay_in), up(&eager_in));
+        let mut replay_out: Vec<Vec<CudaSlice<u32>>> = (0..ROUNDS).map(|_| streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect()).collect();
+        sync(&streams);
+        for k in 0..ROUNDS {
+            for r in 0..n {
+                others[r].memcpy_dtod(&on_device[k][r], &mut x[r]).unwrap();
+                if r > 0 {
+                    others[0].join(&others[r]).unwrap();
+                }
+            }
+            others[0].context().bind_to_thread().unwrap();
+            // SAFETY: a live executable graph of rank 0's context, launched
+            // on a live stream of that context.
+            unsafe { cuda_peer::cudarc::driver::result::graph::launch(graph.cu_graph_exec(), others[0].cu_stream()) }.expect("graph launch");
+            for r in 0..n {
+                if r > 0 {
+                    others[r].join(&others[0]).unwrap();
+                }
+                others[r].memcpy_dtod(&x[r], &mut replay_out[k][r]).unwrap();
+            }
+            group.all_reduce_in_place(&mut eager[k], ReduceOp::Sum).expect("eager all_reduce_in_place");
+        }
+        sync(&others);
+        sync(&streams);
+        for k in 0..ROUNDS {
+            check(&format!("{what}: round {k}: the replay on the caller's stream"), &streams, &replay_out[k], &reference(&replay_in[k]));
+            check(&format!("{what}: round {k}: the eager call between replays"), &streams, &eager[k], &reference(&eager_in[k]));
+        }
+    }
+}
