@@ -46,6 +46,10 @@
 #              Group side by side on 2 and 4 thread ranks (GROUPVS_RANKS), P2P and staged, over the GPUs
 #              there are (MACHINE names the CSVs: {MACHINE}-r{n}-{path}-p2p.csv), f32, sizes x4 to
 #              GROUPVS_MAX bytes (default 256 MiB)
+#   callorder  cuda-peer-bench p2p --ops allreduce --group --after-capture: the per-rank engine and the Group,
+#              each before and after a captured call (the cost of ordering eager calls with replays), on 2
+#              thread ranks over the GPUs there are, P2P and staged, f32, sizes x4 to CALLORDER_MAX bytes
+#              (default 16 MiB), CALLORDER_ROUNDS rounds (default 3; MACHINE names the CSVs), ~1 min a round
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT (the device sets it)}"
@@ -85,6 +89,9 @@ for p in "$@"; do
     groupvs) phase groupvs 540 bash -c 'for n in ${GROUPVS_RANKS:-2 4}; do for p in p2p staged; do
                .gpu/bin/cuda-peer-bench p2p --ops allreduce --dtypes f32 --ranks "$n" --path "$p" --group --quick \
                  --max-bytes "${GROUPVS_MAX:-268435456}" --machine "${MACHINE:-h200x1}-r$n-$p" --out "$OUT" || s=1; done; done; exit ${s:-0}' ;;
+    callorder) phase callorder 540 bash -c 'for k in $(seq "${CALLORDER_ROUNDS:-3}"); do for p in p2p staged; do
+                 .gpu/bin/cuda-peer-bench p2p --ops allreduce --dtypes f32 --ranks 2 --path "$p" --group --after-capture --quick \
+                   --max-bytes "${CALLORDER_MAX:-16777216}" --machine "${MACHINE:-h200x1}-$p-$k" --out "$OUT" || s=1; done; done; exit ${s:-0}' ;;
     p2pnccl) phase p2pnccl 560 .gpu/bin/cuda-peer-bench p2p --ops sendrecv,alltoall,allreduce --machine "${MACHINE:-h200x2}" --out "$OUT" ;;
     p2pab) P2PAB_OLD="${OLD:-.gpu/old/cuda-peer-bench}" phase p2pab 300 bash -c 'for k in $(seq "${P2PAB_ROUNDS:-3}"); do order="prev new"; [ $((k % 2)) -eq 0 ] && order="new prev"
              for n in ${P2PAB_RANKS:-2 4}; do for side in $order; do

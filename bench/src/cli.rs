@@ -175,6 +175,14 @@ pub(crate) struct P2pArgs {
     /// the same ranks, and print cuda-peer's ratios to it.
     #[arg(long)]
     pub(crate) group: bool,
+    /// Then capture one all-reduce of every communicator (and of the
+    /// group) into a CUDA graph, drop the graph, and run every cuda-peer
+    /// point again (rows named `...-after-capture`), with the ratios to the
+    /// first rows: once a call has been captured, each eager call takes its
+    /// place in the order of the rank's calls and replays (an event wait
+    /// and record on each rank's stream).
+    #[arg(long)]
+    pub(crate) after_capture: bool,
     /// Element types.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
     pub(crate) dtypes: Vec<Dt>,

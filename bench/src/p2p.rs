@@ -78,8 +78,9 @@ use crate::output::Csv;
 use crate::plan::{geometric, iters_for, warmup_for, Progress};
 use crate::sweep::describe_group;
 use cuda_peer::copy::PathPolicy;
+use cuda_peer::cudarc::driver::DevicePtr;
 use cuda_peer::cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream};
-use cuda_peer::{driver, Comm, CommOptions, Group, GroupOptions, ReduceOp};
+use cuda_peer::{driver, Comm, CommOptions, DType, Group, GroupOptions, RawBuffer, RawStream, ReduceOp};
 use half::bf16;
 use rand::Rng;
 use std::ffi::OsString;
@@ -101,6 +102,18 @@ fn nccl_name(path: PathPolicy) -> &'static str {
         _ => NCCL,
     }
 }
+
+/// The suffix of the rows run after a capture (`--after-capture`).
+const AFTER_CAPTURE: &str = "-after-capture";
+
+/// `name`'s rows after a capture.
+fn after_capture(name: &str) -> &'static str {
+    // A handful of names per run.
+    Box::leak(format!("{name}{AFTER_CAPTURE}").into_boxed_str())
+}
+
+/// The elements of the all-reduce each rank captures (`--after-capture`).
+const CAPTURED_COUNT: usize = 1024;
 
 /// Input magnitude of the moving calls: every integer up to 256 is exact in bf16.
 const RANGE: i64 = 127;
@@ -290,13 +303,17 @@ fn read_rows(path: &Path) -> Res<Vec<CsvRow>> {
     Ok(rows)
 }
 
-/// The ratios of every other cuda-peer implementation to `base` (NCCL's
-/// rows, or the group's) at every point where both ran.
-fn print_ratios(rows: &[CsvRow], base: &str) {
+/// The ratios of every other cuda-peer implementation that `which` takes
+/// to `base` (NCCL's rows, the group's, or cuda-peer's before a capture)
+/// at every point where both ran.
+fn print_ratios(rows: &[CsvRow], base: &str, which: impl Fn(&str) -> bool) {
     let key = |r: &CsvRow| (r.op.clone(), r.dtype.clone(), r.ranks, r.bytes);
     let based: std::collections::HashMap<_, &CsvRow> = rows.iter().filter(|r| r.imp == base).map(|r| (key(r), r)).collect();
-    let both: Vec<(&CsvRow, &CsvRow)> =
-        rows.iter().filter(|r| r.imp.starts_with(PEER) && r.imp != base).filter_map(|r| based.get(&key(r)).map(|n| (r, *n))).collect();
+    let both: Vec<(&CsvRow, &CsvRow)> = rows
+        .iter()
+        .filter(|r| r.imp.starts_with(PEER) && r.imp != base && which(&r.imp))
+        .filter_map(|r| based.get(&key(r)).map(|n| (r, *n)))
+        .collect();
     println!("#");
     if both.is_empty() {
         println!("# ratios to {base}: none (no point ran on both)");
@@ -417,21 +434,22 @@ fn parent(args: &P2pArgs, gpus: usize, n: usize) -> Res<()> {
     let grouped = group_points(args, &points);
     let nccl_runs = n <= gpus;
     let nccl = nccl_name(args.path);
-    let total = points.len() * if nccl_runs { 2 } else { 1 } + grouped.len();
+    let again = if args.after_capture { 2 } else { 1 };
+    let total = points.len() * (again + usize::from(nccl_runs)) + grouped.len() * again;
     let mut stopped = Vec::new();
     let peer = peer_name(args.all_reduce);
     if let Err(e) = run_peer(args, &ctxs, n, &points, total) {
         println!("# {peer}: stopped: {e}");
         stopped.push(peer);
     }
-    let mut progress = Progress { done: points.len(), total };
+    let mut progress = Progress { done: points.len() * again, total };
     if args.group {
         if let Err(e) = run_group(args, &ctxs, n, &grouped, &mut progress) {
             println!("# {GROUP}: stopped: {e}");
             stopped.push(GROUP);
         }
     }
-    progress.done = points.len() + grouped.len();
+    progress.done = (points.len() + grouped.len()) * again;
     if nccl_runs {
         // Removed when dropped, after the child.
         let tmp = private_tmp()?;
@@ -450,9 +468,16 @@ fn parent(args: &P2pArgs, gpus: usize, n: usize) -> Res<()> {
         println!("# {nccl}: skipped: NCCL needs one GPU per rank ({n} ranks, {gpus} GPUs); cuda-peer ran with ranks sharing GPUs");
     }
     let rows = read_rows(&args.csv())?;
-    print_ratios(&rows, nccl);
+    let captured = |imp: &str| imp.ends_with(AFTER_CAPTURE);
+    print_ratios(&rows, nccl, |_| true);
     if args.group {
-        print_ratios(&rows, GROUP);
+        print_ratios(&rows, GROUP, |imp| !captured(imp));
+    }
+    if args.after_capture {
+        for base in [peer, GROUP] {
+            let after = after_capture(base);
+            print_ratios(&rows, base, |imp| imp == after);
+        }
     }
     let wrong = rows.iter().filter(|r| r.wrong > 0).count();
     if wrong > 0 {
@@ -495,17 +520,85 @@ fn run_peer(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Point
         comms[0].engine(),
         args.all_reduce
     );
+    peer_sweep(args, &comms, peer, points, Progress { done: 0, total })?;
+    if args.after_capture {
+        capture_each(&comms)?;
+        let after = after_capture(peer);
+        println!("#");
+        println!("# {after}: the same communicators, each rank having captured one all-reduce into a CUDA graph (then dropped)");
+        peer_sweep(args, &comms, after, points, Progress { done: points.len(), total })?;
+    }
+    Ok(())
+}
+
+/// Each rank captures one all-reduce (raw pointers: the buffer's cudarc
+/// events stay out of the capture) into a CUDA graph on its stream, on its
+/// own thread, and drops the graph.
+fn capture_each(comms: &[Comm]) -> Res<()> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                s.spawn(move || -> Result<(), String> {
+                    let stream = comm.stream().clone();
+                    let x = stream.alloc_zeros::<f32>(CAPTURED_COUNT).map_err(|e| format!("{e:?}"))?;
+                    stream.synchronize().map_err(|e| format!("{e:?}"))?;
+                    let ptr = RawBuffer(x.device_ptr(&stream).0);
+                    capture_on(&[stream.clone()], || {
+                        // SAFETY: `x` holds CAPTURED_COUNT f32 on the rank's
+                        // device and outlives the capture (the graph is
+                        // dropped unlaunched); the stream is the rank's own.
+                        unsafe { comm.all_reduce_raw(ptr, ptr, CAPTURED_COUNT, DType::F32, ReduceOp::Sum, RawStream(stream.cu_stream())) }
+                    })
+                    .map_err(|e| format!("rank {}: {e}", comm.rank()))
+                })
+            })
+            .collect();
+        let mut first = Ok(());
+        for h in handles {
+            let r = h.join().unwrap_or_else(|_| Err("a capturing thread panicked".into()));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first.map_err(Into::into)
+    })
+}
+
+/// Captures `call` (which enqueues on `streams`, forked from the first)
+/// into a CUDA graph and drops it.
+fn capture_on(streams: &[Arc<CudaStream>], call: impl FnOnce() -> cuda_peer::Result<()>) -> Result<(), String> {
+    let s0 = &streams[0];
+    s0.begin_capture(cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| format!("begin capture: {e:?}"))?;
+    let mut res = s0
+        .record_event(None)
+        .map_err(|e| format!("{e:?}"))
+        .and_then(|fork| streams[1..].iter().try_for_each(|s| s.wait(&fork).map_err(|e| format!("{e:?}"))));
+    res = res.and_then(|()| call().map_err(|e| format!("the captured all-reduce: {e}")));
+    for s in &streams[1..] {
+        res = res.and_then(|()| s0.join(s).map_err(|e| format!("{e:?}")));
+    }
+    let graph = s0.end_capture(cu::CUgraphInstantiate_flags(0));
+    res?;
+    drop(graph.map_err(|e| format!("end capture: {e:?}"))?);
+    Ok(())
+}
+
+/// Every point of `points` on each of `comms`, one thread per rank: rows
+/// named `name`, printed and appended to the CSV in point order.
+fn peer_sweep(args: &P2pArgs, comms: &[Comm], name: &'static str, points: &[Point], progress: Progress) -> Res<()> {
+    let (n, peer) = (comms.len(), name);
     print_table_header();
     let common = args.common();
     let seeds: Vec<u64> = points.iter().map(|_| rand::rng().random()).collect();
     let mut csv = Csv::append(&args.csv())?;
     let (tx, rx) = mpsc::channel::<(usize, usize, Result<RankPoint, String>)>();
     std::thread::scope(|s| {
-        for comm in &comms {
-            let (tx, common, seeds) = (tx.clone(), &common, &seeds);
+        for comm in comms {
+            let (tx, common, seeds, progress) = (tx.clone(), &common, &seeds, &progress);
             s.spawn(move || {
                 let rank = comm.rank();
-                let mut progress = Progress { done: 0, total };
+                let mut progress = Progress { done: progress.done, total: progress.total };
                 for (k, p) in points.iter().enumerate() {
                     if rank == 0 {
                         progress.tick(format_args!("{peer} {} {} {}", p.op.name(), p.dt.name(), p.shape.bytes));
@@ -691,7 +784,22 @@ fn run_group(args: &P2pArgs, ctxs: &[Arc<CudaContext>], n: usize, points: &[Poin
     let group = Group::new(streams.clone(), &GroupOptions::with_policy(args.path))?;
     println!("# {GROUP}: on GPUs {devices:?}, one thread (Group::new), path policy {}", args.path.name());
     describe_group(GROUP, &group);
-    one_thread(GROUP, &streams, &args.common(), points, progress, &args.csv(), &mut GroupCaller(&group))
+    one_thread(GROUP, &streams, &args.common(), points, progress, &args.csv(), &mut GroupCaller(&group))?;
+    if !args.after_capture {
+        return Ok(());
+    }
+    let xs = streams.iter().map(|s| s.alloc_zeros::<f32>(CAPTURED_COUNT)).collect::<Result<Vec<_>, _>>()?;
+    sync_all(&streams)?;
+    let ptrs: Vec<RawBuffer> = xs.iter().zip(&streams).map(|(x, s)| RawBuffer(x.device_ptr(s).0)).collect();
+    let raw: Vec<RawStream> = streams.iter().map(|s| RawStream(s.cu_stream())).collect();
+    // SAFETY: each `xs[r]` holds CAPTURED_COUNT f32 on rank r's device and
+    // outlives the capture (the graph is dropped unlaunched); the streams
+    // are the group's own.
+    capture_on(&streams, || unsafe { group.all_reduce_raw(&ptrs, CAPTURED_COUNT, DType::F32, ReduceOp::Sum, &raw) })?;
+    let after = after_capture(GROUP);
+    println!("#");
+    println!("# {after}: the same group, having captured one all-reduce into a CUDA graph (then dropped)");
+    one_thread(after, &streams, &args.common(), points, progress, &args.csv(), &mut GroupCaller(&group))
 }
 
 /// Where `n` ranks run, rank r on `ctxs[r % len]`, and a new stream for
@@ -816,7 +924,9 @@ mod tests {
         let a = parse(&["cuda-peer-bench", "p2p", "--ops", "sendrecv,allreduce", "--path", "staged", "--group"]);
         assert_eq!((a.path, a.group, nccl_name(a.path)), (PathPolicy::StagedOnly, true, "nccl-no-p2p"));
         let d = parse(&["cuda-peer-bench", "p2p"]);
-        assert_eq!((d.path, d.group, nccl_name(d.path)), (PathPolicy::Auto, false, NCCL));
+        assert_eq!((d.path, d.group, d.after_capture, nccl_name(d.path)), (PathPolicy::Auto, false, false, NCCL));
+        assert!(parse(&["cuda-peer-bench", "p2p", "--after-capture"]).after_capture);
+        assert_eq!(after_capture(GROUP), "cuda-peer-group-after-capture");
         assert!(Cli::try_parse_from(["cuda-peer-bench", "p2p", "--path", "nvlink"]).is_err());
         // The group runs the all-reduces only, and only when asked.
         let ops = |a: &P2pArgs| group_points(a, &points(a, 2)).iter().map(|p| p.op).collect::<Vec<_>>();
@@ -952,7 +1062,7 @@ mod tests {
             (PEER, "sendrecv", "f32", 2, 4096)
         );
         assert_eq!((rows[0].time_us, rows[0].busbw, rows[1].wrong), (2.0, 2.048, 3));
-        print_ratios(&rows, NCCL);
+        print_ratios(&rows, NCCL, |_| true);
         std::fs::write(&path, format!("{CSV_HEADER}\nnccl,sendrecv,f32\n")).unwrap();
         assert!(read_rows(&path).is_err());
     }
