@@ -544,7 +544,7 @@ fn capture_each(comms: &[Comm]) -> Res<()> {
                     let x = stream.alloc_zeros::<f32>(CAPTURED_COUNT).map_err(|e| format!("{e:?}"))?;
                     stream.synchronize().map_err(|e| format!("{e:?}"))?;
                     let ptr = RawBuffer(x.device_ptr(&stream).0);
-                    capture_on(&[stream.clone()], || {
+                    capture_on(std::slice::from_ref(&stream), || {
                         // SAFETY: `x` holds CAPTURED_COUNT f32 on the rank's
                         // device and outlives the capture (the graph is
                         // dropped unlaunched); the stream is the rank's own.
