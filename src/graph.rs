@@ -182,8 +182,9 @@ fn reaper() -> Option<&'static mpsc::Sender<Release>> {
 /// does both as the graph's external event nodes: a graph's wait node waits
 /// for the event's last record before the graph's launch, and a stream that
 /// waits for the event after the launch waits for the replay's record node
-/// (`bench/experiments/graph_event_order/`). Eager calls do this only once a
-/// call has been captured: before that no replay exists.
+/// (`bench/experiments/graph_event_order/`). Eager calls always record (a
+/// graph captured later must wait for the calls before it), and wait only
+/// once a call has been captured: before that no replay exists.
 ///
 /// Graphs wait for and record the event, so what they keep alive must hold
 /// the `CallOrder`. One call at a time uses it (the owner's call lock).
@@ -194,7 +195,7 @@ pub(crate) struct CallOrder {
     /// Whether a call has been captured into a graph.
     captured: AtomicBool,
     /// How the call being enqueued took its place in the order: `NOT_YET`,
-    /// `EAGER` (it waited on the stream) or `CAPTURED` (as a graph node).
+    /// `EAGER` (on the stream) or `CAPTURED` (as a graph node).
     state: AtomicU8,
 }
 
@@ -213,9 +214,11 @@ impl CallOrder {
     /// Before a call's enqueue on `stream` (of the event's context), where
     /// `capturing` says whether `stream` is being captured into a graph:
     /// the stream waits for the order's last record, as an external node of
-    /// the graph when capturing. A call may call this before each of its
-    /// enqueues: it waits once, and once more if its stream has joined a
-    /// capture since (a fork from a caller's capturing stream).
+    /// the graph when capturing (eagerly only once a call has been
+    /// captured). A call may call this before each of its enqueues: it
+    /// takes its place once, and once more if its stream has joined a
+    /// capture since (a fork from a caller's capturing stream, or a
+    /// buffer's event recorded under one).
     pub(crate) fn begin(&self, stream: &CudaStream, capturing: bool) -> Result<()> {
         let state = self.state.load(SeqCst);
         if capturing {
@@ -223,7 +226,11 @@ impl CallOrder {
                 return Ok(());
             }
             self.captured.store(true, SeqCst);
-        } else if state != NOT_YET || !self.captured.load(SeqCst) {
+        } else if state != NOT_YET {
+            return Ok(());
+        } else if !self.captured.load(SeqCst) {
+            // Nothing to wait for yet; `end` records.
+            self.state.store(EAGER, SeqCst);
             return Ok(());
         }
         bind(stream.context())?;
