@@ -73,6 +73,9 @@ impl Group {
         Ok(())
     }
 
+    /// Each rank's buffer ordered for reading on its stream. The ordering
+    /// may have made a rank's stream join a capture (a buffer's event
+    /// recorded under one): the group looks again ([`Group::see_captures`]).
     fn read_ptrs<'a, T, S: DevicePtr<T>>(&'a self, bufs: &'a [S]) -> Result<Bufs<'a>> {
         let (mut ptrs, mut held) = (Vec::with_capacity(bufs.len()), Vec::with_capacity(bufs.len()));
         for (r, b) in bufs.iter().enumerate() {
@@ -81,9 +84,12 @@ impl Group {
             ptrs.push(p);
             held.push(h);
         }
-        Ok(Bufs { ptrs, held })
+        let bufs = Bufs { ptrs, held };
+        self.see_captures()?;
+        Ok(bufs)
     }
 
+    /// As [`Self::read_ptrs`], for writing.
     fn write_ptrs<'a, T, D: DevicePtrMut<T>>(&'a self, bufs: &'a mut [D]) -> Result<Bufs<'a>> {
         let (mut ptrs, mut held) = (Vec::with_capacity(bufs.len()), Vec::with_capacity(bufs.len()));
         for (r, b) in bufs.iter_mut().enumerate() {
@@ -92,7 +98,9 @@ impl Group {
             ptrs.push(p);
             held.push(h);
         }
-        Ok(Bufs { ptrs, held })
+        let bufs = Bufs { ptrs, held };
+        self.see_captures()?;
+        Ok(bufs)
     }
 
     /// The inputs a reduction of `op` reads: where [`prescales`], each
@@ -132,10 +140,12 @@ impl Group {
         self.check_bufs("all_reduce", "buffer", bufs, count)?;
         let pick = self.pick(count * T::DTYPE.size());
         if let (Pick::OneShot(os), true) = (&pick, count > 0 && streams_distinct(bufs)) {
-            return os.in_place(&self.comm, op, bufs, count);
+            return os.in_place(&self.comm, op, bufs, count, &|| self.keep_alive());
         }
         let b = self.write_ptrs(bufs)?;
         let r = pick.enqueue(&self.comm, op, T::DTYPE, &b.ptrs, &b.ptrs, count);
+        // The call's place in the order of calls before the buffers' events.
+        self.comm.end_calls();
         ordered(r, [b])
     }
 
@@ -152,11 +162,13 @@ impl Group {
         self.check_bufs("all_reduce", "recv", recv, count)?;
         let pick = self.pick(count * T::DTYPE.size());
         if let (Pick::OneShot(os), true) = (&pick, count > 0 && streams_distinct(send) && streams_distinct(recv)) {
-            return os.out_of_place(&self.comm, op, send, recv, count);
+            return os.out_of_place(&self.comm, op, send, recv, count, &|| self.keep_alive());
         }
         let s = self.read_ptrs(send)?;
         let d = self.write_ptrs(recv)?;
         let r = pick.enqueue(&self.comm, op, T::DTYPE, &s.ptrs, &d.ptrs, count);
+        // The call's place in the order of calls before the buffers' events.
+        self.comm.end_calls();
         ordered(r, [s, d])
     }
 
@@ -176,13 +188,14 @@ impl Group {
             return Ok(());
         }
         let esz = T::DTYPE.size();
-        let scratch = if n >= 3 { self.scratch(Scratch::Partial, c * esz, "reduce_scatter")? } else { Vec::new() };
         let s = self.read_ptrs(send)?;
         let d = self.write_ptrs(recv)?;
         let r = (|| -> Result<()> {
             if n == 1 {
                 return self.comm.local_copy(0, d.ptrs[0], s.ptrs[0], c * esz);
             }
+            // Taken once the buffers' ordering has shown whether the call is captured.
+            let scratch = if n >= 3 { self.scratch(Scratch::Partial, c * esz, "reduce_scatter")? } else { Vec::new() };
             self.comm.check_reach("reduce_scatter", &s.ptrs, false)?;
             self.comm.check_reach("reduce_scatter", &d.ptrs, false)?;
             let (op, src) = self.prescaled::<T>(op, &s.ptrs, total, "reduce_scatter")?;
@@ -205,6 +218,8 @@ impl Group {
                 .collect();
             ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)
         })();
+        // The call's place in the order of calls before the buffers' events.
+        self.comm.end_calls();
         ordered(r, [s, d])
     }
 
@@ -240,6 +255,8 @@ impl Group {
                 .collect();
             ring::run(&self.comm, KernelOp::Sum, T::DTYPE, &steps)
         })();
+        // The call's place in the order of calls before the buffers' events.
+        self.comm.end_calls();
         ordered(r, [s, d])
     }
 
@@ -279,6 +296,8 @@ impl Group {
                 .collect();
             ring::run(&self.comm, KernelOp::Sum, T::DTYPE, &steps)
         };
+        // The call's place in the order of calls before the buffers' events.
+        self.comm.end_calls();
         ordered(r, [b])
     }
 
@@ -327,6 +346,8 @@ impl Group {
                 .collect();
             ring::run(&self.comm, KernelOp::of(op), T::DTYPE, &steps)
         })();
+        // The call's place in the order of calls before the buffers' events.
+        self.comm.end_calls();
         ordered(r, [s, d])
     }
 

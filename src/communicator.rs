@@ -224,42 +224,62 @@ impl Communicator {
             ctl.check()?;
         }
         let entered = Entered { comm: self, _serial: serial };
+        self.capturing.store(false, Relaxed);
         self.see_captures(keep_alive)?;
         self.call.fetch_add(1, Relaxed);
         Ok(entered)
     }
 
-    /// Notes whether any rank's stream is being captured into a graph,
-    /// makes each such graph keep `keep_alive()` alive, and has each rank's
-    /// stream wait for its order of calls (see [`Self::enter`]). A call
-    /// whose ranks' streams join a capture only after `enter` (the raw
-    /// entry's, ordered after the callers' capturing streams) looks again
-    /// once they have.
+    /// [`Self::see_capture`] for every rank (see [`Self::enter`]). A call
+    /// whose ranks' streams may join a capture only after `enter` (ordered
+    /// after a caller's capturing stream: the raw entry's fork, or a
+    /// buffer's event recorded under a capture) looks again once they may
+    /// have, before its first kernel or copy.
     pub(crate) fn see_captures(&self, keep_alive: impl Fn() -> KeepAlive) -> Result<()> {
-        let mut capturing = false;
-        for rank in &self.ranks {
-            let captured = self.captures.hold(&rank.stream, &keep_alive)?;
-            rank.calls.begin(&rank.stream, captured)?;
-            capturing |= captured;
+        for r in 0..self.size() {
+            self.see_capture(r, &keep_alive)?;
         }
-        self.capturing.store(capturing, Relaxed);
         Ok(())
     }
 
-    /// Records the call's place in each rank's order of calls and replays,
-    /// after its last enqueue on the ranks' streams (before they join back
-    /// into streams of the caller's); [`Entered`] does it on drop
-    /// otherwise. A failed record leaves later calls unordered with this
-    /// one: the group fails, where it can.
-    pub(crate) fn end_calls(&self) {
-        for (r, rank) in self.ranks.iter().enumerate() {
-            if let Err(e) = rank.calls.end(&rank.stream) {
-                log::warn!("cuda-peer: group rank {r}: ordering a call: {e}");
-                if let Some(ctl) = &self.ctl {
-                    ctl.fail(Error::GroupFailed { reason: format!("rank {r}: ordering a call: {e}") });
-                }
-            }
+    /// Whether rank `r`'s stream is being captured into a graph (noted for
+    /// [`Self::capturing`]): if so, the graph keeps `keep_alive()` alive
+    /// (once per capture); and the call takes its place in the rank's
+    /// order of calls and replays ([`CallOrder::begin`]). For a launcher's
+    /// own rank too, once it has ordered that rank's buffers.
+    pub(crate) fn see_capture(&self, r: usize, keep_alive: &dyn Fn() -> KeepAlive) -> Result<bool> {
+        let rank = self.ranks.get(r).ok_or_else(|| Error::Internal(format!("no rank {r} in a group of {}", self.size())))?;
+        let captured = self.captures.hold(&rank.stream, keep_alive)?;
+        rank.calls.begin(&rank.stream, captured)?;
+        if captured {
+            self.capturing.store(true, Relaxed);
         }
+        Ok(captured)
+    }
+
+    /// Records the call's place in each rank's order of calls and replays
+    /// ([`Self::end_call`] for every rank; a failure is logged and fails
+    /// the group); [`Entered`] does it on drop otherwise.
+    pub(crate) fn end_calls(&self) {
+        for r in 0..self.size() {
+            let _ = self.end_call(r);
+        }
+    }
+
+    /// Records the call's place in rank `r`'s order of calls and replays,
+    /// after its last kernel or copy on the rank's stream and before the
+    /// stream joins back into streams of the caller's (their waits, or the
+    /// events of the callers' buffers, which such a stream may join back
+    /// through). A failed record leaves later calls unordered with this
+    /// one: the group fails, where it can.
+    pub(crate) fn end_call(&self, r: usize) -> Result<()> {
+        let rank = self.ranks.get(r).ok_or_else(|| Error::Internal(format!("no rank {r} in a group of {}", self.size())))?;
+        rank.calls.end(&rank.stream).inspect_err(|e| {
+            log::warn!("cuda-peer: group rank {r}: ordering a call: {e}");
+            if let Some(ctl) = &self.ctl {
+                ctl.fail(Error::GroupFailed { reason: format!("rank {r}: ordering a call: {e}") });
+            }
+        })
     }
 
     /// Whether the call being enqueued is captured into a graph (set by

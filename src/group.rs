@@ -398,7 +398,7 @@ impl Group {
     /// Everything a captured call of this group can touch when replayed:
     /// the one-shot's and the mesh's slots and flags, the staged routes'
     /// buffers, the scratch, and the peer access the kernels rely on.
-    fn keep_alive(&self) -> KeepAlive {
+    pub(crate) fn keep_alive(&self) -> KeepAlive {
         let scratch: Vec<Vec<Arc<CudaSlice<u8>>>> = self.scratch.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
         let c = &self.comm;
         let calls: Vec<Arc<CallOrder>> = c.ranks.iter().map(|r| r.calls.clone()).collect();

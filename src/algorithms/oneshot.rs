@@ -31,6 +31,7 @@ use crate::communicator::Communicator;
 use crate::copy::staged::PinnedBuffer;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{cudarc_err, Error, Result};
+use crate::graph::KeepAlive;
 use crate::kernels::launch;
 use crate::kernels::load::{FnTable, PtrArray};
 use crate::kernels::{self, Kernel, KernelOp, OneShotPipeline};
@@ -268,13 +269,16 @@ impl OneShot {
     /// [`ReduceOp::Avg`]), where each rank's launcher (or the calling
     /// thread, for rank 0) takes its own buffer's pointer, launches, and
     /// records the buffer's event: cudarc's event tracking of the buffers
-    /// then runs in parallel too.
+    /// then runs in parallel too. A rank whose stream joins a capture
+    /// through its buffer's ordering is seen before its kernel
+    /// ([`Communicator::see_capture`], with `keep_alive`).
     pub(crate) fn in_place<T: Element, D: DevicePtrMut<T> + Send>(
         &self,
         comm: &Communicator,
         op: ReduceOp,
         bufs: &mut [D],
         count: usize,
+        keep_alive: &(dyn Fn() -> KeepAlive + Sync),
     ) -> Result<()> {
         self.resolve(comm, op, T::DTYPE)?;
         let cells = cells(bufs);
@@ -283,8 +287,8 @@ impl OneShot {
             let rank = &comm.ranks[r];
             // The guard orders the buffer after this rank's kernels.
             let (ptr, held) = rank.order.write(buf, &rank.stream)?;
-            let launched = self.rank(comm, op, T::DTYPE, r, ptr, ptr, count);
-            launched.and(held.finish())
+            let launched = comm.see_capture(r, keep_alive).and_then(|_| self.rank(comm, op, T::DTYPE, r, ptr, ptr, count));
+            launched.and(comm.end_call(r)).and(held.finish())
         })
     }
 
@@ -297,6 +301,7 @@ impl OneShot {
         send: &[S],
         recv: &mut [D],
         count: usize,
+        keep_alive: &(dyn Fn() -> KeepAlive + Sync),
     ) -> Result<()> {
         self.resolve(comm, op, T::DTYPE)?;
         let cells = cells(recv);
@@ -306,8 +311,8 @@ impl OneShot {
             let rank = &comm.ranks[r];
             let (src, read) = rank.order.read(input, &rank.stream)?;
             let (dst, write) = rank.order.write(out, &rank.stream)?;
-            let launched = self.rank(comm, op, T::DTYPE, r, src, dst, count);
-            launched.and(read.finish()).and(write.finish())
+            let launched = comm.see_capture(r, keep_alive).and_then(|_| self.rank(comm, op, T::DTYPE, r, src, dst, count));
+            launched.and(comm.end_call(r)).and(read.finish()).and(write.finish())
         })
     }
 
