@@ -2,10 +2,12 @@
 //! joined into one capture, as a framework that replays its step would do)
 //! and replayed several times on fresh inputs, against a CPU reference.
 //!
-//! cudarc's event tracking is turned off on these contexts: a captured
-//! stream may not wait for events recorded outside the capture, and the
-//! caller orders work itself under capture anyway. Every collective runs
-//! once eagerly before it is captured (its first use loads kernels).
+//! cudarc's event tracking is turned off on these contexts (but for the
+//! test of a capture that reaches the group through its buffers' events,
+//! which needs it on): a captured stream may not wait for events recorded
+//! outside the capture, and the caller orders work itself under capture
+//! anyway. The tests take one lock: one measures the device pool's use,
+//! and groups sharing the device would slow each other's barriers.
 //! Ranks are laid round robin over the GPUs (rank r on device r % count):
 //! on one GPU two ranks share it, the ring, the mesh and the one-shot
 //! included, and the staged links (`StagedOnly`: the one-shot through host
@@ -15,6 +17,7 @@
 mod common;
 
 use common::graph::{capture, untracked};
+use common::ranks::exclusive;
 use cuda_peer::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cuda_peer::{Algorithm, Group, GroupOptions, PathPolicy, ReduceOp};
 use rand::Rng;
@@ -118,6 +121,7 @@ const COUNTS: [usize; 6] = [1024, 4093, 1 << 14, 1 << 16, 1 << 19, (1 << 21) + 5
 
 #[test]
 fn fused_all_reduces_replay_from_a_graph() {
+    let _gpu = exclusive();
     let test = "fused_all_reduces_replay_from_a_graph";
     let Some(ctxs) = untracked(test, 1) else { return };
     // Two ranks sharing the device where there is one GPU; one per device otherwise.
@@ -129,6 +133,7 @@ fn fused_all_reduces_replay_from_a_graph() {
 
 #[test]
 fn ring_all_reduces_replay_from_a_graph() {
+    let _gpu = exclusive();
     let Some(ctxs) = untracked("ring_all_reduces_replay_from_a_graph", 1) else { return };
     // Two ranks per device where there is one GPU; one per device otherwise.
     let n = if ctxs.len() == 1 { 2 } else { ctxs.len().min(8) };
@@ -162,6 +167,7 @@ fn pool_used(ctx: &Arc<CudaContext>) -> u64 {
 /// memory); the staged cases need two devices.
 #[test]
 fn graphs_outlive_their_group() {
+    let _gpu = exclusive();
     let test = "graphs_outlive_their_group";
     let Some(ctxs) = untracked(test, 1) else { return };
     let cases = [
@@ -237,6 +243,7 @@ fn graphs_outlive_their_group() {
 /// through host memory), the mesh and the ring.
 #[test]
 fn replays_on_another_stream_are_ordered_with_eager_calls() {
+    let _gpu = exclusive();
     const ROUNDS: usize = 48;
     let test = "replays_on_another_stream_are_ordered_with_eager_calls";
     let Some(ctxs) = untracked(test, 1) else { return };
@@ -254,8 +261,7 @@ fn replays_on_another_stream_are_ordered_with_eager_calls() {
         let ctx = |r: usize| &ctxs[r % ctxs.len()];
         let streams: Vec<_> = (0..n).map(|r| ctx(r).new_stream().unwrap()).collect();
         let others: Vec<_> = (0..n).map(|r| ctx(r).new_stream().unwrap()).collect();
-        let opts = GroupOptions::with_policy(policy).algorithm(algorithm).barrier_timeout(std::time::Duration::from_secs(2));
-        let group = Group::new(streams.clone(), &opts).expect("group");
+        let group = Group::new(streams.clone(), &GroupOptions::with_policy(policy).algorithm(algorithm)).expect("group");
         let mut x: Vec<CudaSlice<u32>> = streams.iter().map(|s| s.alloc_zeros(count).unwrap()).collect();
         group.all_reduce_in_place(&mut x, ReduceOp::Sum).expect("eager all_reduce_in_place");
         sync(&streams);
@@ -292,6 +298,124 @@ fn replays_on_another_stream_are_ordered_with_eager_calls() {
         for k in 0..ROUNDS {
             check(&format!("{what}: round {k}: the replay on the caller's stream"), &streams, &replay_out[k], &reference(&replay_in[k]));
             check(&format!("{what}: round {k}: the eager call between replays"), &streams, &eager[k], &reference(&eager_in[k]));
+        }
+    }
+}
+
+/// A graph captured right after eager calls, and launched at once on a
+/// stream of the caller's, runs after them: every eager call records its
+/// place in its rank's order of calls, which the graph's launch waits for.
+/// Two ranks (sharing the device where there is one GPU): 32 eager
+/// all-reduces of 1 MiB, nothing synchronised, then the capture of another
+/// all-reduce of the same size, launched on a stream of the caller's right
+/// away; every result exact, for the one-shot (over P2P and through host
+/// memory) and the mesh.
+#[test]
+fn a_graph_launched_right_after_its_capture_runs_after_the_eager_calls_before_it() {
+    let _gpu = exclusive();
+    const EAGER: usize = 32;
+    let test = "a_graph_launched_right_after_its_capture_runs_after_the_eager_calls_before_it";
+    let Some(ctxs) = untracked(test, 1) else { return };
+    let (n, count) = (2, (1 << 18) + 3);
+    let cases = [
+        ("one-shot over P2P", PathPolicy::P2pOnly, Algorithm::Auto),
+        ("mesh", PathPolicy::P2pOnly, Algorithm::Mesh),
+        ("one-shot through host memory", PathPolicy::StagedOnly, Algorithm::OneShot),
+    ];
+    for (what, policy, algorithm) in cases {
+        let ctx = |r: usize| &ctxs[r % ctxs.len()];
+        let streams: Vec<_> = (0..n).map(|r| ctx(r).new_stream().unwrap()).collect();
+        let launch = ctx(0).new_stream().unwrap();
+        let group = Group::new(streams.clone(), &GroupOptions::with_policy(policy).algorithm(algorithm)).expect("group");
+        let eager_in: Vec<Vec<Vec<u32>>> = (0..EAGER).map(|_| random(n, count)).collect();
+        let mut eager: Vec<Vec<CudaSlice<u32>>> =
+            eager_in.iter().map(|k| k.iter().zip(&streams).map(|(v, s)| s.clone_htod(v).unwrap()).collect()).collect();
+        let graph_in = random(n, count);
+        let mut x: Vec<CudaSlice<u32>> = graph_in.iter().zip(&streams).map(|(v, s)| s.clone_htod(v).unwrap()).collect();
+        sync(&streams);
+        for bufs in eager.iter_mut() {
+            group.all_reduce_in_place(bufs, ReduceOp::Sum).expect("eager all_reduce_in_place");
+        }
+        let graph = capture(&streams, || group.all_reduce_in_place(&mut x, ReduceOp::Sum));
+        launch.context().bind_to_thread().unwrap();
+        // SAFETY: a live executable graph of rank 0's context, launched on a
+        // live stream of that context.
+        unsafe { cuda_peer::cudarc::driver::result::graph::launch(graph.cu_graph_exec(), launch.cu_stream()) }.expect("graph launch");
+        launch.synchronize().unwrap();
+        sync(&streams);
+        check(&format!("{what}: the graph launched right after its capture"), &streams, &x, &reference(&graph_in));
+        for (k, bufs) in eager.iter().enumerate() {
+            check(&format!("{what}: eager call {k} before the capture"), &streams, bufs, &reference(&eager_in[k]));
+        }
+    }
+}
+
+/// With cudarc's event tracking on, a capture begun on streams of the
+/// caller's reaches the group's streams through its buffers (the group's
+/// streams wait for the buffers' writers, recorded under the capture): the
+/// graph must still hold what the group's kernels use and take its place
+/// in each rank's order of calls, and the group's streams must join back
+/// through the buffers' events. Two ranks (sharing the device where there
+/// is one GPU), buffers first used under the capture (inputs copied in
+/// from a source buffer, outputs copied out to another); after the group
+/// is dropped, three replays on fresh inputs, outputs poisoned; every
+/// result exact, and the capture took a keep-alive. The one-shot (each
+/// rank's buffers ordered on its own launcher) and the ring.
+#[test]
+fn a_capture_that_reaches_the_group_through_its_buffers_holds_it() {
+    let _gpu = exclusive();
+    let test = "a_capture_that_reaches_the_group_through_its_buffers_holds_it";
+    let (n, count) = (2, 4099);
+    for (what, algorithm) in [("one-shot", Algorithm::OneShot), ("ring", Algorithm::Ring)] {
+        // Context objects of this case's own, event tracking on.
+        let Some(ctxs) = common::gpus(test, 1) else { return };
+        let ctx = |r: usize| &ctxs[r % ctxs.len()];
+        let streams: Vec<_> = (0..n).map(|r| ctx(r).new_stream().unwrap()).collect();
+        let callers: Vec<_> = (0..n).map(|r| ctx(r).new_stream().unwrap()).collect();
+        let group = Group::new(streams.clone(), &GroupOptions::with_policy(PathPolicy::P2pOnly).algorithm(algorithm)).expect("group");
+        // SAFETY: every replay writes `src` (before the launch) and `send`,
+        // `recv` and `out` (in the graph) before reading them; nothing is
+        // recorded on them before the capture.
+        let mut alloc = |c: &Arc<CudaStream>| unsafe { c.alloc::<u32>(count) }.unwrap();
+        let (mut src, mut send, mut recv, mut out): (Vec<CudaSlice<u32>>, Vec<_>, Vec<_>, Vec<_>) = (
+            callers.iter().map(&mut alloc).collect(),
+            callers.iter().map(&mut alloc).collect(),
+            callers.iter().map(&mut alloc).collect(),
+            callers.iter().map(&mut alloc).collect(),
+        );
+        let (retained, _, _) = cuda_peer::group::graph_keep_alives();
+        let graph = common::graph::try_capture(&callers, || {
+            for r in 0..n {
+                callers[r].memcpy_dtod(&src[r], &mut send[r]).map_err(|e| format!("copy in: {e:?}"))?;
+            }
+            group.all_reduce(&send, &mut recv, ReduceOp::Sum).map_err(|e| format!("all_reduce under the capture: {e}"))?;
+            for r in 0..n {
+                callers[r].memcpy_dtod(&recv[r], &mut out[r]).map_err(|e| format!("copy out: {e:?}"))?;
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (after, _, _) = cuda_peer::group::graph_keep_alives();
+        assert!(after > retained, "{what}: the capture took no keep-alive ({retained} retained before it, {after} after)");
+        drop(group);
+        for c in &ctxs {
+            // SAFETY: this case's own context objects; from here on the test
+            // orders its work itself (each upload joined into the launch
+            // stream, a synchronisation before reading).
+            unsafe { c.disable_event_tracking() };
+        }
+        for replay in 0..3 {
+            let inputs = random(n, count);
+            for r in 0..n {
+                callers[r].memcpy_htod(&inputs[r], &mut src[r]).unwrap();
+                callers[r].memcpy_htod(&vec![0xDEAD_BEEFu32; count], &mut out[r]).unwrap();
+                if r > 0 {
+                    callers[0].join(&callers[r]).unwrap();
+                }
+            }
+            graph.launch().expect("graph launch");
+            callers[0].synchronize().unwrap();
+            check(&format!("{what}: replay {replay} after the group was dropped"), &callers, &out, &reference(&inputs));
         }
     }
 }
