@@ -607,6 +607,49 @@ fn messages_to_itself_are_matched_one_by_one() {
     }
 }
 
+/// A send or receive that fails inside a group poisons it, as a failed
+/// call between `ncclGroupStart` and `ncclGroupEnd` does: the group moves
+/// nothing and `end` returns the error, so ranks whose groups failed alike
+/// stay in step. Two ranks (sharing the GPU where there is one), P2P and
+/// staged: each adds a send to the other, then a receive from a rank that
+/// does not exist; both groups end with an error, the communicators stay
+/// usable, the refused receive's buffer keeps its poison, and a valid
+/// exchange afterwards is exact.
+#[test]
+fn a_failed_call_in_a_group_moves_nothing() {
+    let test = "a_failed_call_in_a_group_moves_nothing";
+    let _gpu = exclusive();
+    let Some(ctxs) = gpus(test, 1) else { return };
+    let (mut fresh, seed) = Fresh::new();
+    for policy in [PathPolicy::Auto, PathPolicy::StagedOnly] {
+        let (comms, path) = make(test, &ctxs, 2, &options(policy));
+        let tag = format!("{path:?} (seed {seed:#x})");
+        let words: Vec<Vec<u32>> = (0..2).map(|_| (0..1000).map(|_| fresh.next() as u32).collect()).collect();
+        let got = each(&comms, |r, c| {
+            let s = c.stream();
+            let send = s.clone_htod(&words[r]).unwrap();
+            let (mut x, mut y) = (poisoned::<u32>(s, 1000), poisoned::<u32>(s, 1000));
+            let mut g = c.group();
+            g.send(&send, 1 - r).unwrap_or_else(|e| panic!("{tag}: rank {r}: the send: {e}"));
+            let refused = g.recv(&mut x, 2);
+            assert!(refused.is_err(), "{tag}: rank {r}: a receive from rank 2 of 2: {refused:?}");
+            let ended = g.end();
+            assert!(ended.is_err(), "{tag}: rank {r}: a group with a failed call ended without an error");
+            c.synchronize().unwrap_or_else(|e| panic!("{tag}: rank {r}: after the failed group: {e}"));
+            let mut g = c.group();
+            g.send(&send, 1 - r).unwrap();
+            g.recv(&mut y, 1 - r).unwrap();
+            g.end().unwrap_or_else(|e| panic!("{tag}: rank {r}: the exchange after the failed group: {e}"));
+            c.synchronize().unwrap_or_else(|e| panic!("{tag}: rank {r}: synchronize: {e}"));
+            [x, y].map(|b| s.clone_dtoh(&b).unwrap())
+        });
+        for (r, [x, y]) in got.iter().enumerate() {
+            assert_bits(&format!("{tag}: rank {r}'s refused receive"), x, &poison::<u32>(1000));
+            assert_bits(&format!("{tag}: rank {r}'s receive after the failed group"), y, &words[1 - r]);
+        }
+    }
+}
+
 // ---- 3. all-to-all, all-to-all-v, all-gather-v, reduce-scatter-v ----
 
 /// `count` elements of `T` to and from every rank: block `j` of rank `r`'s
@@ -1100,8 +1143,9 @@ fn expect_invalid(what: &str, r: cuda_peer::Result<()>) {
 /// group) to peers out of range, all-to-all-v blocks that overlap, do not
 /// fit their buffer, are not one per rank, or send this rank itself
 /// another count than it receives, and all-to-alls of buffers that are not
-/// `n` equal blocks: `InvalidArgument` (or `LengthMismatch`) on every rank,
-/// the outputs still poisoned; then a grouped ring shift and an
+/// `n` equal blocks: `InvalidArgument` (or `LengthMismatch`) on every rank
+/// (a group with a refused call ends with that error too), the outputs
+/// still poisoned; then a grouped ring shift and an
 /// all-to-all-v on the same communicators are right.
 #[test]
 fn bad_arguments_are_invalid_arguments_and_the_comm_still_works() {
@@ -1121,7 +1165,7 @@ fn bad_arguments_are_invalid_arguments_and_the_comm_still_works() {
             expect_invalid(&w(&format!("recv from peer {peer}")), c.recv(&mut b, peer));
             let mut g = c.group();
             expect_invalid(&w(&format!("group send to peer {peer}")), g.send(&a, peer));
-            g.end().unwrap_or_else(|e| panic!("{}: {e}", w("the end of a group whose transfers were refused")));
+            expect_invalid(&w("the end of a group whose send was refused"), g.end());
             let mut g = c.group();
             expect_invalid(&w(&format!("group recv from peer {peer}")), g.recv(&mut b, peer));
             drop(g);
