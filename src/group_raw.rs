@@ -91,24 +91,30 @@ impl Group {
         }
         let events = self.raw_events.get_or_try_init(|| self.comm.ranks.iter().map(|rank| RawEvents::new(&rank.ctx)).collect::<Result<Vec<_>>>())?;
         // The group's streams wait for the callers'.
+        let mut forked = 0;
+        let mut work = Ok(());
         for (r, rank) in self.comm.ranks.iter().enumerate() {
             // SAFETY: `streams[r]` is a live stream of rank r's context (checked above, and the caller's contract).
-            unsafe { events[r].fork(&rank.ctx, &rank.stream, streams[r]) }?;
+            work = unsafe { events[r].fork(&rank.ctx, &rank.stream, streams[r]) };
+            if work.is_err() {
+                break;
+            }
+            forked += 1;
         }
         let ins: Vec<u64> = send.iter().map(|b| b.0).collect();
         let outs: Vec<u64> = recv.iter().map(|b| b.0).collect();
         // A capture begun on the callers' streams has reached the group's
         // now: its graph must hold what the call touches, and the call is
         // launched from this thread.
-        let work = self.see_captures().and_then(|()| self.pick(bytes).enqueue(&self.comm, op, dtype, &ins, &outs, count));
+        work = work.and_then(|()| self.see_captures()).and_then(|()| self.pick(bytes).enqueue(&self.comm, op, dtype, &ins, &outs, count));
         // The call's place in the order of calls is recorded on the group's
         // streams before they join back into the callers'.
         self.comm.end_calls();
         // The callers' streams wait for the group's, also after a failure
         // part-way (whatever was enqueued must be done before the buffers
-        // are reused).
+        // are reused, and a capture the forks reached must be joined back).
         let mut joined = Ok(());
-        for (r, rank) in self.comm.ranks.iter().enumerate() {
+        for (r, rank) in self.comm.ranks.iter().enumerate().take(forked) {
             // SAFETY: as for the forks above.
             joined = joined.and(unsafe { events[r].join(&rank.ctx, &rank.stream, streams[r]) });
         }
