@@ -871,6 +871,58 @@ fn unordered_replays_child() {
     println!("rank {me}: replays on another stream ordered with eager calls");
 }
 
+/// One rank of [`two_processes_capture_reaching_the_comm_through_its_buffers`]:
+/// with cudarc's event tracking on, a capture begun on a stream of this
+/// rank's own reaches the communicator's stream through the buffers (it
+/// waits for their writers, recorded under the capture) and joins back
+/// through them; the capture ends, and three replays on fresh inputs are
+/// exact.
+fn capture_through_buffers_child() {
+    let comm = child_comm(&child_opts());
+    let (me, n) = (comm.rank(), comm.size());
+    let c = comm.context().new_stream().unwrap();
+    let count = 3001;
+    // SAFETY: every replay writes `src` (before its launch) and `send`,
+    // `recv` and `out` (in the graph) before reading them; nothing is
+    // recorded on them before the capture.
+    let alloc = || unsafe { c.alloc::<u32>(count) }.unwrap();
+    let (mut src, mut send, mut recv, mut out) = (alloc(), alloc(), alloc(), alloc());
+    let graph = common::graph::try_capture(std::slice::from_ref(&c), || {
+        c.memcpy_dtod(&src, &mut send).map_err(|e| format!("copy in: {e:?}"))?;
+        comm.all_reduce(&send, &mut recv, ReduceOp::Sum).map_err(|e| format!("all_reduce under the capture: {e}"))?;
+        c.memcpy_dtod(&recv, &mut out).map_err(|e| format!("copy out: {e:?}"))
+    })
+    .unwrap_or_else(|e| panic!("rank {me}: {e}"));
+    // SAFETY: from here on the test orders its own work: uploads and
+    // launches on `c`, a synchronisation before each read.
+    unsafe { comm.context().disable_event_tracking() };
+    let sum = |xs: &[Vec<u32>]| -> Vec<u32> { (0..count).map(|i| xs.iter().fold(0u32, |a, v| a.wrapping_add(v[i]))).collect() };
+    for round in 0..3u64 {
+        let ins: Vec<Vec<u32>> = (0..n).map(|r| seeded(9000 + round * 16 + r as u64, count)).collect();
+        c.memcpy_htod(&ins[me], &mut src).unwrap();
+        c.memcpy_htod(&vec![0xDEAD_BEEFu32; count], &mut out).unwrap();
+        graph.launch().unwrap();
+        c.synchronize().unwrap();
+        assert_eq!(c.clone_dtoh(&out).unwrap(), sum(&ins), "rank {me}: replay {round}");
+    }
+    println!("rank {me}: a capture reaching the communicator through its buffers");
+}
+
+/// A capture that reaches the communicator's stream only through the
+/// buffers' events (cudarc's event tracking on), and joins back through
+/// them: the call's place in the order of calls is recorded before the
+/// buffers' events, so the capture ends (before, its record was left
+/// unjoined), and the replays are exact. Two processes (they share the
+/// GPU where there is one).
+#[test]
+fn two_processes_capture_reaching_the_comm_through_its_buffers() {
+    if child() {
+        return capture_through_buffers_child();
+    }
+    let name = "two_processes_capture_reaching_the_comm_through_its_buffers";
+    processes(name, 2, Duration::from_secs(180), vec![], "a capture reaching the communicator through its buffers");
+}
+
 #[test]
 fn two_processes_replays_on_another_stream_are_ordered_with_eager_calls() {
     if child() {

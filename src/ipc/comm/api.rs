@@ -43,49 +43,49 @@ impl Collectives for Comm {
     /// [`super::AllReduceAlgorithm`] and the module docs of [`super`]).
     fn all_reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         let count = args::all_reduce(&self.ctx, send, recv, op)?;
-        let _call = self.enter(self.all_reduce_desc::<T>(op, count))?;
+        let call = self.enter(self.all_reduce_desc::<T>(op, count))?;
         if count == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let launched = self.all_reduce_body::<T>(op, src, dst, count);
-        launched.and(read.finish()).and(write.finish())
+        launched.and(call.end()).and(read.finish()).and(write.finish())
     }
 
     fn all_reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp) -> Result<()> {
         let count = args::all_reduce_in_place(&self.ctx, buf, op)?;
-        let _call = self.enter(self.all_reduce_desc::<T>(op, count))?;
+        let call = self.enter(self.all_reduce_desc::<T>(op, count))?;
         if count == 0 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let launched = self.all_reduce_body::<T>(op, ptr, ptr, count);
-        launched.and(held.finish())
+        launched.and(call.end()).and(held.finish())
     }
 
     fn all_gather<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D) -> Result<()> {
         let (n, c) = (self.size, args::all_gather(&self.ctx, self.size, send, recv)?);
-        let _call = self.enter(desc::<T>(Kind::AllGather, None, c, None))?;
+        let call = self.enter(desc::<T>(Kind::AllGather, None, c, None))?;
         if c == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.all_gather_body(src, dst, &bytes_of(&equal_parts(c, n), std::mem::size_of::<T>()));
-        r.and(read.finish()).and(write.finish())
+        r.and(call.end()).and(read.finish()).and(write.finish())
     }
 
     fn reduce_scatter<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp) -> Result<()> {
         let (n, c) = (self.size, args::reduce_scatter(&self.ctx, self.size, send, recv, op)?);
-        let _call = self.enter(desc::<T>(Kind::ReduceScatter, Some(op), c, None))?;
+        let call = self.enter(desc::<T>(Kind::ReduceScatter, Some(op), c, None))?;
         if c == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.reduce_scatter_body::<T>(op, src, dst, &equal_parts(c, n), false);
-        r.and(read.finish()).and(write.finish())
+        r.and(call.end()).and(read.finish()).and(write.finish())
     }
 
     /// The root's `send` is copied into its `recv`, then broadcast in place;
@@ -95,7 +95,7 @@ impl Collectives for Comm {
     fn broadcast<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: Option<&S>, recv: &mut D, root: usize) -> Result<()> {
         let send = args::broadcast(&self.ctx, self.size, self.rank, send, recv, root)?;
         let count = recv.len();
-        let _call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
+        let call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
         if count == 0 {
             return Ok(());
         }
@@ -106,6 +106,7 @@ impl Collectives for Comm {
             None => Ok(()),
         });
         let r = r.and_then(|()| if self.size > 1 { self.broadcast_body(dst, count * std::mem::size_of::<T>(), root) } else { Ok(()) });
+        let r = r.and(call.end());
         let r = match read {
             Some((_, guard)) => r.and(guard.finish()),
             None => r,
@@ -115,36 +116,36 @@ impl Collectives for Comm {
 
     fn broadcast_in_place<T: Movable, D: DevicePtrMut<T>>(&self, buf: &mut D, root: usize) -> Result<()> {
         let count = args::broadcast_in_place(&self.ctx, self.size, buf, root)?;
-        let _call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
+        let call = self.enter(desc::<T>(Kind::Broadcast, None, count, Some(root)))?;
         if count == 0 || self.size == 1 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let r = self.broadcast_body(ptr, count * std::mem::size_of::<T>(), root);
-        r.and(held.finish())
+        r.and(call.end()).and(held.finish())
     }
 
     fn reduce<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         let count = args::reduce(&self.ctx, self.size, send, recv, op, root)?;
-        let _call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
+        let call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
         if count == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.reduce_body::<T>(op, src, dst, count, root);
-        r.and(read.finish()).and(write.finish())
+        r.and(call.end()).and(read.finish()).and(write.finish())
     }
 
     fn reduce_in_place<T: Element, D: DevicePtrMut<T>>(&self, buf: &mut D, op: ReduceOp, root: usize) -> Result<()> {
         let count = args::reduce_in_place(&self.ctx, self.size, buf, op, root)?;
-        let _call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
+        let call = self.enter(desc::<T>(Kind::Reduce, Some(op), count, Some(root)))?;
         if count == 0 {
             return Ok(());
         }
         let (ptr, held) = self.order.write(buf, &self.stream)?;
         let r = self.reduce_body::<T>(op, ptr, ptr, count, root);
-        r.and(held.finish())
+        r.and(call.end()).and(held.finish())
     }
 
     crate::traits::point_to_point_calls!();
@@ -158,21 +159,21 @@ impl Collectives for Comm {
         self.check_buffer("all_to_all", "send", send)?;
         self.check_buffer("all_to_all", "recv", recv)?;
         let c = traits::equal_blocks("all_to_all", send.len(), recv.len(), self.size)?;
-        let _call = self.enter(desc::<T>(Kind::AllToAll, None, c, None))?;
+        let call = self.enter(desc::<T>(Kind::AllToAll, None, c, None))?;
         if c == 0 {
             return Ok(());
         }
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.all_to_all_body(src, dst, c * std::mem::size_of::<T>());
-        r.and(read.finish()).and(write.finish())
+        r.and(call.end()).and(read.finish()).and(write.finish())
     }
 
     fn all_gather_v<T: Movable, S: DevicePtr<T>, D: DevicePtrMut<T>>(&self, send: &S, recv: &mut D, counts: &[usize]) -> Result<()> {
         let (offsets, total) = args::all_gather_v(&self.ctx, self.size, self.rank, send, recv, counts)?;
         let mut d = desc::<T>(Kind::AllGatherV, None, total, None);
         d.extra = counts_digest(counts);
-        let _call = self.enter(d)?;
+        let call = self.enter(d)?;
         if total == 0 {
             return Ok(());
         }
@@ -180,7 +181,7 @@ impl Collectives for Comm {
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.all_gather_body(src, dst, &bytes_of(&parts, std::mem::size_of::<T>()));
-        r.and(read.finish()).and(write.finish())
+        r.and(call.end()).and(read.finish()).and(write.finish())
     }
 
     fn reduce_scatter_v<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
@@ -193,7 +194,7 @@ impl Collectives for Comm {
         let (offsets, total) = args::reduce_scatter_v(&self.ctx, self.size, self.rank, send, recv, counts, op)?;
         let mut d = desc::<T>(Kind::ReduceScatterV, Some(op), total, None);
         d.extra = counts_digest(counts);
-        let _call = self.enter(d)?;
+        let call = self.enter(d)?;
         if total == 0 {
             return Ok(());
         }
@@ -201,7 +202,7 @@ impl Collectives for Comm {
         let (src, read) = self.order.read(send, &self.stream)?;
         let (dst, write) = self.order.write(recv, &self.stream)?;
         let r = self.reduce_scatter_body::<T>(op, src, dst, &parts, false);
-        r.and(read.finish()).and(write.finish())
+        r.and(call.end()).and(read.finish()).and(write.finish())
     }
 }
 

@@ -8,7 +8,8 @@
 //! must not run at once on the device: every call also takes its place in
 //! the order of this rank's calls and replays (`Held::order`, a
 //! [`crate::graph::CallOrder`]) before its first enqueue
-//! (`Comm::hold_for_capture`), and records it when its [`Call`] is dropped.
+//! (`Comm::hold_for_capture`), and records it after its last enqueue
+//! ([`Call::end`], or the [`Call`]'s drop).
 
 use super::Comm;
 use crate::error::{Error, Result};
@@ -23,14 +24,23 @@ pub(super) struct Call<'a> {
     _calls: MutexGuard<'a, u64>,
 }
 
+impl Call<'_> {
+    /// Records the call's place in the order, after its last enqueue and
+    /// before its buffers' events (a stream that joined a capture through
+    /// a buffer's event joins back through them); the drop does it
+    /// otherwise. A failed record leaves later calls unordered with this
+    /// one: the communicator fails, and every later call returns the error.
+    pub(super) fn end(&self) -> Result<()> {
+        self.comm.held.order.end(&self.comm.stream).inspect_err(|e| {
+            log::warn!("cuda-peer: communicator rank {}: ordering a call: {e}", self.comm.rank);
+            self.comm.held.ctl.fail(e.clone());
+        })
+    }
+}
+
 impl Drop for Call<'_> {
     fn drop(&mut self) {
-        // A failed record leaves later calls unordered with this one: the
-        // communicator fails, and every later call returns the error.
-        if let Err(e) = self.comm.held.order.end(&self.comm.stream) {
-            log::warn!("cuda-peer: communicator rank {}: ordering a call: {e}", self.comm.rank);
-            self.comm.held.ctl.fail(e);
-        }
+        let _ = self.end();
     }
 }
 
