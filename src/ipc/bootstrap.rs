@@ -308,10 +308,23 @@ impl Bootstrap {
             .to_socket_addrs()
             .map(|a| a.collect())
             .map_err(|e| Error::Bootstrap { op: "rendezvous: resolving MASTER_ADDR", reason: format!("{host}: {e}") })?;
+        Self::listen_on(&addrs, host)
+    }
+
+    /// A listener on the first of `addrs` (what `host` resolves to) that is
+    /// an address of this host. One that is in use fails the rendezvous at
+    /// once: the joiners may reach whoever holds it (another job, or a
+    /// squatter collecting their handshakes), so rank 0 must not listen on
+    /// another of the job's addresses in its stead.
+    fn listen_on(addrs: &[SocketAddr], host: &str) -> Result<TcpListener> {
         let mut last = None;
-        for a in &addrs {
+        for a in addrs {
             match TcpListener::bind(a) {
                 Ok(l) => return Ok(l),
+                Err(e) if e.kind() == ErrorKind::AddrInUse => {
+                    last = Some((a, e));
+                    break;
+                }
                 Err(e) => last = Some((a, e)),
             }
         }
@@ -424,13 +437,23 @@ impl Bootstrap {
             };
             let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port).to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
             let step = Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now()));
-            if let Some(s) = addrs.iter().find_map(|a| TcpStream::connect_timeout(a, step.max(Duration::from_millis(1))).ok()) {
+            // Every address in turn: one that answers but fails the handshake
+            // (not rank 0 of this job) must not keep the others from being tried.
+            let mut joined = None;
+            for a in &addrs {
+                let Ok(s) = TcpStream::connect_timeout(a, step.max(Duration::from_millis(1))) else { continue };
                 let until = deadline.min(wire::deadline(HANDSHAKE_TIMEOUT));
                 match wire::join(s, &secret, self.rank, self.world_size, until) {
-                    Ok(link) => break link,
+                    Ok(link) => {
+                        joined = Some(link);
+                        break;
+                    }
                     Err(Refusal::Job(e)) => return Err(e),
-                    Err(Refusal::Stranger(w)) => why = w,
+                    Err(Refusal::Stranger(w)) => why = format!("{a}: {w}"),
                 }
+            }
+            if let Some(link) = joined {
+                break link;
             }
             std::thread::sleep(Duration::from_millis(20));
         };
@@ -676,6 +699,28 @@ mod tests {
 
     const FULL: [(&str, &str); 6] =
         [("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+
+    /// A name may resolve to several addresses (`localhost`: ::1 and
+    /// 127.0.0.1). Where another process holds the port on one of them,
+    /// rank 0 fails naming it, rather than listening on the next while the
+    /// joiners reach the squatter.
+    #[test]
+    fn rank_0_does_not_listen_elsewhere_when_one_of_the_jobs_addresses_is_taken() {
+        let squatter = TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = squatter.local_addr().unwrap();
+        let other: SocketAddr = format!("127.0.0.2:{}", taken.port()).parse().unwrap();
+        match Bootstrap::listen_on(&[taken, other], "a-name") {
+            Err(Error::Bootstrap { reason, .. }) => assert!(reason.contains("in use") && reason.contains(&taken.to_string()), "{reason}"),
+            Ok(l) => panic!("rank 0 listened on {:?} while {taken} was taken", l.local_addr()),
+            Err(e) => panic!("{e}"),
+        }
+        // An address that is not this host's is passed over (TEST-NET-1).
+        let foreign: SocketAddr = format!("192.0.2.1:{}", taken.port()).parse().unwrap();
+        if TcpListener::bind(other).is_ok() {
+            let l = Bootstrap::listen_on(&[foreign, other], "a-name").expect("the next address");
+            assert_eq!(l.local_addr().unwrap(), other);
+        }
+    }
 
     #[test]
     fn torchrun_variables_parse() {
