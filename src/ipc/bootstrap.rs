@@ -251,6 +251,8 @@ impl Bootstrap {
     /// where it should, or when ranks on several hosts have no secret.
     pub fn connect(&self) -> Result<Rendezvous> {
         if self.world_size == 1 {
+            // A listener an `Id` bound for this job is not needed: closed.
+            drop(self.listen_addr().and_then(super::id::take_listener));
             return Ok(Rendezvous { rank: 0, size: 1, job: new_job_id()?, timeout: self.timeout, links: Mutex::new(Vec::new()) });
         }
         if self.rank == 0 {
@@ -719,6 +721,19 @@ mod tests {
         if TcpListener::bind(other).is_ok() {
             let l = Bootstrap::listen_on(&[foreign, other], "a-name").expect("the next address");
             assert_eq!(l.local_addr().unwrap(), other);
+        }
+    }
+
+    /// A job of one rank needs no listener: the one its `Id` bound is
+    /// closed (a framework that makes one such communicator per layer
+    /// would otherwise keep a listening socket for each).
+    #[test]
+    fn a_job_of_one_rank_closes_its_ids_listener() {
+        for _ in 0..3 {
+            let id = super::super::id::Id::with_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)).unwrap();
+            Bootstrap::from_id(0, 1, &id).unwrap().connect().unwrap();
+            assert!(super::super::id::take_listener(id.addr()).is_none(), "the listener of {} is still held", id.addr());
+            assert!(TcpListener::bind(id.addr()).is_ok(), "{} is still bound after the job of one rank met", id.addr());
         }
     }
 
