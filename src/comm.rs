@@ -16,8 +16,12 @@
 //!   host: two tiers, cuda-peer inside each host and NCCL across;
 //! * otherwise NCCL for every rank.
 //!
-//! Calls may be captured into CUDA graphs; launch a replay in the order of
-//! the communicator's stream (docs/algorithms.md, "CUDA graphs").
+//! Calls may be captured into CUDA graphs. Within a host, a rank's calls
+//! and replays run in the order the host issued them, wherever a replay is
+//! launched, once the first graph's first launch comes after the calls
+//! made before its capture in the stream order; across hosts (NCCL), launch
+//! replays in the order of the communicator's stream (docs/algorithms.md,
+//! "CUDA graphs").
 //!
 //! ```no_run
 //! use cuda_peer::{Comm, Id, ReduceOp};

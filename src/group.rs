@@ -290,8 +290,10 @@ impl Group {
     /// Makes `stream` wait for everything enqueued so far on every rank's
     /// stream. The group itself runs each rank's calls and the replays of
     /// graphs captured from them one after another, in the order the host
-    /// issued them, wherever a replay is launched; this orders the caller's
-    /// own work with them. A CUDA graph captured over the group's streams
+    /// issued them, wherever a replay is launched, except that the first
+    /// launch of the group's first graph must come after the calls made
+    /// before its capture (call this before it); this orders the caller's
+    /// own work with them too. A CUDA graph captured over the group's streams
     /// (forked from one of them) starts its nodes on every device after the
     /// work on the stream it is launched on only: where a graph must see
     /// what the caller enqueued on the ranks' streams (say, its inputs),

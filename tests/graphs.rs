@@ -302,19 +302,19 @@ fn replays_on_another_stream_are_ordered_with_eager_calls() {
     }
 }
 
-/// A graph captured right after eager calls, and launched at once on a
-/// stream of the caller's, runs after them: every eager call records its
-/// place in its rank's order of calls, which the graph's launch waits for.
-/// Two ranks (sharing the device where there is one GPU): 32 eager
-/// all-reduces of 1 MiB, nothing synchronised, then the capture of another
-/// all-reduce of the same size, launched on a stream of the caller's right
-/// away; every result exact, for the one-shot (over P2P and through host
-/// memory) and the mesh.
+/// The first launch of a group's first graph must come after the eager
+/// calls made before its capture in the caller's stream order (they record
+/// nothing before a capture, which would cost every call of applications
+/// that never capture): ordered so, a graph captured right after 32 eager
+/// all-reduces of 1 MiB, still running, and launched on a stream of the
+/// caller's that waits for the group's streams, is right, and so are the
+/// eager calls. Two ranks (sharing the device where there is one GPU), the
+/// one-shot (over P2P and through host memory) and the mesh.
 #[test]
-fn a_graph_launched_right_after_its_capture_runs_after_the_eager_calls_before_it() {
+fn a_first_launch_ordered_after_the_eager_calls_before_its_capture_is_right() {
     let _gpu = exclusive();
     const EAGER: usize = 32;
-    let test = "a_graph_launched_right_after_its_capture_runs_after_the_eager_calls_before_it";
+    let test = "a_first_launch_ordered_after_the_eager_calls_before_its_capture_is_right";
     let Some(ctxs) = untracked(test, 1) else { return };
     let (n, count) = (2, (1 << 18) + 3);
     let cases = [
@@ -337,13 +337,14 @@ fn a_graph_launched_right_after_its_capture_runs_after_the_eager_calls_before_it
             group.all_reduce_in_place(bufs, ReduceOp::Sum).expect("eager all_reduce_in_place");
         }
         let graph = capture(&streams, || group.all_reduce_in_place(&mut x, ReduceOp::Sum));
+        group.wait_for_ranks(&launch).unwrap();
         launch.context().bind_to_thread().unwrap();
         // SAFETY: a live executable graph of rank 0's context, launched on a
         // live stream of that context.
         unsafe { cuda_peer::cudarc::driver::result::graph::launch(graph.cu_graph_exec(), launch.cu_stream()) }.expect("graph launch");
         launch.synchronize().unwrap();
         sync(&streams);
-        check(&format!("{what}: the graph launched right after its capture"), &streams, &x, &reference(&graph_in));
+        check(&format!("{what}: the graph's first launch"), &streams, &x, &reference(&graph_in));
         for (k, bufs) in eager.iter().enumerate() {
             check(&format!("{what}: eager call {k} before the capture"), &streams, bufs, &reference(&eager_in[k]));
         }

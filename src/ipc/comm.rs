@@ -88,9 +88,13 @@
 //! one order, the order the host issued them, through an event the graph
 //! waits for and records too (`calls`): a replay may be launched on any
 //! stream of this rank's context, and runs after the calls and replays
-//! issued before its launch and before those issued after it. (With thread
-//! ranks sharing one device, launch replays on the communicator's stream:
-//! see docs/multiprocess.md, "Ranks sharing a device".)
+//! issued before its launch and before those issued after it; only the
+//! first launch of the communicator's first graph must come after the
+//! calls made before its capture in your stream order (eager calls record
+//! their place only once a call has been captured: `crate::graph::CallOrder`).
+//! (With thread ranks sharing one device, launch replays on the
+//! communicator's stream: see docs/multiprocess.md, "Ranks sharing a
+//! device".)
 
 use super::bootstrap::{Bootstrap, Exchange};
 use super::shm::{CallBoard, CallDesc, Kind, RegisteredMemory};
