@@ -5,7 +5,7 @@ use std::time::Duration;
 
 /// Every failure the crate reports. `Send + Sync + 'static`, so it crosses
 /// threads and boxes into `anyhow`-style errors.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The CUDA driver library could not be loaded (no driver, or a driver

@@ -95,9 +95,16 @@ fn all_gather<T: NcclType + DeviceRepr + ValidAsZeroBits>(comm: &Comm, stream: &
 /// Rank 0's weights on every rank.
 fn broadcast_from_rank0(comm: &Comm, weights: &mut CudaSlice<f32>) -> Result<()> {
     let send = if comm.rank() == 0 { Some(weights.clone()) } else { None };
-    comm.broadcast(send.as_ref(), weights, 0).map_err(|e| format!("broadcast: {:?}", e.0))?;
+    let sent = comm.broadcast(send.as_ref(), weights, 0);
+    comparable(&sent);
+    sent.map_err(|e| format!("broadcast: {:?}", e.0))?;
     Ok(())
 }
+
+/// Code that keeps errors in an `enum` deriving `PartialEq, Eq` (or compares
+/// them) needs cudarc's traits on the error and status types: both builds
+/// must have them.
+fn comparable<T: Eq + Clone, E: Eq + Clone + std::fmt::Debug>(_: &std::result::Result<T, E>) {}
 
 /// A pipeline stage's exchange (cubecl's and pipeline parallelism's
 /// send/recv): each rank sends its part to the next rank and receives the

@@ -106,7 +106,7 @@ pub mod result {
     /// `ncclResult_t` there). `Display` and `source` are the inner error's, so
     /// `{e}`, `{:?}` of `e.0` and `?` into [`crate::error::Error`] all say what went
     /// wrong.
-    #[derive(Debug, Clone, PartialEq)]
+    #[derive(Debug, Clone, PartialEq, Eq)]
     pub struct NcclError(pub crate::error::Error);
 
     impl std::fmt::Display for NcclError {
