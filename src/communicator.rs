@@ -248,7 +248,7 @@ impl Communicator {
     /// order of calls and replays ([`CallOrder::begin`]). For a launcher's
     /// own rank too, once it has ordered that rank's buffers.
     pub(crate) fn see_capture(&self, r: usize, keep_alive: &dyn Fn() -> KeepAlive) -> Result<bool> {
-        let rank = self.ranks.get(r).ok_or_else(|| Error::Internal(format!("no rank {r} in a group of {}", self.size())))?;
+        let rank = self.rank(r)?;
         let captured = self.captures.hold(&rank.stream, keep_alive)?;
         rank.calls.begin(&rank.stream, captured)?;
         if captured {
@@ -273,13 +273,18 @@ impl Communicator {
     /// through). A failed record leaves later calls unordered with this
     /// one: the group fails, where it can.
     pub(crate) fn end_call(&self, r: usize) -> Result<()> {
-        let rank = self.ranks.get(r).ok_or_else(|| Error::Internal(format!("no rank {r} in a group of {}", self.size())))?;
+        let rank = self.rank(r)?;
         rank.calls.end(&rank.stream).inspect_err(|e| {
             log::warn!("cuda-peer: group rank {r}: ordering a call: {e}");
             if let Some(ctl) = &self.ctl {
                 ctl.fail(Error::GroupFailed { reason: format!("rank {r}: ordering a call: {e}") });
             }
         })
+    }
+
+    /// Rank `r`, or an internal error where there is none.
+    fn rank(&self, r: usize) -> Result<&Rank> {
+        self.ranks.get(r).ok_or_else(|| Error::Internal(format!("no rank {r} in a group of {}", self.size())))
     }
 
     /// Whether the call being enqueued is captured into a graph (set by
