@@ -438,11 +438,12 @@ impl Bootstrap {
                 }
             };
             let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port).to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
-            let step = Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now()));
             // Every address in turn: one that answers but fails the handshake
             // (not rank 0 of this job) must not keep the others from being tried.
             let mut joined = None;
             for a in &addrs {
+                // Each attempt within what is left of the deadline.
+                let step = Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now()));
                 let Ok(s) = TcpStream::connect_timeout(a, step.max(Duration::from_millis(1))) else { continue };
                 let until = deadline.min(wire::deadline(HANDSHAKE_TIMEOUT));
                 match wire::join(s, &secret, self.rank, self.world_size, until) {
